@@ -1,0 +1,238 @@
+"""Capture: an ``nn.Module`` and example inputs -> an ATen-level ``fx.GraphModule``.
+
+``torch.export`` (non-strict, train mode) traces the model; the graph is kept at the
+pre-dispatch ATen level (``linear``, ``layer_norm``, ``scaled_dot_product_attention``
+stay whole, which is the level sharding rules are written for). Then:
+
+- parameters, buffers and constants are placeholders known by their qualified names;
+- no-grad regions (``wrap_with_set_grad_enabled`` sub-graphs, e.g. rotary tables) are
+  inlined, their nodes tagged ``meta["autopar_no_grad"]``;
+- ``_assert_tensor_metadata`` checks, which return nothing, are dropped.
+
+Works on meta-device models: nothing is allocated. Hugging Face models are taken as
+they are: the key-value cache is switched off while tracing, and ``ModelOutput``
+results are kept as a pytree spec so that outputs can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+
+@dataclass
+class Captured:
+    """A captured model. Placeholders of ``gm`` appear in ``placeholders`` order."""
+
+    gm: fx.GraphModule
+    placeholders: list[str]
+    params: dict[str, str] = field(default_factory=dict)  # placeholder name -> qualified name
+    buffers: dict[str, str] = field(default_factory=dict)
+    constants: dict[str, str] = field(default_factory=dict)
+    user_inputs: list[str] = field(default_factory=list)
+    user_outputs: list[int] = field(default_factory=list)  # positions among the graph's outputs
+    out_spec: Any = None  # pytree spec of the model's own output structure
+    model_name: str = ""
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def nodes(self, op: str | None = None) -> Iterator[fx.Node]:
+        return (n for n in self.gm.graph.nodes if op is None or n.op == op)
+
+    def state_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Placeholder name -> tensor, for every parameter, buffer and constant."""
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(dict(model.named_buffers(remove_duplicate=False)))
+        values = {}
+        for ph, fqn in {**self.params, **self.buffers}.items():
+            values[ph] = named[fqn]
+        for ph, fqn in self.constants.items():
+            values[ph] = _get_attr(model, fqn)
+        return values
+
+    def placeholder_values(self, model: torch.nn.Module, inputs: tuple) -> list[Any]:
+        values = self.state_values(model)
+        flat_inputs = pytree.tree_leaves(inputs)
+        values.update(zip(self.user_inputs, flat_inputs))
+        return [values[name] for name in self.placeholders]
+
+    def run(self, model: torch.nn.Module, inputs: tuple) -> Any:
+        """Run the captured graph with the model's current weights; returns the model's
+        own output structure (a ``ModelOutput`` for Hugging Face models)."""
+        flat = self.gm(*self.placeholder_values(model, inputs))
+        return self.unflatten_outputs(flat)
+
+    def unflatten_outputs(self, flat: Any) -> Any:
+        flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        user = [flat[i] for i in self.user_outputs]
+        return pytree.tree_unflatten(user, self.out_spec) if self.out_spec is not None else user
+
+
+def _get_attr(model: torch.nn.Module, fqn: str) -> Any:
+    obj: Any = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def _huggingface_quirks(model: torch.nn.Module):
+    """Hugging Face causal LMs put a DynamicCache in their output unless use_cache is off."""
+    config = getattr(model, "config", None)
+    had = config is not None and hasattr(config, "use_cache")
+    old = config.use_cache if had else None
+    if had:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if had:
+            config.use_cache = old
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    example_kwargs: dict | None = None,
+    train: bool = True,
+) -> Captured:
+    """Trace ``model(*example_inputs, **example_kwargs)`` into an ATen-level graph."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autopar: expected an nn.Module to capture, found {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            "autopar: expected example_inputs as a tuple of positional arguments, found "
+            f"{type(example_inputs).__name__}; wrap a single tensor as (tensor,)"
+        )
+    was_training = model.training
+    model.train(train)
+    try:
+        with _huggingface_quirks(model):
+            ep = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except Exception as exc:  # turned into one clear error that points at the model's code
+        raise CaptureError(_capture_message(model, exc)) from exc
+    finally:
+        model.train(was_training)
+    return _from_exported(ep, type(model).__name__)
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Captured:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    captured = Captured(gm=gm, placeholders=[], out_spec=ep.call_spec.out_spec, model_name=model_name)
+    kinds = {
+        InputKind.PARAMETER: captured.params,
+        InputKind.BUFFER: captured.buffers,
+        InputKind.CONSTANT_TENSOR: captured.constants,
+    }
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        captured.placeholders.append(name)
+        if spec.kind in kinds:
+            kinds[spec.kind][name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            captured.user_inputs.append(name)
+        else:
+            raise CaptureError(
+                f"autopar: the captured graph has an input of kind {spec.kind.name} "
+                f"({name}), which autopar does not handle yet; expected parameters, buffers, "
+                "constants and user inputs. Remove the custom-op side effects or file an issue."
+            )
+    captured.user_outputs = [
+        i for i, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.USER_OUTPUT
+    ]
+    _inline_no_grad_regions(gm)
+    _drop_metadata_asserts(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return captured
+
+
+def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Splice ``wrap_with_set_grad_enabled(False, body, *args)`` bodies into the graph."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "_name", "") != "wrap_with_set_grad_enabled":
+            continue
+        enabled, body_ref, *operands = node.args
+        body = getattr(gm, body_ref.target)
+        env: dict[fx.Node, Any] = {}
+        outputs: Any = None
+        placeholders = iter(operands)
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(placeholders)
+                elif inner.op == "output":
+                    outputs = fx.map_arg(inner.args[0], lambda n: env[n])
+                else:
+                    copied = gm.graph.node_copy(inner, lambda n: env[n])
+                    if not enabled:
+                        copied.meta["autopar_no_grad"] = True
+                    env[inner] = copied
+        outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                gm.graph.erase_node(user)
+            else:
+                raise CaptureError(
+                    f"autopar: expected only indexing of the no-grad region {node.name}, "
+                    f"found a use by {user.format_node()}; please file an issue with the model"
+                )
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(body_ref)
+        delattr(gm, body_ref.target)
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and str(node.target) == "aten._assert_tensor_metadata.default":
+            gm.graph.erase_node(node)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _capture_message(model: torch.nn.Module, exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [
+        f for f in frames
+        if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_OUR_DIR)
+        and "contextlib" not in f.filename
+    ]
+    where = ""
+    if user:
+        f = user[-1]
+        where = f" The failing model code is {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`."
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first}"
+    hint = (
+        "Make the forward traceable by torch.export: no Python branching on tensor values "
+        "(use torch.where or torch.cond), no .item()/.tolist() feeding shapes, no in-place "
+        "changes to module attributes; or pass example inputs of the shapes the model expects."
+    )
+    if "data-dependent" in str(exc).lower() or "GuardOnDataDependent" in type(exc).__name__:
+        hint = (
+            "The model branches on, or takes a shape from, a tensor's value. Replace the Python "
+            "branch with torch.where / torch.cond, or make that value a constant."
+        )
+    return (
+        f"autopar: could not capture {type(model).__name__} with torch.export "
+        f"(expected a traceable forward; found {text}).{where} What to do: {hint}"
+    )

@@ -1,0 +1,24 @@
+"""Sharding rules, one module per op family, all registered in ``registry``'s table."""
+
+from passes.rules import (  # noqa: F401  (importing registers the rules)
+    attention,
+    embedding,
+    factory,
+    indexing,
+    loss,
+    matmul,
+    moe,
+    norm,
+    pointwise,
+    reduction,
+    view,
+)
+from passes.rules.registry import (
+    LocalContext,
+    registered_ops,
+    rule_for,
+    run_local,
+    strategies_for,
+)
+
+__all__ = ["LocalContext", "registered_ops", "rule_for", "run_local", "strategies_for"]

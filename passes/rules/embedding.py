@@ -1,0 +1,38 @@
+"""Embedding lookup ``embedding(weight[V, H], ids[...]) -> [..., H]``.
+
+- ids sharded (any dim), table replicated: data or sequence parallel;
+- table sharded on the hidden dim: each device looks up its slice of every row;
+- table sharded on the vocabulary (Megatron's vocab-parallel embedding): each device
+  looks up the ids that fall in its rows, zeros elsewhere, and the output is a Partial.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.ops import aten
+
+from passes.placements import shard_offset
+from passes.rules.registry import kernel, register
+from passes.strategy import AxisOption, OpInfo
+
+R = Replicate()
+
+
+@register(aten.embedding.default)
+def embedding(info: OpInfo) -> list[AxisOption]:
+    weight, ids = info.inputs
+    options = [AxisOption((R, Shard(d)), (Shard(d),)) for d in range(ids.ndim)]
+    options.append(AxisOption((Shard(1), R), (Shard(ids.ndim),)))
+    options.append(AxisOption((Shard(0), R), (Partial(),), kernel="vocab_parallel_embedding"))
+    return options
+
+
+@kernel("vocab_parallel_embedding")
+def vocab_parallel_embedding(info, strategy, args, kwargs, ctx):
+    weight, ids = args[0], args[1]
+    lo, hi = shard_offset(info.inputs[0].shape, strategy.inputs[0], ctx.mesh_shape, ctx.coord, 0)
+    outside = (ids < lo) | (ids >= hi)
+    local_ids = torch.where(outside, torch.zeros_like(ids), ids - lo)
+    out = torch.ops.aten.embedding.default(weight, local_ids, *args[2:], **kwargs)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)

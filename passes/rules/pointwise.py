@@ -1,0 +1,111 @@
+"""Elementwise ops, with broadcasting: any output dim can be split, and each input
+follows with the dim it broadcasts from (or stays replicated where it has size 1).
+
+Partial (a pending sum) passes through ops that are linear in it: ``neg``, casts,
+``add``/``sub`` of two pending sums, ``mul`` by a replicated factor, ``div`` of a
+pending sum by a replicated divisor.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.ops import aten
+
+from passes.rules.registry import register
+from passes.strategy import AxisOption, OpInfo, TensorMeta
+
+R = Replicate()
+
+
+def broadcast_options(info: OpInfo) -> list[AxisOption]:
+    """S(d) of the output for every dim d that some input really has (size > 1)."""
+    out = info.outputs[0]
+    n_out = len(info.outputs)
+    options = []
+    for d in range(out.ndim):
+        ins, real = [], False
+        for m in info.inputs:
+            k = d - (out.ndim - m.ndim)
+            if k >= 0 and m.shape[k] == out.shape[d] and out.shape[d] > 1:
+                ins.append(Shard(k))
+                real = True
+            else:
+                ins.append(R)
+        if real:
+            options.append(AxisOption(tuple(ins), (Shard(d),) * n_out))
+    return options
+
+
+def _only_tensors(info: OpInfo, upto: int) -> bool:
+    """The first ``upto`` positional operands are all tensors (no Python scalars)."""
+    return all(isinstance(a, TensorMeta) for a in info.args[:upto])
+
+
+def _partial_at(info: OpInfo, which: set[int]) -> AxisOption:
+    ins = tuple(Partial() if i in which else R for i in range(len(info.inputs)))
+    return AxisOption(ins, (Partial(),) * len(info.outputs))
+
+
+UNARY_LINEAR = [
+    aten.neg.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
+    aten.detach.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.to.device, aten._to_copy.default, aten.type_as.default, aten.positive.default,
+]
+
+UNARY = [
+    aten.abs.default, aten.exp.default, aten.log.default, aten.tanh.default,
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default,
+    aten.rsqrt.default, aten.sqrt.default, aten.sin.default, aten.cos.default,
+    aten.reciprocal.default, aten.square.default, aten.erf.default, aten.log1p.default,
+    aten.pow.Tensor_Scalar, aten.dropout.default, aten.logical_not.default,
+    aten.bitwise_not.default, aten.clamp.default, aten.clamp_min.default,
+    aten.clamp_max.default, aten.eq.Scalar, aten.ne.Scalar, aten.ge.Scalar, aten.gt.Scalar,
+    aten.le.Scalar, aten.lt.Scalar, aten.gelu_.default, aten.silu_.default, aten.relu_.default,
+    aten.isnan.default, aten.isinf.default, aten.sign.default, aten.floor.default,
+    aten.round.default, aten.trunc.default, aten.hardtanh.default, aten.leaky_relu.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarSelf,
+    aten.where.ScalarOther, aten.maximum.default, aten.minimum.default,
+    aten.pow.Tensor_Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.ge.Tensor, aten.gt.Tensor,
+    aten.le.Tensor, aten.lt.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+    aten.logical_or.default, aten.floor_divide.default, aten.remainder.Scalar,
+    aten.remainder.Tensor, aten.fmod.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+    aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.div.Tensor_mode,
+    aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default, aten.atan2.default,
+]
+
+
+@register(*UNARY)
+def pointwise(info: OpInfo) -> list[AxisOption]:
+    return broadcast_options(info)
+
+
+@register(*UNARY_LINEAR)
+def pointwise_linear(info: OpInfo) -> list[AxisOption]:
+    return broadcast_options(info) + [_partial_at(info, {0})]
+
+
+@register(aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor)
+def add(info: OpInfo) -> list[AxisOption]:
+    """P + P -> P; a pending sum plus a plain value is not a pending sum."""
+    options = broadcast_options(info)
+    if _only_tensors(info, 2):
+        options.append(_partial_at(info, {0, 1}))
+    return options
+
+
+@register(aten.mul.Tensor, aten.mul_.Tensor)
+def mul(info: OpInfo) -> list[AxisOption]:
+    options = broadcast_options(info) + [_partial_at(info, {0})]
+    if len(info.inputs) == 2:
+        options.append(_partial_at(info, {1}))
+    return options
+
+
+@register(aten.div.Tensor, aten.div_.Tensor)
+def div(info: OpInfo) -> list[AxisOption]:
+    """Only the numerator may be a pending sum."""
+    options = broadcast_options(info)
+    if isinstance(info.args[0], TensorMeta):
+        options.append(_partial_at(info, {0}))
+    return options

@@ -1,0 +1,205 @@
+"""Views and data movement: reshape, transpose, slicing, splitting, joining, expanding.
+
+They move no data between devices: a shard of the input maps to a shard of the output
+(a dim is renamed, or folded into a larger one as its leading part), and a pending sum
+(Partial) stays pending. A dim that is cut by the op (sliced, split, concatenated)
+cannot stay sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.ops import aten
+
+from passes.rules.registry import local_out_shape, register, with_arg
+from passes.strategy import AxisOption, OpInfo
+
+R = Replicate()
+
+
+def norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def remap(info: OpInfo, dim_map: dict[int, int], partial: bool = True) -> list[AxisOption]:
+    """One input (the first), one or more outputs: S(in) -> S(out) for each mapped dim."""
+    n_in, n_out = len(info.inputs), len(info.outputs)
+    rest = (R,) * (n_in - 1)
+    options = [
+        AxisOption((Shard(i),) + rest, (Shard(o),) * n_out) for i, o in dim_map.items()
+    ]
+    if partial:
+        options.append(AxisOption((Partial(),) + rest, (Partial(),) * n_out))
+    return options
+
+
+def reshape_dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dim -> output dim that a shard carries over to under a reshape.
+
+    Cutting dim ``a`` into N pieces cuts the flat data into prod(shape[:a]) outer
+    blocks, each into N contiguous parts. Two dims give the same cut exactly when
+    their prefix products are equal (and both divide by N, which ``fits`` checks).
+    """
+    by_prefix: dict[int, int] = {}
+    prefix = 1
+    for b, size in enumerate(out_shape):
+        if size > 1:
+            by_prefix.setdefault(prefix, b)
+        prefix *= size
+    mapping = {}
+    prefix = 1
+    for a, size in enumerate(in_shape):
+        if size > 1 and prefix in by_prefix:
+            mapping[a] = by_prefix[prefix]
+        prefix *= size
+    return mapping
+
+
+def _localize_shape(index: int):
+    def localize(info, strategy, args, kwargs, ctx):
+        return with_arg(args, index, local_out_shape(info, strategy, ctx)), kwargs
+
+    return localize
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, localize=_localize_shape(1))
+def reshape(info: OpInfo) -> list[AxisOption]:
+    return remap(info, reshape_dim_map(info.inputs[0].shape, info.outputs[0].shape))
+
+
+@register(aten.flatten.using_ints)
+def flatten(info: OpInfo) -> list[AxisOption]:
+    return remap(info, reshape_dim_map(info.inputs[0].shape, info.outputs[0].shape))
+
+
+def _unflatten_localize(info, strategy, args, kwargs, ctx):
+    dim = norm(args[1], info.inputs[0].ndim)
+    local = local_out_shape(info, strategy, ctx)
+    return with_arg(args, 2, local[dim : dim + len(args[2])]), kwargs
+
+
+@register(aten.unflatten.int, localize=_unflatten_localize)
+def unflatten(info: OpInfo) -> list[AxisOption]:
+    return remap(info, reshape_dim_map(info.inputs[0].shape, info.outputs[0].shape))
+
+
+@register(aten.transpose.int, aten.swapaxes.default)
+def transpose(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    a, b = norm(info.args[1], n), norm(info.args[2], n)
+    swap = {a: b, b: a}
+    return remap(info, {d: swap.get(d, d) for d in range(n)})
+
+
+@register(aten.t.default)
+def t(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    return remap(info, {d: n - 1 - d for d in range(n)})
+
+
+@register(aten.permute.default)
+def permute(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    perm = [norm(d, n) for d in info.args[1]]
+    return remap(info, {src: dst for dst, src in enumerate(perm)})
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    at = norm(info.args[1], n + 1)
+    return remap(info, {d: d if d < at else d + 1 for d in range(n)})
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze(info: OpInfo) -> list[AxisOption]:
+    shape = info.inputs[0].shape
+    out_dims = iter(range(info.outputs[0].ndim))
+    mapping = {}
+    for d, size in enumerate(shape):
+        if len(info.outputs[0].shape) == len(shape) or not _squeezed(info, d, size):
+            mapping[d] = next(out_dims)
+    return remap(info, {d: o for d, o in mapping.items() if shape[d] > 1})
+
+
+def _squeezed(info: OpInfo, d: int, size: int) -> bool:
+    if size != 1:
+        return False
+    if len(info.args) < 2:
+        return True
+    dims = info.args[1] if isinstance(info.args[1], (list, tuple)) else [info.args[1]]
+    return d in {norm(x, info.inputs[0].ndim) for x in dims}
+
+
+@register(aten.expand.default, localize=_localize_shape(1))
+def expand(info: OpInfo) -> list[AxisOption]:
+    """A real dim keeps its shard; a broadcast dim can be born sharded (each device
+    expands to its own slice) from a replicated input."""
+    src, out = info.inputs[0], info.outputs[0]
+    options = []
+    for d in range(out.ndim):
+        k = d - (out.ndim - src.ndim)
+        if k >= 0 and src.shape[k] == out.shape[d]:
+            options.append(AxisOption((Shard(k),), (Shard(d),)))
+        else:
+            options.append(AxisOption((R,), (Shard(d),)))
+    options.append(AxisOption((Partial(),), (Partial(),)))
+    return options
+
+
+def _except(info: OpInfo, dim: int, shift_after: int = 0) -> dict[int, int]:
+    n = info.inputs[0].ndim
+    return {d: (d - shift_after if d > dim else d) for d in range(n) if d != dim}
+
+
+@register(aten.slice.Tensor)
+def slice_(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    dim = norm(info.args[1] if len(info.args) > 1 else 0, n)
+    mapping = _except(info, dim)
+    if info.outputs[0].shape == info.inputs[0].shape:  # a slice that keeps everything
+        mapping[dim] = dim
+    return remap(info, mapping)
+
+
+@register(aten.select.int)
+def select(info: OpInfo) -> list[AxisOption]:
+    dim = norm(info.args[1], info.inputs[0].ndim)
+    return remap(info, _except(info, dim, shift_after=1))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def split(info: OpInfo) -> list[AxisOption]:
+    dim = norm(info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0), info.inputs[0].ndim)
+    return remap(info, _except(info, dim))
+
+
+@register(aten.unbind.int)
+def unbind(info: OpInfo) -> list[AxisOption]:
+    dim = norm(info.args[1] if len(info.args) > 1 else 0, info.inputs[0].ndim)
+    return remap(info, _except(info, dim, shift_after=1))
+
+
+def _join(info: OpInfo, dim_map: dict[int, int]) -> list[AxisOption]:
+    n_in = len(info.inputs)
+    options = [AxisOption((Shard(d),) * n_in, (Shard(o),)) for d, o in dim_map.items()]
+    options.append(AxisOption((Partial(),) * n_in, (Partial(),)))
+    return options
+
+
+@register(aten.cat.default)
+def cat(info: OpInfo) -> list[AxisOption]:
+    n = info.outputs[0].ndim
+    if any(m.ndim != n for m in info.inputs):  # legacy empty 1-D inputs: keep it simple
+        return []
+    dim = norm(info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0), n)
+    return _join(info, {d: d for d in range(n) if d != dim})
+
+
+@register(aten.stack.default)
+def stack(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    dim = norm(info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0), n + 1)
+    return _join(info, {d: (d if d < dim else d + 1) for d in range(n)})

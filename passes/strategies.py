@@ -1,0 +1,133 @@
+"""The strategy graph: every node of a captured graph with all the ways it can be sharded.
+
+- a placeholder (parameter, buffer, input) may be laid out in any placement whose shards
+  divide evenly, except Partial (a whole value is not a pending sum);
+- an op node gets the strategies of its rule (``passes.rules``), or only the
+  replicated one, with one warning per op that has no rule;
+- a ``getitem`` of a multi-output op follows its producer: it has the producer's
+  strategies, taking the chosen output's placement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from passes import rules
+from passes.capture import Captured
+from passes.placements import Spec, fits
+from passes.strategy import OpInfo, ShardingStrategy, TensorMeta
+
+
+class NoRuleWarning(UserWarning):
+    """An op without a sharding rule: it runs replicated."""
+
+
+def op_info(node: fx.Node) -> OpInfo:
+    """The OpInfo of a call_function node, from the shapes export recorded in meta["val"]."""
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            val = x.meta.get("val")
+            return TensorMeta.of(val) if isinstance(val, torch.Tensor) else val
+        return x
+
+    args = pytree.tree_map(to_meta, node.args)
+    kwargs = pytree.tree_map(to_meta, dict(node.kwargs))
+    outs = tuple(
+        TensorMeta.of(v) for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
+    )
+    return OpInfo(node.target, tuple(args), kwargs, outs)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes behind a call's tensor arguments, in OpInfo.inputs order."""
+    leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
+    return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def placeholder_specs(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Spec]:
+    per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    specs = [s for s in itertools.product(per_axis, repeat=len(mesh_shape)) if fits(shape, s, mesh_shape)]
+    return specs
+
+
+@dataclass
+class NodeStrategies:
+    node: fx.Node
+    strategies: list[ShardingStrategy]
+    info: OpInfo | None = None  # None for placeholders and getitems
+    follows: tuple[fx.Node, int] | None = None  # getitem: (producer, output index)
+    has_rule: bool = True
+
+
+@dataclass
+class StrategyGraph:
+    captured: Captured
+    mesh_shape: tuple[int, ...]
+    nodes: dict[fx.Node, NodeStrategies] = field(default_factory=dict)
+    missing_rules: dict[str, int] = field(default_factory=dict)  # op -> node count
+
+    def __getitem__(self, node: fx.Node) -> NodeStrategies:
+        return self.nodes[node]
+
+    def counts(self) -> dict[str, list[int]]:
+        """Op name -> number of strategies of each of its nodes."""
+        out: dict[str, list[int]] = {}
+        for ns in self.nodes.values():
+            if ns.info is not None:
+                out.setdefault(ns.info.name, []).append(len(ns.strategies))
+        return out
+
+    def table(self) -> str:
+        """One line per node: name, op, number of strategies, and the first few."""
+        lines = []
+        for node, ns in self.nodes.items():
+            target = "input" if node.op == "placeholder" else str(node.target)
+            shown = ", ".join(str(s) for s in ns.strategies[:3])
+            more = f" … (+{len(ns.strategies) - 3})" if len(ns.strategies) > 3 else ""
+            lines.append(f"{node.name:<28} {target:<38} {len(ns.strategies):>4}  {shown}{more}")
+        return "\n".join(lines)
+
+
+def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> StrategyGraph:
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if not mesh_shape or any(s < 1 for s in mesh_shape):
+        raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (2, 2), found {mesh_shape}")
+    graph = StrategyGraph(captured, mesh_shape)
+    for node in captured.nodes():
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                specs = placeholder_specs(val.shape, mesh_shape)
+                graph.nodes[node] = NodeStrategies(node, [ShardingStrategy((), (s,)) for s in specs])
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, index = node.args
+            if producer in graph.nodes:
+                graph.nodes[node] = NodeStrategies(
+                    node, graph.nodes[producer].strategies, follows=(producer, index)
+                )
+        elif node.op == "call_function":
+            info = op_info(node)
+            has_rule = rules.rule_for(node.target) is not None
+            if not has_rule:
+                graph.missing_rules[info.name] = graph.missing_rules.get(info.name, 0) + 1
+            graph.nodes[node] = NodeStrategies(
+                node, rules.strategies_for(info, mesh_shape), info=info, has_rule=has_rule
+            )
+    for name, count in graph.missing_rules.items():
+        warnings.warn(
+            f"autopar: no sharding rule for {name} ({count} node(s) in {captured.model_name}); "
+            "it runs replicated. Add a rule in passes/rules/ to let it be split.",
+            NoRuleWarning,
+            stacklevel=2,
+        )
+    return graph

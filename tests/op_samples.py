@@ -1,0 +1,292 @@
+"""Random calls of every op family, for the SPMD property test.
+
+Each sampler takes a ``random.Random`` and returns ``(op, args, kwargs)`` with real
+tensors of random shapes. Sizes are drawn from values that divide by 2, 4 and 8 and
+from ones that do not, so both kept and excluded strategies are exercised.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch.ops import aten
+
+SIZES = [2, 4, 6, 8, 12, 16]
+
+
+def _t(rng: random.Random, *shape: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    return torch.randn(shape, generator=gen)
+
+
+def _ints(rng: random.Random, high: int, *shape: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    return torch.randint(0, high, shape, generator=gen)
+
+
+def _shape(rng: random.Random, ndim: int) -> list[int]:
+    return [rng.choice(SIZES) for _ in range(ndim)]
+
+
+def _broadcast_partner(rng: random.Random, shape: list[int]) -> list[int]:
+    """A shape that broadcasts against ``shape``: some dims 1, maybe fewer dims."""
+    partner = [1 if rng.random() < 0.3 else s for s in shape]
+    return partner[rng.randrange(len(partner)) :] if rng.random() < 0.3 else partner
+
+
+def unary(op):
+    return lambda rng: (op, (_t(rng, *_shape(rng, rng.randint(1, 4))),), {})
+
+
+def binary(op):
+    def sample(rng):
+        shape = _shape(rng, rng.randint(1, 4))
+        other = _broadcast_partner(rng, shape)
+        a, b = _t(rng, *shape), _t(rng, *other)
+        if rng.random() < 0.5:
+            a, b = b, a
+        if op in (aten.div.Tensor,):
+            b = b.abs() + 1
+        return op, (a, b), {}
+
+    return sample
+
+
+def scalar_op(op, *values):
+    return lambda rng: (op, (_t(rng, *_shape(rng, rng.randint(1, 3))),) + values, {})
+
+
+def reshape_sample(rng):
+    b, s, h, d = _shape(rng, 4)
+    x = _t(rng, b, s, h * d)
+    target = rng.choice([[b, s, h, d], [b * s, h * d], [b, s * h * d], [b, s, -1, d]])
+    return aten.view.default, (x.contiguous(), target), {}
+
+
+def merge_sample(rng):
+    b, s, h, d = _shape(rng, 4)
+    x = _t(rng, b, s, h, d)
+    return aten.reshape.default, (x, rng.choice([[b, s, h * d], [b * s, h * d], [b * s * h, d]])), {}
+
+
+def transpose_sample(rng):
+    n = rng.randint(2, 4)
+    return aten.transpose.int, (_t(rng, *_shape(rng, n)), rng.randrange(n), -1), {}
+
+
+def permute_sample(rng):
+    n = rng.randint(2, 4)
+    perm = list(range(n))
+    rng.shuffle(perm)
+    return aten.permute.default, (_t(rng, *_shape(rng, n)), perm), {}
+
+
+def unsqueeze_sample(rng):
+    n = rng.randint(1, 3)
+    return aten.unsqueeze.default, (_t(rng, *_shape(rng, n)), rng.randint(-n - 1, n)), {}
+
+
+def expand_sample(rng):
+    shape = _shape(rng, 3)
+    src = [1 if rng.random() < 0.5 else s for s in shape]
+    return aten.expand.default, (_t(rng, *src), [rng.choice(SIZES)] + shape), {}
+
+
+def slice_sample(rng):
+    shape = _shape(rng, 3)
+    dim = rng.randrange(3)
+    start = rng.randrange(shape[dim] // 2 + 1)
+    return aten.slice.Tensor, (_t(rng, *shape), dim, start, shape[dim]), {}
+
+
+def select_sample(rng):
+    shape = _shape(rng, 3)
+    dim = rng.randrange(3)
+    return aten.select.int, (_t(rng, *shape), dim, rng.randrange(shape[dim])), {}
+
+
+def split_sample(rng):
+    shape = _shape(rng, 3)
+    dim = rng.randrange(3)
+    return aten.split.Tensor, (_t(rng, *shape), max(1, shape[dim] // 2), dim), {}
+
+
+def chunk_sample(rng):
+    shape = _shape(rng, 3)
+    return aten.chunk.default, (_t(rng, *shape), 2, rng.randrange(3)), {}
+
+
+def cat_sample(rng):
+    shape = _shape(rng, 3)
+    dim = rng.randrange(3)
+    other = list(shape)
+    other[dim] = rng.choice(SIZES)
+    return aten.cat.default, ([_t(rng, *shape), _t(rng, *other)], dim), {}
+
+
+def stack_sample(rng):
+    shape = _shape(rng, 2)
+    return aten.stack.default, ([_t(rng, *shape), _t(rng, *shape)], rng.randrange(3)), {}
+
+
+def mm_sample(rng):
+    m, k, n = _shape(rng, 3)
+    return aten.mm.default, (_t(rng, m, k), _t(rng, k, n)), {}
+
+
+def bmm_sample(rng):
+    b, m, k, n = _shape(rng, 4)
+    return aten.bmm.default, (_t(rng, b, m, k), _t(rng, b, k, n)), {}
+
+
+def addmm_sample(rng):
+    m, k, n = _shape(rng, 3)
+    bias = _t(rng, n) if rng.random() < 0.5 else _t(rng, m, n)
+    return aten.addmm.default, (bias, _t(rng, m, k), _t(rng, k, n)), {}
+
+
+def linear_sample(rng):
+    b, s, k, n = _shape(rng, 4)
+    args = (_t(rng, b, s, k), _t(rng, n, k)) + ((_t(rng, n),) if rng.random() < 0.5 else ())
+    return aten.linear.default, args, {}
+
+
+def matmul_sample(rng):
+    b, m, k, n = _shape(rng, 4)
+    rhs = _t(rng, k, n) if rng.random() < 0.5 else _t(rng, b, k, n)
+    return aten.matmul.default, (_t(rng, b, m, k), rhs), {}
+
+
+def einsum_sample(rng):
+    b, h, s, d = _shape(rng, 4)
+    return aten.einsum.default, ("bhsd,bhtd->bhst", [_t(rng, b, h, s, d), _t(rng, b, h, s, d)]), {}
+
+
+def embedding_sample(rng):
+    v, h = _shape(rng, 2)
+    return aten.embedding.default, (_t(rng, v, h), _ints(rng, v, *_shape(rng, 2))), {}
+
+
+def layer_norm_sample(rng):
+    b, s, h = _shape(rng, 3)
+    return aten.layer_norm.default, (_t(rng, b, s, h), [h], _t(rng, h), _t(rng, h)), {}
+
+
+def rms_norm_sample(rng):
+    b, s, h = _shape(rng, 3)
+    return aten.rms_norm.default, (_t(rng, b, s, h), [h], _t(rng, h), 1e-6), {}
+
+
+def sdpa_sample(rng):
+    b, s, d = _shape(rng, 3)
+    h_kv = rng.choice([2, 4])
+    h_q = h_kv * rng.choice([1, 2])
+    q, k, v = _t(rng, b, h_q, s, d), _t(rng, b, h_kv, s, d), _t(rng, b, h_kv, s, d)
+    kwargs = {"enable_gqa": h_q != h_kv}
+    if rng.random() < 0.5:
+        kwargs["is_causal"] = True
+        return aten.scaled_dot_product_attention.default, (q, k, v), kwargs
+    mask = torch.tril(torch.ones(s, s, dtype=torch.bool)).expand(b, 1, s, s).contiguous()
+    return aten.scaled_dot_product_attention.default, (q, k, v, mask), kwargs
+
+
+def reduce_sample(op, keepdim=True):
+    def sample(rng):
+        n = rng.randint(1, 4)
+        dims = sorted(rng.sample(range(n), rng.randint(1, n)))
+        return op, (_t(rng, *_shape(rng, n)), dims, keepdim and rng.random() < 0.5), {}
+
+    return sample
+
+
+def along_sample(op, *extra):
+    def sample(rng):
+        n = rng.randint(1, 3)
+        return op, (_t(rng, *_shape(rng, n)), rng.randrange(n)) + extra, {}
+
+    return sample
+
+
+def topk_sample(rng):
+    shape = _shape(rng, 2)
+    return aten.topk.default, (_t(rng, *shape), 2, rng.randrange(2)), {}
+
+
+def sort_sample(rng):
+    return aten.sort.default, (_t(rng, *_shape(rng, 2)), rng.randrange(2)), {}
+
+
+def histc_sample(rng):
+    return aten.histc.default, (_ints(rng, 4, *_shape(rng, 2)).float(), 4, 0, 3), {}
+
+
+def cross_entropy_sample(rng):
+    n, c = _shape(rng, 2)
+    return aten.cross_entropy_loss.default, (_t(rng, n, c), _ints(rng, c, n), None, rng.choice([0, 2])), {}
+
+
+def mse_sample(rng):
+    shape = _shape(rng, 2)
+    return aten.mse_loss.default, (_t(rng, *shape), _t(rng, *shape), rng.choice([0, 1, 2])), {}
+
+
+def index_sample(rng):
+    t, h = _shape(rng, 2)
+    return aten.index.Tensor, (_t(rng, t, h), [_ints(rng, t, rng.choice(SIZES))]), {}
+
+
+def index_put_sample(rng):
+    t, h = _shape(rng, 2)
+    perm = torch.randperm(t, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    return aten.index_put_.default, (_t(rng, t, h), [perm], _t(rng, t, h)), {}
+
+
+def gather_sample(rng):
+    a, b = _shape(rng, 2)
+    return aten.gather.default, (_t(rng, a, b), 1, _ints(rng, b, a, rng.choice(SIZES))), {}
+
+
+def empty_like_sample(rng):
+    return aten.empty_like.default, (_t(rng, *_shape(rng, 2)),), {}
+
+
+def new_ones_sample(rng):
+    return aten.new_ones.default, (_t(rng, 2), _shape(rng, 2)), {}
+
+
+def grouped_mm_sample(rng):
+    from transformers.integrations import moe  # noqa: F401  (registers the custom op)
+
+    e, k, n = rng.choice([2, 4, 8]), rng.choice(SIZES), rng.choice(SIZES)
+    counts = torch.tensor([rng.randrange(4) for _ in range(e)])
+    x = _t(rng, int(counts.sum()) or 1, k)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    if int(counts.sum()) == 0:
+        offsets[-1] = 1
+    return torch.ops.transformers.grouped_mm_fallback.default, (x, _t(rng, e, k, n), offsets), {}
+
+
+SAMPLERS = {
+    "add": binary(aten.add.Tensor), "sub": binary(aten.sub.Tensor), "mul": binary(aten.mul.Tensor),
+    "div": binary(aten.div.Tensor), "eq": binary(aten.eq.Tensor), "maximum": binary(aten.maximum.default),
+    "neg": unary(aten.neg.default), "gelu": unary(aten.gelu.default), "silu": unary(aten.silu.default),
+    "tanh": unary(aten.tanh.default), "rsqrt": scalar_op(aten.add.Tensor, 3.0),
+    "pow": scalar_op(aten.pow.Tensor_Scalar, 2), "dropout_eval": scalar_op(aten.dropout.default, 0.0, True),
+    "to": scalar_op(aten.to.dtype, torch.float64), "clone": unary(aten.clone.default),
+    "view": reshape_sample, "reshape": merge_sample, "transpose": transpose_sample,
+    "permute": permute_sample, "unsqueeze": unsqueeze_sample, "expand": expand_sample,
+    "slice": slice_sample, "select": select_sample, "split": split_sample, "chunk": chunk_sample,
+    "cat": cat_sample, "stack": stack_sample,
+    "mm": mm_sample, "bmm": bmm_sample, "addmm": addmm_sample, "linear": linear_sample,
+    "matmul": matmul_sample, "einsum": einsum_sample,
+    "embedding": embedding_sample, "layer_norm": layer_norm_sample, "rms_norm": rms_norm_sample,
+    "sdpa": sdpa_sample,
+    "sum": reduce_sample(aten.sum.dim_IntList), "mean": reduce_sample(aten.mean.dim),
+    "amax": reduce_sample(aten.amax.default), "softmax": along_sample(aten.softmax.int),
+    "log_softmax": along_sample(aten.log_softmax.int), "cumsum": along_sample(aten.cumsum.default),
+    "topk": topk_sample, "sort": sort_sample, "histc": histc_sample,
+    "cross_entropy": cross_entropy_sample, "mse_loss": mse_sample,
+    "index": index_sample, "index_put_": index_put_sample, "gather": gather_sample,
+    "empty_like": empty_like_sample, "new_ones": new_ones_sample, "grouped_mm": grouped_mm_sample,
+}
