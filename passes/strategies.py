@@ -63,7 +63,7 @@ def placeholder_specs(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[S
 @dataclass
 class NodeStrategies:
     node: fx.Node
-    strategies: list[ShardingStrategy]
+    strategies: tuple[ShardingStrategy, ...]  # shared between identical calls: never mutate
     info: OpInfo | None = None  # None for placeholders and getitems
     follows: tuple[fx.Node, int] | None = None  # getitem: (producer, output index)
     has_rule: bool = True
@@ -103,12 +103,16 @@ def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> Strat
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (2, 2), found {mesh_shape}")
     graph = StrategyGraph(captured, mesh_shape)
+    # Repeated layers repeat the same calls: list each distinct call's strategies once.
+    known: dict[str, tuple[ShardingStrategy, ...]] = {}
     for node in captured.nodes():
         val = node.meta.get("val")
         if node.op == "placeholder":
             if isinstance(val, torch.Tensor):
-                specs = placeholder_specs(val.shape, mesh_shape)
-                graph.nodes[node] = NodeStrategies(node, [ShardingStrategy((), (s,)) for s in specs])
+                key = repr(("placeholder", tuple(val.shape)))
+                if key not in known:
+                    known[key] = tuple(ShardingStrategy((), (s,)) for s in placeholder_specs(val.shape, mesh_shape))
+                graph.nodes[node] = NodeStrategies(node, known[key])
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             if producer in graph.nodes:
@@ -120,9 +124,10 @@ def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> Strat
             has_rule = rules.rule_for(node.target) is not None
             if not has_rule:
                 graph.missing_rules[info.name] = graph.missing_rules.get(info.name, 0) + 1
-            graph.nodes[node] = NodeStrategies(
-                node, rules.strategies_for(info, mesh_shape), info=info, has_rule=has_rule
-            )
+            key = repr((info.name, info.args, info.kwargs, info.outputs))
+            if key not in known:
+                known[key] = tuple(rules.strategies_for(info, mesh_shape))
+            graph.nodes[node] = NodeStrategies(node, known[key], info=info, has_rule=has_rule)
     for name, count in graph.missing_rules.items():
         warnings.warn(
             f"autopar: no sharding rule for {name} ({count} node(s) in {captured.model_name}); "

@@ -72,7 +72,7 @@ def test_every_node_of_real_models(name, mesh, captured_models):
         expected = [x for x in pytree.tree_leaves(values[node]) if isinstance(x, torch.Tensor)]
         strategies = ns.strategies
         if len(mesh) == 3 and len(strategies) > SAMPLE_3D:
-            strategies = strategies[:1] + rng.sample(strategies[1:], SAMPLE_3D - 1)
+            strategies = [strategies[0], *rng.sample(strategies[1:], SAMPLE_3D - 1)]
         for strategy in strategies:
             check_strategy(ns.info, strategy, node_inputs, mesh, rng, expected=expected)
         n += len(strategies)
