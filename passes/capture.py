@@ -7,7 +7,9 @@ stay whole, which is the level sharding rules are written for). Then:
 - parameters, buffers and constants are placeholders known by their qualified names;
 - no-grad regions (``wrap_with_set_grad_enabled`` sub-graphs, e.g. rotary tables) are
   inlined, their nodes tagged ``meta["autopar_no_grad"]``;
-- ``_assert_tensor_metadata`` checks, which return nothing, are dropped.
+- ``_assert_tensor_metadata`` checks, which return nothing, are dropped;
+- a tied parameter (one tensor under two names) becomes one placeholder;
+- an in-place op whose mutated input nothing reads afterwards becomes its functional twin.
 
 Works on meta-device models: nothing is allocated. Hugging Face models are taken as
 they are: the key-value cache is switched off while tracing, and ``ModelOutput``
@@ -38,6 +40,7 @@ class Captured:
     params: dict[str, str] = field(default_factory=dict)  # placeholder name -> qualified name
     buffers: dict[str, str] = field(default_factory=dict)
     constants: dict[str, str] = field(default_factory=dict)
+    constant_values: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted by export
     user_inputs: list[str] = field(default_factory=list)
     user_outputs: list[int] = field(default_factory=list)  # positions among the graph's outputs
     out_spec: Any = None  # pytree spec of the model's own output structure
@@ -57,8 +60,7 @@ class Captured:
         values = {}
         for ph, fqn in {**self.params, **self.buffers}.items():
             values[ph] = named[fqn]
-        for ph, fqn in self.constants.items():
-            values[ph] = _get_attr(model, fqn)
+        values.update(self.constant_values)
         return values
 
     def placeholder_values(self, model: torch.nn.Module, inputs: tuple) -> list[Any]:
@@ -77,13 +79,6 @@ class Captured:
         flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
         user = [flat[i] for i in self.user_outputs]
         return pytree.tree_unflatten(user, self.out_spec) if self.out_spec is not None else user
-
-
-def _get_attr(model: torch.nn.Module, fqn: str) -> Any:
-    obj: Any = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @contextlib.contextmanager
@@ -124,7 +119,9 @@ def capture(
         raise CaptureError(_capture_message(model, exc)) from exc
     finally:
         model.train(was_training)
-    return _from_exported(ep, type(model).__name__)
+    captured = _from_exported(ep, type(model).__name__)
+    _merge_tied_parameters(captured, model)
+    return captured
 
 
 class CaptureError(RuntimeError):
@@ -145,6 +142,8 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
         captured.placeholders.append(name)
         if spec.kind in kinds:
             kinds[spec.kind][name] = spec.target
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                captured.constant_values[name] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             captured.user_inputs.append(name)
         else:
@@ -158,6 +157,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     ]
     _inline_no_grad_regions(gm)
     _drop_metadata_asserts(gm)
+    _functionalize_inplace(gm)
     gm.graph.lint()
     gm.recompile()
     return captured
@@ -197,6 +197,51 @@ def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
         gm.graph.erase_node(body_ref)
         delattr(gm, body_ref.target)
+
+
+def _merge_tied_parameters(captured: Captured, model: torch.nn.Module) -> None:
+    """One placeholder per parameter object: export lifts a tied weight (GPT-2's embedding
+    and LM head) once per name, which would train two copies."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    placeholders = {n.name: n for n in captured.nodes("placeholder")}
+    for ph, fqn in list(captured.params.items()):
+        key = id(by_name[fqn])
+        if key not in first:
+            first[key] = ph
+            continue
+        keep = placeholders[first[key]]
+        placeholders[ph].replace_all_uses_with(keep)
+        captured.gm.graph.erase_node(placeholders[ph])
+        captured.placeholders.remove(ph)
+        del captured.params[ph]
+    captured.gm.recompile()
+
+
+# In-place ops whose result, not their mutated input, is what later nodes read.
+_FUNCTIONAL = {
+    "aten.detach_.default": torch.ops.aten.detach.default,
+    "aten.div_.Tensor": torch.ops.aten.div.Tensor,
+    "aten.mul_.Tensor": torch.ops.aten.mul.Tensor,
+    "aten.add_.Tensor": torch.ops.aten.add.Tensor,
+    "aten.sub_.Tensor": torch.ops.aten.sub.Tensor,
+    "aten.index_put_.default": torch.ops.aten.index_put.default,
+    "aten.masked_fill_.Scalar": torch.ops.aten.masked_fill.Scalar,
+}
+
+
+def _functionalize_inplace(gm: fx.GraphModule) -> None:
+    """Swap an in-place op for its functional twin when nothing reads the mutated input
+    afterwards: sharded programs then never write into a collective's output buffer."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        twin = _FUNCTIONAL.get(str(node.target)) if node.op == "call_function" else None
+        if twin is None or not isinstance(node.args[0], fx.Node):
+            continue
+        mutated = node.args[0]
+        if any(order[u] > order[node] for u in mutated.users if u is not node):
+            continue
+        node.target = twin
 
 
 def _drop_metadata_asserts(gm: fx.GraphModule) -> None:

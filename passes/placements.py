@@ -101,6 +101,16 @@ def shard_offset(
     return start, start + size
 
 
+def local_slice(value, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]):
+    """This coordinate's shard of a whole tensor (specs of Shard and Replicate only)."""
+    if is_partial(spec):
+        raise ValueError(f"autopar: cannot cut a whole tensor into a Partial ({spec}); expected Shard/Replicate")
+    for dim in sorted({p.dim for p in spec if isinstance(p, Shard)}):
+        start, stop = shard_offset(value.shape, spec, mesh_shape, coord, dim)
+        value = value.narrow(dim, start, stop - start)
+    return value
+
+
 def is_partial(spec: Spec | None) -> bool:
     return spec is not None and any(isinstance(p, Partial) for p in spec)
 

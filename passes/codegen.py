@@ -1,0 +1,196 @@
+"""Codegen: a captured graph plus one chosen strategy per node -> one rank's program.
+
+The program is an ``fx.GraphModule`` over local shards. Each op runs as its strategy
+says (``rules.run_local``: shape arguments localized, a kernel where one is named,
+baked in for this rank's mesh coordinate). Where a producer's placement differs from
+what its consumer needs, a :class:`Reshard` node moves the value; ``print(gm.code)``
+shows each one by the collectives it performs.
+
+Gradients. A Reshard is DTensor's ``from_local -> redistribute -> to_local``, whose
+backward is the dual collective. What the consumer's local gradient *means* is declared
+per edge (``grad_placements``): a replicated input of an op whose output differs across
+an axis (it is split or partial there) receives only this device's contribution to its
+gradient — a Partial — which DTensor sums on the way back (Megatron's "f": identity
+forward, all-reduce backward). So a replicated parameter used by a batch-split op gets
+its gradient all-reduced over the data-parallel axis, a sharded one (ZeRO-3) gets it
+reduce-scattered, with no special case for either.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from passes import rules
+from passes.placements import Spec, spec_str
+from passes.strategies import StrategyGraph, tensor_inputs
+from passes.strategy import OpInfo, ShardingStrategy
+
+
+def gradient_spec(needed: Spec, outputs: Sequence[Spec]) -> Spec:
+    """Placement of the local gradient an op hands back for an input laid out as ``needed``."""
+    grad = []
+    for axis, p in enumerate(needed):
+        if isinstance(p, Shard):
+            grad.append(p)
+        elif isinstance(p, Partial):
+            grad.append(Replicate())  # each part of a sum gets the whole gradient
+        elif all(isinstance(out[axis], Replicate) for out in outputs):
+            grad.append(Replicate())  # every device computed the same thing
+        else:
+            grad.append(Partial())  # this device's share of the gradient
+    return tuple(grad)
+
+
+def collectives(src: Spec, dst: Spec) -> list[str]:
+    """What moving ``src`` to ``dst`` costs, axis by axis, in collective names."""
+    names = []
+    for axis, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        kind = {
+            (Shard, Replicate): "all_gather", (Partial, Replicate): "all_reduce",
+            (Partial, Shard): "reduce_scatter", (Shard, Shard): "all_to_all",
+            (Replicate, Shard): "slice", (Replicate, Partial): "zero_others",
+        }.get((type(a), type(b)), "redistribute")
+        names.append(f"{kind}{axis}")
+    return names
+
+
+class Reshard(nn.Module):
+    """Move a local shard from one placement to another, differentiably (see module doc)."""
+
+    def __init__(self, mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec):
+        super().__init__()
+        self.mesh, self.src, self.dst, self.grad = mesh, src, dst, grad
+        # DTensor will not redistribute *to* a Partial; those axes go to Replicate first,
+        # then every device but the first along the axis holds zeros (an exact split).
+        self.zero_axes = [
+            a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(d, Partial) and not isinstance(s, Partial)
+        ]
+        self.mid = tuple(Replicate() if a in self.zero_axes else p for a, p in enumerate(dst))
+        # only the first device's copy reaches the output there: its gradient is a share
+        self.mid_grad = tuple(Partial() if a in self.zero_axes else g for a, g in enumerate(grad))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = DTensor.from_local(x, self.mesh, self.src, run_check=False)
+        if self.mid != self.src:
+            d = d.redistribute(self.mesh, self.mid)
+        local = d.to_local(grad_placements=self.mid_grad)
+        coord = self.mesh.get_coordinate()
+        if any(coord[a] != 0 for a in self.zero_axes):
+            local = local * 0
+        return local
+
+    def extra_repr(self) -> str:
+        moves = ", ".join(collectives(self.src, self.dst)) or "no data moves"
+        return f"{spec_str(self.src)} -> {spec_str(self.dst)} ({moves}; gradient {spec_str(self.grad)})"
+
+
+class LocalKernel(nn.Module):
+    """A rule's local kernel, bound to one node's strategy and this rank's coordinate."""
+
+    def __init__(self, info: OpInfo, strategy: ShardingStrategy, ctx: rules.LocalContext):
+        super().__init__()
+        self.info, self.strategy, self.ctx = info, strategy, ctx
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return rules.run_local(self.info, self.strategy, _leaves_in_order(self.info, args, kwargs), self.ctx)
+
+    def extra_repr(self) -> str:
+        return f"{self.strategy.kernel}: {self.info.name} {self.strategy}"
+
+
+def _leaves_in_order(info: OpInfo, args: tuple, kwargs: dict) -> list[Any]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class RankProgram:
+    """One rank's program and the placements at its boundary."""
+
+    gm: fx.GraphModule
+    input_specs: dict[str, Spec]  # placeholder name -> placement of its local shard
+    output_specs: list[Spec | None]  # per graph output (None: not a tensor)
+
+
+def lower(graph: StrategyGraph, choice: dict[fx.Node, int], mesh: DeviceMesh) -> RankProgram:
+    """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``)."""
+    mesh_shape = tuple(mesh.shape)
+    if mesh_shape != graph.mesh_shape:
+        raise ValueError(
+            f"autopar: the strategies were listed for a mesh of shape {graph.mesh_shape}, "
+            f"found a device mesh of shape {mesh_shape}; build the strategy graph for this mesh"
+        )
+    ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()))
+    src_graph = graph.captured.graph
+    out = fx.Graph()
+    root = nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    specs: dict[fx.Node, tuple[Spec, ...]] = {}
+    input_specs: dict[str, Spec] = {}
+    counter = iter(range(1 << 30))
+
+    def add_module(prefix: str, module: nn.Module) -> str:
+        name = f"{prefix}_{next(counter)}"
+        root.add_module(name, module)
+        return name
+
+    def fetch(src: fx.Node, needed: Spec | None, grad: Spec | None) -> fx.Node:
+        have = specs[src][0]
+        node = env[src]
+        if needed is None or (needed == have and all(
+            not (isinstance(g, Partial) and isinstance(h, Replicate)) for g, h in zip(grad, have)
+        )):
+            return node
+        name = "_".join(collectives(have, needed)) or "grad_reduce"
+        target = add_module(name, Reshard(mesh, have, needed, grad))
+        return out.call_module(target, (node,))
+
+    for node in src_graph.nodes:
+        if node.op == "placeholder":
+            env[node] = out.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            if node in graph.nodes:
+                spec = graph[node].strategies[choice[node]].output
+                specs[node] = (spec,)
+                input_specs[node.name] = spec
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, index = node.args
+            env[node] = out.call_function(operator.getitem, (env[producer], index))
+            if producer in specs:
+                specs[node] = (specs[producer][index],)
+        elif node.op == "call_function":
+            ns = graph[node]
+            strategy = ns.strategies[choice[node]]
+            sources = tensor_inputs(node)
+            local_inputs = [
+                fetch(src, need, None if need is None else gradient_spec(need, strategy.outputs))
+                for src, need in zip(sources, strategy.inputs)
+            ]
+            args, kwargs = ns.info.fill(local_inputs)
+            rule = rules.rule_for(node.target)
+            if strategy.kernel is not None:
+                target = add_module(f"{strategy.kernel}", LocalKernel(ns.info, strategy, ctx))
+                env[node] = out.call_module(target, args, kwargs)
+            else:
+                if rule is not None and rule.localize is not None:
+                    args, kwargs = rule.localize(ns.info, strategy, args, kwargs, ctx)
+                env[node] = out.call_function(node.target, args, kwargs)
+            specs[node] = strategy.outputs
+        elif node.op == "output":
+            flat, tree = pytree.tree_flatten(node.args[0])
+            out.output(pytree.tree_unflatten([env[x] if isinstance(x, fx.Node) else x for x in flat], tree))
+            output_specs = [specs[x][0] if isinstance(x, fx.Node) and x in specs else None for x in flat]
+        else:
+            raise ValueError(f"autopar: cannot lower a graph node of kind {node.op} ({node.name})")
+    out.lint()
+    return RankProgram(fx.GraphModule(root, out, class_name="RankProgram"), input_specs, output_specs)

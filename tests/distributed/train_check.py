@@ -1,0 +1,170 @@
+"""Run under torchrun: train compiled models for a few AdamW steps and compare, on every
+rank, with the same model trained in one process. Prints one JSON line per case on rank 0.
+
+    torchrun --standalone --nproc_per_node 4 -m tests.distributed.train_check 2x2:gpt:random0 ...
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.models import GPT, GPTConfig, WideMLP
+from autopar.runtime import ParallelModule, WithLoss
+from passes.capture import capture
+from passes.propagate import choose_by_propagation
+from passes.strategies import build_strategy_graph
+
+STEPS = 5
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+# float64, so that "trains the same" can be checked tightly: AdamW divides by the root of
+# tiny second moments, which turns float32 rounding into visible parameter differences.
+DTYPE = torch.float64
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2)).to(DTYPE)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen))
+        for _ in range(STEPS)
+    ]
+    return model, lm_loss, batches
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = WideMLP(dim=16, hidden=64, n_layers=2).to(DTYPE)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 16, generator=gen, dtype=DTYPE), torch.randn(8, 16, generator=gen, dtype=DTYPE))
+        for _ in range(STEPS)
+    ]
+    return model, mse, batches
+
+
+def hf_lm_loss(output, target):
+    return lm_loss(output.logits, target)
+
+
+def _hf_case(factory):
+    model, (tokens,) = factory()
+    model = model.to(DTYPE)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    batches = [
+        (torch.randint(0, vocab, tokens.shape, generator=gen), torch.randint(0, vocab, tokens.shape, generator=gen))
+        for _ in range(STEPS)
+    ]
+    return model, hf_lm_loss, batches
+
+
+def llama_case():
+    from tests.models import llama
+
+    return _hf_case(llama)
+
+
+def gpt2_case():
+    from tests.models import gpt2
+
+    return _hf_case(gpt2)
+
+
+MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "gpt2": gpt2_case}
+
+
+def layout_choice(graph, captured, layout: str, mesh_shape):
+    if layout.startswith("random"):
+        rng = random.Random(int(layout.removeprefix("random") or 0))
+        return {n: rng.randrange(len(ns.strategies)) for n, ns in graph.nodes.items()}
+    n_axes = len(mesh_shape)
+    fixed = {}
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        shape = tuple(node.meta["val"].shape)
+        if node.name in captured.user_inputs:
+            fixed[node] = (Shard(0),) * n_axes  # the batch over every axis
+        elif node.name in captured.params and layout == "fsdp":
+            fixed[node] = (Shard(0),) * n_axes if shape and shape[0] % _size(mesh_shape) == 0 else (Replicate(),) * n_axes
+    return choose_by_propagation(graph, fixed)
+
+
+def _size(mesh_shape):
+    out = 1
+    for s in mesh_shape:
+        out *= s
+    return out
+
+
+def run_case(spec: str) -> dict:
+    mesh_text, model_name, layout = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape)
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+
+    wrapped = WithLoss(model, loss_fn)
+    inputs, target = batches[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(wrapped, (inputs, target))
+    graph = build_strategy_graph(captured, mesh_shape)
+    choice = layout_choice(graph, captured, layout, mesh_shape)
+    pm = ParallelModule(wrapped, captured, graph, choice, mesh, adamw)
+
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses = [], []
+    for inputs, target in batches:
+        losses.append(pm.train_step((inputs,), target).item())
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    n_reshard = sum(1 for n in pm.gm.graph.nodes if n.op == "call_module" and "Reshard" in type(pm.gm.get_submodule(n.target)).__name__)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "reshards": n_reshard}
+
+
+def main(cases: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for spec in cases:
+        try:
+            result = run_case(spec)
+        except Exception as exc:  # reported per case; the test asserts on it
+            result = {"case": spec, "error": f"{type(exc).__name__}: {exc}"}
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
