@@ -1,0 +1,187 @@
+"""``solve``: the intra-op planner's entry point, numbers in and a plan out.
+
+Steps: shrink the problem (``shrink.py``); evaluate the hints and the two
+least-memory plans on the full problem; stop early when nothing fits; run the exact
+chain DP when the shrunk graph is a chain (``chain_dp.py``) and otherwise the CP-SAT
+ILP (``ilp.py``), warm-started from the best of the hints and a chain-relaxation plan
+(``heuristics.py``); expand the decisions back to every original node; and return
+whichever of the solver's plan and the candidates is fastest among those that fit, so
+the result is never worse than the best hint that fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from passes.solve.chain_dp import chain_order, solve_chain
+from passes.solve.heuristics import chain_relaxation_plan
+from passes.solve.ilp import count_variables, solve_ilp
+from passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
+from passes.solve.shrink import ShrunkProblem, shrink_problem
+
+METHODS = ("auto", "ilp", "chain_dp")
+
+
+@dataclass(kw_only=True)
+class SolveOptions:
+    time_limit_s: float = 60.0  # wall clock; past it the chain DP thins its fronts and the ILP stops
+    num_workers: int = 2
+    relative_gap_limit: float = 1e-4  # CP-SAT stops once proven this close
+    method: str = "auto"  # "auto": chain DP on chains, else ILP
+    max_labels: int = 20000  # Pareto labels per DP state before thinning (then not proven)
+    # Above this many booleans CP-SAT finds nothing useful in a minute (8000 x 8 DAG:
+    # 746k booleans, 20 s to build, no solution): return the warm-start plan instead.
+    max_ilp_variables: int = 300_000
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"autopar: SolveOptions.method expected one of {METHODS}, found {self.method!r}.")
+        if self.time_limit_s <= 0 or self.num_workers < 1:
+            raise ValueError(
+                f"autopar: SolveOptions expected time_limit_s > 0 and num_workers >= 1, "
+                f"found {self.time_limit_s} and {self.num_workers}."
+            )
+
+
+@dataclass
+class _Candidate:
+    label: str
+    assignment: list[int]
+    time: float
+    memory: float
+
+
+def solve(problem: SolveProblem, options: SolveOptions | None = None) -> SolveResult:
+    """Fastest plan that fits in ``problem.memory_limit``; see ``SolveResult`` for the verdict."""
+    options = options or SolveOptions()
+    started = time.perf_counter()
+    shrunk = shrink_problem(problem)
+    restricted_least, smallest = _least_memory_plans(problem, shrunk)
+    restricted_fits = fits_memory(restricted_least.memory, problem.memory_limit)
+    # The unrestricted least-memory plan breaks ties or followers: a candidate only
+    # when nothing that keeps them fits.
+    candidates = [_candidate(problem, f"hint {h}", list(hint)) for h, hint in enumerate(problem.hints)]
+    candidates.append(restricted_least if restricted_fits else smallest)
+    fitting = [c for c in candidates if fits_memory(c.memory, problem.memory_limit)]
+    best = min(fitting, key=lambda c: c.time, default=None)
+
+    def finish(status, plan, bound, method, resolution=0.0, notes=()) -> SolveResult:
+        objective = plan.time if plan else math.inf
+        gap = _gap(objective, bound)
+        return SolveResult(
+            status=status, assignment=plan.assignment if plan else None, objective=objective,
+            memory=plan.memory if plan else math.nan, bound=bound, gap=gap, method=method,
+            solve_seconds=time.perf_counter() - started, num_decision_nodes=shrunk.num_nodes,
+            min_memory=smallest.memory, min_memory_assignment=smallest.assignment,
+            time_resolution=resolution, notes=list(notes),
+        )
+
+    if not restricted_fits:
+        if best is None:
+            return finish("infeasible", None, math.inf, "min_memory")
+        note = "ties and followers leave no plan within memory_limit; a plan that breaks them fits"
+        return finish("feasible", best, math.inf, best.label, notes=[note])
+    if shrunk.num_nodes == 0:
+        return finish("optimal", _candidate(problem, "trivial", shrunk.expand([])), shrunk.constant_time, "trivial")
+
+    incumbent = best.time - shrunk.constant_time if best else math.inf
+    order = chain_order(shrunk) if options.method in ("auto", "chain_dp") else None
+    if options.method == "chain_dp" and order is None:
+        raise ValueError(
+            "autopar: SolveOptions.method='chain_dp' expected a chain (every decision node with at most "
+            "two neighbours and no cycle), found a general graph; use method='auto' or 'ilp'."
+        )
+    if order is not None:
+        outcome = _run_chain_dp(shrunk, order, incumbent, options, deadline=started + options.time_limit_s)
+    else:
+        outcome = _run_ilp(problem, shrunk, best, options, deadline=started + options.time_limit_s)
+        best = outcome.warm_start if outcome.warm_start is not None else best
+    bound = outcome.bound + shrunk.constant_time
+    notes = outcome.notes
+    status = "optimal" if outcome.proven else "feasible"
+
+    found = _candidate(problem, outcome.method, shrunk.expand(outcome.decisions)) if outcome.decisions else None
+    if found is not None and not fits_memory(found.memory, problem.memory_limit):
+        notes.append(f"{outcome.method} returned a plan of {found.memory:.6g} bytes over the limit; discarded")
+        found = None
+    if found is None or best.time < found.time:
+        if found is None and outcome.ran:
+            notes.append(f"{outcome.method} found no plan better than the best candidate ({best.label}) in time")
+        # A proven optimum of the shrunk problem that a candidate beats leaves the candidate optimal.
+        return finish(status, best, bound, best.label, outcome.resolution, notes)
+    return finish(status, found, bound, outcome.method, outcome.resolution, notes)
+
+
+@dataclass
+class _Outcome:
+    method: str
+    decisions: list[int] | None  # per shrunk node
+    proven: bool
+    bound: float  # without the shrunk constant
+    resolution: float = 0.0
+    ran: bool = True
+    warm_start: _Candidate | None = None  # a better candidate found on the way
+    notes: list[str] = field(default_factory=list)
+
+
+def _run_chain_dp(shrunk: ShrunkProblem, order, incumbent: float, options: SolveOptions, deadline: float) -> _Outcome:
+    chain = solve_chain(shrunk, order, incumbent, options.max_labels, deadline=deadline)
+    return _Outcome("chain_dp", chain.decisions or None, chain.proven_optimal, chain.bound)
+
+
+def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, options: SolveOptions,
+             deadline: float) -> _Outcome:
+    """CP-SAT warm-started from the better of ``best`` and the chain-relaxation plan."""
+    notes = []
+    warm, relaxation_bound = chain_relaxation_plan(shrunk)
+    better = None
+    if warm is not None:
+        heuristic = _candidate(problem, "heuristic", shrunk.expand(warm))
+        notes.append(f"warm start: chain-relaxation plan of {heuristic.time:.6g} s")
+        if fits_memory(heuristic.memory, problem.memory_limit) and heuristic.time < best.time:
+            best = better = heuristic
+    size = count_variables(shrunk)
+    remaining = deadline - time.perf_counter()
+    if size > options.max_ilp_variables or remaining <= 0:
+        notes.append(f"ILP skipped: {size} booleans (max_ilp_variables={options.max_ilp_variables}), "
+                     f"{max(remaining, 0):.1f} s left; coarsen the graph (ties, followers) to solve it")
+        return _Outcome("ilp", None, False, relaxation_bound, ran=False, warm_start=better, notes=notes)
+    ilp = solve_ilp(
+        shrunk, time_limit_s=remaining, num_workers=options.num_workers,
+        relative_gap_limit=options.relative_gap_limit, hint=shrunk.project(best.assignment),
+        incumbent=best.time - shrunk.constant_time,
+    )
+    return _Outcome("ilp", ilp.decisions, ilp.status == "OPTIMAL", max(ilp.bound, relaxation_bound),
+                    ilp.time_resolution, warm_start=better, notes=notes)
+
+
+def _least_memory_plans(problem: SolveProblem, shrunk: ShrunkProblem) -> list[_Candidate]:
+    """Least-memory plan keeping ties and followers, then the one ignoring them.
+
+    Memory is additive, so each is a per-node argmin (ties broken by time, forbidden
+    strategies skipped); the second is the true minimum over all plans.
+    """
+    def argmin_memory(times: np.ndarray, memories: np.ndarray) -> int:
+        penalised = np.where(np.isfinite(times), memories, np.inf)
+        lowest = np.flatnonzero(penalised == penalised.min())
+        return int(lowest[np.argmin(times[lowest])])
+
+    restricted = shrunk.expand([argmin_memory(t, m) for t, m in zip(shrunk.node_time, shrunk.node_memory)])
+    free = [argmin_memory(t, m) for t, m in zip(problem.node_time, problem.node_memory)]
+    return [_candidate(problem, "min_memory", restricted), _candidate(problem, "min_memory_unrestricted", free)]
+
+
+def _candidate(problem: SolveProblem, label: str, assignment: list[int]) -> _Candidate:
+    return _Candidate(label, assignment, evaluate_time(problem, assignment), evaluate_memory(problem, assignment))
+
+
+def _gap(objective: float, bound: float) -> float:
+    if not math.isfinite(objective):
+        return math.inf
+    if not math.isfinite(bound):
+        return math.inf  # no bound known (or the restricted problem has no plan)
+    return max(0.0, (objective - bound) / max(abs(objective), 1e-300))

@@ -1,0 +1,227 @@
+"""The solver's input and output: plain numbers in plain dataclasses.
+
+A ``SolveProblem`` is a graph of decision nodes. Node ``v`` has ``k_v`` strategies;
+choosing strategy ``i`` costs ``node_time[v][i]`` seconds and ``node_memory[v][i]``
+bytes per device. An edge ``(u, v, R)`` costs ``R[i, j]`` seconds of resharding when
+``u`` takes ``i`` and ``v`` takes ``j``. A non-finite cost (``inf``) forbids that
+choice. Memory is additive over nodes and bounded by ``memory_limit``.
+
+Two restrictions shrink the search (``shrink.py`` eliminates them):
+
+- ``ties``: groups of nodes that take the same strategy index (repeated layers).
+- ``followers``: ``Follower(node, leader, index_map)`` fixes
+  ``strategy[node] = index_map[strategy[leader]]`` (pointwise and view ops).
+
+``hints`` are full candidate assignments (manual layouts). They are judged on the
+unrestricted problem, so a hint that breaks a tie is still a valid plan and the
+result is never worse than the best hint that fits in memory.
+
+Nothing here knows about tensors or placements (DESIGN.md, invariant 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+# Feasibility allows this relative slack so that summing the same floats in another
+# order (DP versus node order) never flips a verdict.
+MEMORY_RELATIVE_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class Follower:
+    """``strategy[node] = index_map[strategy[leader]]``; ``index_map`` has ``k_leader`` entries."""
+
+    node: int
+    leader: int
+    index_map: tuple[int, ...]
+
+
+@dataclass
+class SolveProblem:
+    """Per-strategy costs of every decision node and per-pair costs of every edge."""
+
+    node_time: list[np.ndarray]
+    node_memory: list[np.ndarray]
+    edges: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    memory_limit: float | None = None
+    ties: list[list[int]] = field(default_factory=list)
+    followers: list[Follower] = field(default_factory=list)
+    hints: list[list[int]] = field(default_factory=list)
+    node_names: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.node_time = [np.asarray(t, dtype=np.float64).reshape(-1) for t in self.node_time]
+        self.node_memory = [np.asarray(m, dtype=np.float64).reshape(-1) for m in self.node_memory]
+        self.edges = [(int(u), int(v), np.asarray(r, dtype=np.float64)) for u, v, r in self.edges]
+        self.followers = [
+            f if isinstance(f, Follower) else Follower(int(f[0]), int(f[1]), tuple(int(i) for i in f[2]))
+            for f in self.followers
+        ]
+        _validate(self)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_time)
+
+    @property
+    def num_strategies(self) -> list[int]:
+        return [len(t) for t in self.node_time]
+
+    def name(self, node: int) -> str:
+        return self.node_names[node] if self.node_names else f"node {node}"
+
+
+@dataclass
+class SolveResult:
+    """What the solver found, with enough numbers to judge it.
+
+    ``status`` is one of:
+      - ``"optimal"``: proven optimal for the shrunk problem (ties and followers
+        enforced): exactly by the chain DP; by CP-SAT within
+        ``SolveOptions.relative_gap_limit`` and the rounding of its integer costs
+        (``time_resolution`` seconds per term, see ``ilp.py``); ``gap`` shows the rest;
+      - ``"feasible"``: a plan that fits, not proven optimal (see ``gap``);
+      - ``"infeasible"``: nothing fits in ``memory_limit``; ``assignment`` is
+        ``None`` and ``min_memory_assignment`` is the plan that needs least memory.
+    """
+
+    status: str
+    assignment: list[int] | None
+    objective: float  # seconds, evaluated in floats on the full problem
+    memory: float  # bytes per device of ``assignment``
+    bound: float  # lower bound on the objective of the shrunk problem, seconds
+    gap: float  # (objective - bound) / objective, 0 when proven optimal
+    method: str  # who found it: "chain_dp", "ilp", "heuristic", "hint 3", "min_memory", "trivial"
+    solve_seconds: float
+    num_decision_nodes: int  # after shrinking
+    min_memory: float
+    min_memory_assignment: list[int]
+    time_resolution: float = 0.0  # seconds per ILP objective unit; 0 for the DP
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return self.assignment is not None
+
+    def summary(self) -> str:
+        """One line for logs and ``explain()``."""
+        if not self.feasible:
+            return (f"infeasible: the least memory any plan needs is {self.min_memory:.6g} bytes "
+                    f"({self.num_decision_nodes} decisions, {self.solve_seconds:.2f} s)")
+        return (f"{self.status} by {self.method}: {self.objective:.6g} s (bound {self.bound:.6g}, "
+                f"gap {self.gap:.2%}), {self.memory:.6g} bytes, {self.num_decision_nodes} decisions, "
+                f"{self.solve_seconds:.2f} s")
+
+
+@dataclass
+class PlanCosts:
+    """Where a plan's time and memory go: per node and per edge (for ``explain()``)."""
+
+    node_time: np.ndarray  # [num_nodes] seconds of each node's chosen strategy
+    node_memory: np.ndarray  # [num_nodes] bytes
+    edge_time: np.ndarray  # [num_edges] resharding seconds, in ``problem.edges`` order
+
+    @property
+    def total_time(self) -> float:
+        return float(self.node_time.sum() + self.edge_time.sum())
+
+
+def plan_costs(problem: SolveProblem, assignment: Sequence[int]) -> PlanCosts:
+    return PlanCosts(
+        node_time=np.array([problem.node_time[v][s] for v, s in enumerate(assignment)]),
+        node_memory=np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)]),
+        edge_time=np.array([cost[assignment[u], assignment[v]] for u, v, cost in problem.edges]),
+    )
+
+
+def evaluate_time(problem: SolveProblem, assignment: Sequence[int]) -> float:
+    """Objective of a full assignment: node times plus edge resharding times."""
+    total = sum(float(problem.node_time[v][s]) for v, s in enumerate(assignment))
+    for u, v, cost in problem.edges:
+        total += float(cost[assignment[u], assignment[v]])
+    return total
+
+
+def evaluate_memory(problem: SolveProblem, assignment: Sequence[int]) -> float:
+    return sum(float(problem.node_memory[v][s]) for v, s in enumerate(assignment))
+
+
+def fits_memory(memory: float, memory_limit: float | None) -> bool:
+    if memory_limit is None:
+        return True
+    return memory <= memory_limit + MEMORY_RELATIVE_TOLERANCE * abs(memory_limit)
+
+
+def respects_restrictions(problem: SolveProblem, assignment: Sequence[int]) -> bool:
+    """True when ``assignment`` keeps every tie and follower."""
+    for group in problem.ties:
+        if len({assignment[v] for v in group}) > 1:
+            return False
+    return all(assignment[f.node] == f.index_map[assignment[f.leader]] for f in problem.followers)
+
+
+def _validate(problem: SolveProblem) -> None:
+    n = problem.num_nodes
+    if len(problem.node_memory) != n:
+        raise ValueError(
+            f"autopar: SolveProblem expected one memory array per node ({n}), "
+            f"found {len(problem.node_memory)}; pass node_memory with the same length as node_time."
+        )
+    if problem.node_names is not None and len(problem.node_names) != n:
+        raise ValueError(
+            f"autopar: SolveProblem expected {n} node_names, found {len(problem.node_names)}."
+        )
+    for v, (t, m) in enumerate(zip(problem.node_time, problem.node_memory)):
+        if len(t) == 0 or len(t) != len(m):
+            raise ValueError(
+                f"autopar: {problem.name(v)} expected node_time and node_memory of the same "
+                f"non-zero length, found {len(t)} and {len(m)}."
+            )
+        if np.isnan(t).any() or np.isneginf(t).any() or not np.isfinite(m).all():
+            raise ValueError(
+                f"autopar: {problem.name(v)} expected finite costs (inf time to forbid a strategy), "
+                f"found time {t.tolist()} and memory {m.tolist()}."
+            )
+        if not np.isfinite(t).any():
+            raise ValueError(f"autopar: every strategy of {problem.name(v)} is forbidden (all times inf).")
+    for u, v, cost in problem.edges:
+        if not (0 <= u < n and 0 <= v < n) or u == v:
+            raise ValueError(
+                f"autopar: edge ({u}, {v}) expected two different nodes in [0, {n}); fix the edge list."
+            )
+        expected = (len(problem.node_time[u]), len(problem.node_time[v]))
+        if cost.shape != expected or np.isnan(cost).any() or np.isneginf(cost).any():
+            raise ValueError(
+                f"autopar: edge ({problem.name(u)}, {problem.name(v)}) expected a resharding table "
+                f"of shape {expected} without NaN or -inf, found shape {cost.shape}."
+            )
+    if problem.memory_limit is not None and not np.isfinite(problem.memory_limit):
+        raise ValueError(f"autopar: memory_limit must be finite or None, found {problem.memory_limit}.")
+    for group in problem.ties:
+        sizes = {len(problem.node_time[v]) for v in group}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"autopar: tie group {group} expected nodes with the same number of strategies, "
+                f"found {sorted(sizes)}; tie only repeated copies of the same op."
+            )
+    seen = set()
+    for f in problem.followers:
+        if f.node in seen:
+            raise ValueError(f"autopar: {problem.name(f.node)} has two leaders; give it one Follower.")
+        seen.add(f.node)
+        k_leader, k_node = len(problem.node_time[f.leader]), len(problem.node_time[f.node])
+        if len(f.index_map) != k_leader or not all(0 <= i < k_node for i in f.index_map):
+            raise ValueError(
+                f"autopar: Follower {problem.name(f.node)} of {problem.name(f.leader)} expected an "
+                f"index_map of {k_leader} entries in [0, {k_node}), found {list(f.index_map)}."
+            )
+    for h, hint in enumerate(problem.hints):
+        if len(hint) != n or any(not 0 <= s < len(problem.node_time[v]) for v, s in enumerate(hint)):
+            raise ValueError(
+                f"autopar: hint {h} expected one strategy index per node ({n} nodes, each in range), "
+                f"found {list(hint)[:8]}{'...' if len(hint) > 8 else ''}."
+            )

@@ -1,0 +1,176 @@
+"""Pipeline stages: where to cut the layers, how much each stage holds, step time.
+
+Layers ``0..L-1`` run in order. A cut into ``S`` contiguous stages is the list of
+start layers ``starts`` (``starts[0] = 0``); stage ``s`` holds ``[starts[s],
+starts[s+1])``. Per micro-batch, stage ``s`` takes
+
+    time(s)   = sum of layer_time over its layers + boundary_time[last layer]
+                (the point-to-point send after it; none after the last stage)
+    memory(s) = sum of static_memory + in_flight[s] * sum of activation_memory
+
+where ``in_flight[s]`` is how many micro-batches' activations the schedule keeps
+alive on that stage (``in_flight_microbatches``).
+
+``cut_stages`` minimises the slowest stage time subject to ``memory(s) <= limit`` for
+every stage, by the exact DP
+
+    best[s][b] = min over a < b of max(best[s-1][a], time(layers a..b-1 as stage s))
+
+over prefix sums (``O(S * L^2)``, vectorised over ``a``).
+
+Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks:
+    GPipe and 1F1B:       (M + P - 1) * slowest stage
+    interleaved 1F1B, ``v`` chunks per rank (virtual stage c on rank c mod P):
+        M * slowest rank + (P - 1) * slowest chunk,
+    which for equal chunks is (M + (P - 1) / v) * rank time: a bubble of
+    (P - 1) / (v * M) relative to the ideal M * rank time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class StageCut:
+    starts: list[int]  # first layer of every stage
+    stage_time: list[float]  # seconds per micro-batch, boundary send included
+    stage_memory: list[float]  # bytes per device
+    num_layers: int
+
+    @property
+    def slowest(self) -> float:
+        return max(self.stage_time)
+
+    def layers(self, stage: int) -> range:
+        end = self.starts[stage + 1] if stage + 1 < len(self.starts) else self.num_layers
+        return range(self.starts[stage], end)
+
+
+def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, chunks_per_rank: int = 1) -> list[int]:
+    """Micro-batches whose activations each (virtual) stage keeps alive at its peak.
+
+    GPipe runs every forward before any backward: ``M`` everywhere. 1F1B holds
+    ``min(M, P - s)`` on stage ``s``. Interleaved 1F1B (Megatron) warms rank ``r`` up
+    with ``2 (P - r - 1) + (v - 1) P`` chunk forwards plus the one in the steady
+    state, spread over its ``v`` chunks: ``ceil(min(M v, that) / v)`` per chunk (an
+    even-spread approximation).
+    """
+    _check_schedule(schedule, num_ranks, num_microbatches, chunks_per_rank)
+    p, m, v = num_ranks, num_microbatches, chunks_per_rank
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(m, p - s) for s in range(p)]
+    per_rank = [math.ceil(min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v) for r in range(p)]
+    return [per_rank[c % p] for c in range(p * v)]
+
+
+def pipeline_step_time(
+    stage_time: Sequence[float], num_microbatches: int, schedule: str, chunks_per_rank: int = 1
+) -> float:
+    """Predicted pipeline time of one step from per-micro-batch (virtual) stage times."""
+    v = chunks_per_rank if schedule == "interleaved_1f1b" else 1
+    if len(stage_time) % v:
+        raise ValueError(
+            f"autopar: expected a multiple of chunks_per_rank={v} virtual stages, found {len(stage_time)}."
+        )
+    p = len(stage_time) // v
+    _check_schedule(schedule, p, num_microbatches, v)
+    slowest = max(stage_time)
+    if schedule in ("gpipe", "1f1b"):
+        return (num_microbatches + p - 1) * slowest
+    rank_time = [sum(stage_time[c] for c in range(r, p * v, p)) for r in range(p)]
+    return num_microbatches * max(rank_time) + (p - 1) * slowest
+
+
+def cut_stages(
+    layer_time: Sequence[float],
+    num_stages: int,
+    *,
+    static_memory: Sequence[float] | None = None,
+    activation_memory: Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+    memory_limit: float | None = None,
+    boundary_time: Sequence[float] | None = None,
+) -> StageCut | None:
+    """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory."""
+    time = np.asarray(layer_time, dtype=np.float64)
+    num_layers = len(time)
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"autopar: cut_stages expected 1 <= num_stages <= number of layers ({num_layers}), "
+            f"found num_stages={num_stages}; use fewer pipeline stages."
+        )
+    static = _per_layer(static_memory, num_layers, "static_memory")
+    activation = _per_layer(activation_memory, num_layers, "activation_memory")
+    send = np.zeros(num_layers)
+    if boundary_time is not None:
+        send[:-1] = _per_layer(boundary_time, num_layers - 1, "boundary_time")
+    flights = np.ones(num_stages) if in_flight is None else np.asarray(in_flight, dtype=np.float64)
+    if len(flights) != num_stages:
+        raise ValueError(f"autopar: expected in_flight for {num_stages} stages, found {len(flights)}.")
+    time_prefix, static_prefix, activation_prefix = (
+        np.concatenate([[0.0], np.cumsum(x)]) for x in (time, static, activation)
+    )
+    cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
+
+    # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b).
+    best = np.full((num_stages, num_layers + 1), np.inf)
+    choice = np.zeros((num_stages, num_layers + 1), dtype=np.int64)
+    for s in range(num_stages):
+        last = s == num_stages - 1
+        for b in range(s + 1, num_layers - (num_stages - 1 - s) + 1):
+            if last and b != num_layers:
+                continue
+            starts = np.arange(s, b) if s else np.array([0])
+            stage = time_prefix[b] - time_prefix[starts] + (0.0 if last else send[b - 1])
+            activations = activation_prefix[b] - activation_prefix[starts]
+            memory = static_prefix[b] - static_prefix[starts] + flights[s] * activations
+            before = best[s - 1][starts] if s else np.zeros(1)
+            value = np.where(memory <= cap, np.maximum(before, stage), np.inf)
+            k = int(np.argmin(value))
+            best[s][b], choice[s][b] = value[k], starts[k]
+    if not np.isfinite(best[-1][num_layers]):
+        return None
+    starts, b = [], num_layers
+    for s in range(num_stages - 1, -1, -1):
+        starts.append(int(choice[s][b]))
+        b = starts[-1]
+    starts.reverse()
+    return describe_cut(starts, time, static, activation, flights, send)
+
+
+def describe_cut(starts, time, static, activation, in_flight, send) -> StageCut:
+    """Times and memories of a given cut (used by the DP and by brute-force tests)."""
+    ends = list(starts[1:]) + [len(time)]
+    stage_time = [float(time[a:b].sum() + (send[b - 1] if b < len(time) else 0.0)) for a, b in zip(starts, ends)]
+    stage_memory = [
+        float(static[a:b].sum() + in_flight[s] * activation[a:b].sum()) for s, (a, b) in enumerate(zip(starts, ends))
+    ]
+    return StageCut(list(starts), stage_time, stage_memory, len(time))
+
+
+def _per_layer(values, length: int, name: str) -> np.ndarray:
+    if values is None:
+        return np.zeros(length)
+    array = np.asarray(values, dtype=np.float64)
+    if array.shape != (length,):
+        raise ValueError(f"autopar: expected {name} with {length} entries, found shape {array.shape}.")
+    return array
+
+
+def _check_schedule(schedule: str, num_ranks: int, num_microbatches: int, chunks_per_rank: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"autopar: expected a schedule in {SCHEDULES}, found {schedule!r}.")
+    if num_ranks < 1 or num_microbatches < 1 or chunks_per_rank < 1:
+        raise ValueError(
+            f"autopar: expected positive ranks, micro-batches and chunks, found {num_ranks}, "
+            f"{num_microbatches}, {chunks_per_rank}."
+        )
