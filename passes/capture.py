@@ -9,7 +9,8 @@ stay whole, which is the level sharding rules are written for). Then:
   inlined, their nodes tagged ``meta["autopar_no_grad"]``;
 - ``_assert_tensor_metadata`` checks, which return nothing, are dropped;
 - a tied parameter (one tensor under two names) becomes one placeholder;
-- an in-place op whose mutated input nothing reads afterwards becomes its functional twin.
+- an in-place op whose mutated input nothing reads afterwards becomes its functional twin;
+- a mean cross-entropy becomes sum / count, so that both can be split across devices.
 
 Works on meta-device models: nothing is allocated. Hugging Face models are taken as
 they are: the key-value cache is switched off while tracing, and ``ModelOutput``
@@ -158,6 +159,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     _inline_no_grad_regions(gm)
     _drop_metadata_asserts(gm)
     _functionalize_inplace(gm)
+    _mean_loss_as_sum_over_count(gm)
     gm.graph.lint()
     gm.recompile()
     return captured
@@ -242,6 +244,47 @@ def _functionalize_inplace(gm: fx.GraphModule) -> None:
         if any(order[u] > order[node] for u in mutated.users if u is not node):
             continue
         node.target = twin
+
+
+def _mean_loss_as_sum_over_count(gm: fx.GraphModule) -> None:
+    """``cross_entropy(..., reduction="mean")`` -> sum of per-token losses / count of
+    counted targets. The same number, but both parts can be split across devices and
+    summed (a mean of ignore_index-dependent counts cannot), so data parallelism never
+    has to gather the logits."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default:
+            continue
+        x, target, *rest = node.args
+        weight = rest[0] if len(rest) > 0 else node.kwargs.get("weight")
+        reduction = rest[1] if len(rest) > 1 else node.kwargs.get("reduction", 1)
+        ignore_index = rest[2] if len(rest) > 2 else node.kwargs.get("ignore_index", -100)
+        smoothing = rest[3] if len(rest) > 3 else node.kwargs.get("label_smoothing", 0.0)
+        if reduction != 1 or weight is not None or target.meta["val"].is_floating_point():
+            continue  # class weights or probability targets: left as they are
+        with gm.graph.inserting_before(node):
+            per_token = _meta_call(gm, aten.cross_entropy_loss.default, (x, target, None, 0, ignore_index, smoothing))
+            total = _meta_call(gm, aten.sum.default, (per_token,))
+            counted = _meta_call(gm, aten.ne.Scalar, (target, ignore_index))
+            count = _meta_call(gm, aten.sum.default, (counted,), {"dtype": x.meta["val"].dtype})
+            mean = _meta_call(gm, aten.div.Tensor, (total, count))
+        mean.meta = {**node.meta, "val": mean.meta["val"]}
+        node.replace_all_uses_with(mean)
+        gm.graph.erase_node(node)
+
+
+def _meta_call(gm: fx.GraphModule, op: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A new call node with meta["val"] worked out on meta tensors."""
+    node = gm.graph.call_function(op, args, kwargs or {})
+
+    def as_meta(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        return a
+
+    node.meta["val"] = op(*fx.map_arg(args, as_meta), **(kwargs or {}))
+    return node
 
 
 def _drop_metadata_asserts(gm: fx.GraphModule) -> None:

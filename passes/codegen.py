@@ -187,9 +187,20 @@ def lower(graph: StrategyGraph, choice: dict[fx.Node, int], mesh: DeviceMesh) ->
                 env[node] = out.call_function(node.target, args, kwargs)
             specs[node] = strategy.outputs
         elif node.op == "output":
+            # Outputs leave as shards or replicas: a pending sum is reduced here, since
+            # whatever reads the outputs (the loss, the user) expects values.
             flat, tree = pytree.tree_flatten(node.args[0])
-            out.output(pytree.tree_unflatten([env[x] if isinstance(x, fx.Node) else x for x in flat], tree))
-            output_specs = [specs[x][0] if isinstance(x, fx.Node) and x in specs else None for x in flat]
+            outputs, output_specs = [], []
+            for x in flat:
+                if isinstance(x, fx.Node) and x in specs:
+                    have = specs[x][0]
+                    done = tuple(Replicate() if isinstance(p, Partial) else p for p in have)
+                    outputs.append(fetch(x, done, done))
+                    output_specs.append(done)
+                else:
+                    outputs.append(env[x] if isinstance(x, fx.Node) else x)
+                    output_specs.append(None)
+            out.output(pytree.tree_unflatten(outputs, tree))
         else:
             raise ValueError(f"autopar: cannot lower a graph node of kind {node.op} ({node.name})")
     out.lint()

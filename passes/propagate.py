@@ -17,7 +17,7 @@ from typing import Sequence
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from passes.placements import Spec, local_shape
+from passes.placements import Spec, local_shape, spec_str
 from passes.strategies import StrategyGraph, tensor_inputs
 from passes.strategy import TensorMeta
 
@@ -48,9 +48,12 @@ def choose_by_propagation(graph: StrategyGraph, fixed: dict[fx.Node, Spec]) -> d
             want = fixed.get(node, (Replicate(),) * len(mesh))
             options = [s.output for s in ns.strategies]
             if want not in options:
+                shape = tuple(node.meta["val"].shape)
                 raise ValueError(
-                    f"autopar: placement {want} for {node.name} is not valid on mesh {mesh} "
-                    f"(shape {tuple(node.meta['val'].shape)}); valid: {options}"
+                    f"autopar: cannot lay out {node.name} (shape {shape}) as {spec_str(want)} on mesh "
+                    f"{mesh}: a split dim must divide by the devices it is split over (uneven shards are "
+                    f"not supported). Valid here: {', '.join(spec_str(o) for o in options)}; or change "
+                    "the size (e.g. a batch that is a multiple of the data-parallel size)"
                 )
             choice[node] = options.index(want)
             have[node] = (want,)

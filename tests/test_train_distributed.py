@@ -17,7 +17,7 @@ import pytest
 
 LAUNCHES = {
     2: ["2:mlp:dp", "2:mlp:fsdp", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["2x2:gpt:random1", "2x2:gpt:fsdp", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
+    4: ["errors", "2x2:gpt:random1", "2x2:gpt:fsdp", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
     8: ["2x2x2:gpt:random1", "2x2x2:mlp:dp"],
 }
 
@@ -45,8 +45,16 @@ def test_compiled_training_matches_single_process(nproc):
     results = launch(nproc, LAUNCHES[nproc])
     for case, r in results.items():
         assert "error" not in r, f"{case}: {r['error']}"
+        if case == "errors":
+            for what, message in r["messages"].items():
+                assert message.startswith("autopar:"), f"{what}: {message}"
+            continue
         loss_tol, param_tol = TOLERANCE.get(case.split(":")[1], (1e-9, 1e-9))
         assert r["loss_err"] <= loss_tol, f"{case}: losses differ by {r['loss_err']:.3g}"
         assert r["param_err"] <= param_tol, f"{case}: parameters differ by {r['param_err']:.3g}"
         if "random" in case:
             assert r["reshards"] > 10, f"{case}: a random layout should need resharding"
+        if case == "2:mlp:fsdp":  # every parameter splits: each rank holds 1/N of AdamW's state
+            assert r["optimizer_numel_rank0"] * nproc == r["reference_optimizer_numel"]
+        if case.endswith(":dp"):
+            assert r["optimizer_numel_rank0"] == r["reference_optimizer_numel"]

@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig, WideMLP
-from autopar.runtime import ParallelModule, WithLoss
+import autopar.compile
 from passes.capture import capture
+from passes.plan import plan_from_choice
 from passes.propagate import choose_by_propagation
 from passes.strategies import build_strategy_graph
 
@@ -121,21 +122,27 @@ def _size(mesh_shape):
     return out
 
 
+def layout_plan(model, inputs, layout: str, mesh_shape):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, inputs)
+    graph = build_strategy_graph(captured, mesh_shape)
+    return plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
+
+
+def optimizer_numel(opt) -> int:
+    return sum(t.numel() for state in opt.state.values() for t in state.values() if t.dim() > 0)
+
+
 def run_case(spec: str) -> dict:
     mesh_text, model_name, layout = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     mesh = init_device_mesh("cpu", mesh_shape)
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
-
-    wrapped = WithLoss(model, loss_fn)
-    inputs, target = batches[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        captured = capture(wrapped, (inputs, target))
-    graph = build_strategy_graph(captured, mesh_shape)
-    choice = layout_choice(graph, captured, layout, mesh_shape)
-    pm = ParallelModule(wrapped, captured, graph, choice, mesh, adamw)
+    plan = layout_plan(model, (batches[0][0],), layout, mesh_shape)
+    plan = type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
+    pm = autopar.compile.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
 
     ref_opt = adamw(list(reference.parameters()))
     losses, ref_losses = [], []
@@ -150,14 +157,48 @@ def run_case(spec: str) -> dict:
     param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
     n_reshard = sum(1 for n in pm.gm.graph.nodes if n.op == "call_module" and "Reshard" in type(pm.gm.get_submodule(n.target)).__name__)
-    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "reshards": n_reshard}
+    state = torch.tensor([optimizer_numel(pm.optimizer)], dtype=torch.float64)
+    dist.all_reduce(state)
+    return {
+        "case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "reshards": n_reshard,
+        "optimizer_numel_rank0": optimizer_numel(pm.optimizer), "optimizer_numel_all": int(state.item()),
+        "reference_optimizer_numel": optimizer_numel(ref_opt),
+    }
+
+
+def error_cases(nproc: int) -> dict:
+    """Bad input on a real mesh: each must be a clear autopar: error, raised on every rank."""
+    model, loss_fn, batches = MODELS["gpt"]()
+    tokens, target = batches[0]
+    messages = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            messages[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            messages[name] = str(exc)
+
+    flat = init_device_mesh("cpu", (nproc,))
+    square = init_device_mesh("cpu", (2, nproc // 2))
+    plan = layout_plan(model, (tokens,), "dp", (nproc,))
+    pm = autopar.compile.compile(model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    expect("other batch size", lambda: pm.train_step((tokens[:6],), target[:6]))
+    own = tokens.clone()
+    own[0, 0] = (own[0, 0] + dist.get_rank()) % 64  # rank r > 0 sees a different batch
+    expect("different inputs per rank", lambda: pm.train_step((own,), target))
+    expect("plan for another mesh", lambda: autopar.compile.compile(
+        model, square, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan))
+    expect("indivisible batch", lambda: layout_plan(model, (tokens[:3],), "dp", (nproc,)))
+    expect("not a mesh", lambda: autopar.compile.compile(model, (nproc,), (tokens,), plan=plan))
+    return {"case": "errors", "messages": messages}
 
 
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
         try:
-            result = run_case(spec)
+            result = error_cases(dist.get_world_size()) if spec == "errors" else run_case(spec)
         except Exception as exc:  # reported per case; the test asserts on it
             result = {"case": spec, "error": f"{type(exc).__name__}: {exc}"}
         if dist.get_rank() == 0:

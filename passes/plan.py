@@ -1,0 +1,171 @@
+"""Plan: the layout autopar chose (or a person wrote), as plain data.
+
+A plan names, for a captured model on a mesh of a given shape: the strategy of every
+graph node (its printed form, ``(S(0)R, RS(1)) -> S(0)S(1)``, so a plan reads like the
+strategy graph and survives re-capture: node names are stable for the same model and
+input shapes), the placement of every parameter by qualified name, the ZeRO level of
+every parameter, the pipeline, and what the cost model predicts. It round-trips
+through JSON exactly; ``Plan.load(path)`` replays a saved plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from passes.placements import spec_str
+from passes.strategies import StrategyGraph
+
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class Pipeline:
+    """Pipeline parallelism along one mesh axis (``axis``), with ``stages`` stages."""
+
+    axis: int
+    stages: int
+    micro_batches: int
+    schedule: str  # "GPipe", "1F1B", "Interleaved1F1B"
+    stage_of: dict[str, int] = field(default_factory=dict)  # node name -> stage
+    chunks_per_rank: int = 1
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """What the cost model predicts for one training step, broken down."""
+
+    step_time: float = 0.0  # seconds
+    compute: float = 0.0
+    communication: float = 0.0
+    bubble: float = 0.0
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per device by kind
+    # e.g. {"parameters": .., "gradients": .., "optimizer": .., "activations": ..}
+
+
+@dataclass(kw_only=True)
+class Plan:
+    model: str
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    strategies: dict[str, str]  # node name -> printed ShardingStrategy
+    params: dict[str, str] = field(default_factory=dict)  # qualified name -> short spec, e.g. "S(0)R"
+    zero: dict[str, int] = field(default_factory=dict)  # qualified name -> ZeRO level 0..3
+    pipeline: Pipeline | None = None
+    recompute: list[str] = field(default_factory=list)  # layers recomputed in backward
+    predicted: Prediction = field(default_factory=Prediction)
+    kind: str = "auto"  # "auto", or the manual layout's name ("dp", "fsdp", "megatron-tp", ...)
+    notes: list[str] = field(default_factory=list)
+    # For explain(): per node {"compute": s, "comm": s, "memory": bytes, "layer": i (if in a layer)}
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    candidates: dict[str, float] = field(default_factory=dict)  # layout name -> predicted step time (fits)
+    solver: dict[str, Any] = field(default_factory=dict)  # status, method, gap, seconds, decisions
+    reasons: list[str] = field(default_factory=list)  # why this plan: comparisons made while planning
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = tuple(int(s) for s in self.mesh_shape)
+        self.axis_names = tuple(self.axis_names)
+        if len(self.axis_names) != len(self.mesh_shape):
+            raise ValueError(
+                f"autopar: Plan expected one axis name per mesh axis; mesh {self.mesh_shape} has "
+                f"{len(self.mesh_shape)} axes, found names {self.axis_names}"
+            )
+        bad = {k: v for k, v in self.zero.items() if v not in (0, 1, 2, 3)}
+        if bad:
+            raise ValueError(f"autopar: ZeRO levels must be 0, 1, 2 or 3; found {bad}")
+
+    # --- inspection (passes/explain.py) -----------------------------------------
+    def explain(self) -> str:
+        """A table per layer and a summary of why this layout was chosen."""
+        from passes.explain import explain
+
+        return explain(self)
+
+    def diff(self, other: "Plan") -> str:
+        """What differs between this plan and ``other``: placements, ZeRO, pipeline, prediction."""
+        from passes.explain import diff
+
+        return diff(self, other)
+
+    # --- JSON ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, **asdict(self)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Plan":
+        data = dict(data)
+        version = data.pop("format", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"autopar: plan format {version!r} is not the one this autopar reads ({FORMAT_VERSION}); "
+                "re-plan with this version"
+            )
+        pipeline = data.pop("pipeline", None)
+        predicted = data.pop("predicted", {})
+        return Plan(
+            **data,
+            pipeline=Pipeline(**pipeline) if pipeline else None,
+            predicted=Prediction(**predicted),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        try:
+            return Plan.from_json(Path(path).read_text())
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"autopar: cannot read a plan from {path}: {exc}") from exc
+
+
+def plan_from_choice(graph: StrategyGraph, choice: dict[fx.Node, int], *, kind: str,
+                     axis_names: tuple[str, ...] | None = None) -> Plan:
+    """The Plan of one strategy index per node (what the solver or a layout returns)."""
+    captured = graph.captured
+    axis_names = axis_names or tuple(f"axis{i}" for i in range(len(graph.mesh_shape)))
+    strategies, params = {}, {}
+    for node, ns in graph.nodes.items():
+        strategy = ns.strategies[choice[node]]
+        strategies[node.name] = str(strategy)
+        if node.name in captured.params:
+            params[captured.params[node.name]] = spec_str(strategy.output)
+    zero = {fqn: 0 for fqn in params}
+    return Plan(model=captured.model_name, mesh_shape=graph.mesh_shape, axis_names=axis_names,
+                strategies=strategies, params=params, zero=zero, kind=kind)
+
+
+def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
+    """Find each node's strategy by its printed form; a clear error if the plan does not fit."""
+    if tuple(plan.mesh_shape) != graph.mesh_shape:
+        raise ValueError(
+            f"autopar: the plan is for a mesh of shape {plan.mesh_shape}, found {graph.mesh_shape}; "
+            "re-plan for this mesh, or run on the mesh the plan was made for"
+        )
+    choice = {}
+    for node, ns in graph.nodes.items():
+        wanted = plan.strategies.get(node.name)
+        if wanted is None:
+            raise ValueError(
+                f"autopar: the plan has no strategy for node {node.name}; it was made for another "
+                "model or other input shapes. Re-plan, or capture with the plan's example inputs"
+            )
+        texts = [str(s) for s in ns.strategies]
+        if wanted not in texts:
+            raise ValueError(
+                f"autopar: the plan's strategy {wanted} for {node.name} is not valid here "
+                f"(valid: {texts[:6]}{' ...' if len(texts) > 6 else ''}); re-plan for this model"
+            )
+        choice[node] = texts.index(wanted)
+    return choice
