@@ -3,7 +3,8 @@
 Each launch runs several cases (process start-up costs seconds): gloo on CPU, 2, 4 and
 8 ranks. Layouts: DP (batch split, parameters replicated), FSDP-style (parameters split
 too) and random per-node strategies (every kind of resharding, gradients included).
-Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
+Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
+the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
 RMSNorm in float32 whatever the model dtype, so its bound is float32 rounding amplified
 by AdamW's division by small second moments.
 """
@@ -16,8 +17,8 @@ import sys
 import pytest
 
 LAUNCHES = {
-    2: ["2:mlp:dp", "2:mlp:fsdp", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["errors", "2x2:gpt:random1", "2x2:gpt:fsdp", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
+    2: ["resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
+    4: ["errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
     8: ["2x2x2:gpt:random1", "2x2x2:mlp:dp"],
 }
 
@@ -48,6 +49,9 @@ def test_compiled_training_matches_single_process(nproc):
         if case == "errors":
             for what, message in r["messages"].items():
                 assert message.startswith("autopar:"), f"{what}: {message}"
+            continue
+        if case.startswith("resume:"):  # save, then load into another layout (and mesh)
+            assert r["loss_err"] <= 1e-9, f"{case}: resumed losses {r['resumed']} vs {r['uninterrupted']}"
             continue
         loss_tol, param_tol = TOLERANCE.get(case.split(":")[1], (1e-9, 1e-9))
         assert r["loss_err"] <= loss_tol, f"{case}: losses differ by {r['loss_err']:.3g}"

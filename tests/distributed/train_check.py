@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -20,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig, WideMLP
 import autopar.compile
+from autopar import checkpoint
 from passes.capture import capture
 from passes.plan import plan_from_choice
 from passes.propagate import choose_by_propagation
@@ -194,11 +197,44 @@ def error_cases(nproc: int) -> dict:
     return {"case": "errors", "messages": messages}
 
 
+def resume_case(spec: str) -> dict:
+    """resume:<mesh>:<layout>:<mesh>:<layout>: train 3 steps, save, train 2; load into the
+    second layout from scratch and train the same 2 steps; losses must match."""
+    _, mesh_a, layout_a, mesh_b, layout_b = spec.split(":")
+    shape_a = tuple(int(x) for x in mesh_a.split("x"))
+    shape_b = tuple(int(x) for x in mesh_b.split("x"))
+    model, loss_fn, batches = MODELS["gpt"]()
+    fresh = copy.deepcopy(model)
+    tokens = batches[0][0]
+    first = autopar.compile.compile(model, init_device_mesh("cpu", shape_a), (tokens,), loss_fn=loss_fn,
+                                    optimizer=adamw, plan=layout_plan(model, (tokens,), layout_a, shape_a))
+    for inputs, target in batches[:3]:
+        first.train_step((inputs,), target)
+    path = [tempfile.mkdtemp(prefix="autopar-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    checkpoint.save(first, path[0])
+    uninterrupted = [first.train_step((i,), t).item() for i, t in batches[3:]]
+    second = autopar.compile.compile(fresh, init_device_mesh("cpu", shape_b), (tokens,), loss_fn=loss_fn,
+                                     optimizer=adamw, plan=layout_plan(fresh, (tokens,), layout_b, shape_b))
+    checkpoint.load(second, path[0])
+    resumed = [second.train_step((i,), t).item() for i, t in batches[3:]]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    return {"case": spec, "uninterrupted": uninterrupted, "resumed": resumed,
+            "loss_err": max(abs(a - b) for a, b in zip(uninterrupted, resumed))}
+
+
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
         try:
-            result = error_cases(dist.get_world_size()) if spec == "errors" else run_case(spec)
+            if spec == "errors":
+                result = error_cases(dist.get_world_size())
+            elif spec.startswith("resume:"):
+                result = resume_case(spec)
+            else:
+                result = run_case(spec)
         except Exception as exc:  # reported per case; the test asserts on it
             result = {"case": spec, "error": f"{type(exc).__name__}: {exc}"}
         if dist.get_rank() == 0:
