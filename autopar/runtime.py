@@ -47,7 +47,8 @@ class ParallelModule(nn.Module):
         self.captured = captured
         self.loss_fn = loss_fn
         self.check_inputs = check_inputs
-        self.program: RankProgram = lower(graph, choice_from_plan(graph, plan), mesh)
+        per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
+        self.program: RankProgram = lower(graph, choice_from_plan(graph, plan), mesh, per_use)
         self.coord = tuple(mesh.get_coordinate())
         self.input_shapes = {
             n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs

@@ -122,8 +122,18 @@ class RankProgram:
     output_specs: list[Spec | None]  # per graph output (None: not a tensor)
 
 
-def lower(graph: StrategyGraph, choice: dict[fx.Node, int], mesh: DeviceMesh) -> RankProgram:
-    """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``)."""
+def lower(
+    graph: StrategyGraph,
+    choice: dict[fx.Node, int],
+    mesh: DeviceMesh,
+    gather_per_use: frozenset[str] = frozenset(),
+) -> RankProgram:
+    """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
+
+    A value moved to the same layout for several consumers is moved once and shared,
+    except the placeholders named in ``gather_per_use`` (ZeRO-3 parameters), which are
+    gathered again at each use so that no whole copy outlives its consumer.
+    """
     mesh_shape = tuple(mesh.shape)
     if mesh_shape != graph.mesh_shape:
         raise ValueError(
@@ -144,6 +154,8 @@ def lower(graph: StrategyGraph, choice: dict[fx.Node, int], mesh: DeviceMesh) ->
         root.add_module(name, module)
         return name
 
+    moved: dict[tuple[fx.Node, Spec, Spec], fx.Node] = {}
+
     def fetch(src: fx.Node, needed: Spec | None, grad: Spec | None) -> fx.Node:
         have = specs[src][0]
         node = env[src]
@@ -151,9 +163,13 @@ def lower(graph: StrategyGraph, choice: dict[fx.Node, int], mesh: DeviceMesh) ->
             not (isinstance(g, Partial) and isinstance(h, Replicate)) for g, h in zip(grad, have)
         )):
             return node
+        key = (src, needed, grad)
+        if key in moved and src.name not in gather_per_use:
+            return moved[key]
         name = "_".join(collectives(have, needed)) or "grad_reduce"
         target = add_module(name, Reshard(mesh, have, needed, grad))
-        return out.call_module(target, (node,))
+        moved[key] = out.call_module(target, (node,))
+        return moved[key]
 
     for node in src_graph.nodes:
         if node.op == "placeholder":

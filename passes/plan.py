@@ -54,7 +54,12 @@ class Plan:
     axis_names: tuple[str, ...]
     strategies: dict[str, str]  # node name -> printed ShardingStrategy
     params: dict[str, str] = field(default_factory=dict)  # qualified name -> short spec, e.g. "S(0)R"
-    zero: dict[str, int] = field(default_factory=dict)  # qualified name -> ZeRO level 0..3
+    # qualified name -> ZeRO level. ``params`` gives where a parameter is STORED (and its
+    # optimizer state with it); where an op needs it whole, it is gathered: once per step
+    # and shared by every use at levels 1-2 (gradients come back reduce-scattered: level 1
+    # runs as level 2, the same numbers with less memory), at each use at level 3.
+    # Level 0 stores it as the ops use it.
+    zero: dict[str, int] = field(default_factory=dict)
     pipeline: Pipeline | None = None
     recompute: list[str] = field(default_factory=list)  # layers recomputed in backward
     predicted: Prediction = field(default_factory=Prediction)

@@ -1,8 +1,8 @@
 """Invariant 2 on real processes: compiled models train like the single-process model.
 
 Each launch runs several cases (process start-up costs seconds): gloo on CPU, 2, 4 and
-8 ranks. Layouts: DP (batch split, parameters replicated), FSDP-style (parameters split
-too) and random per-node strategies (every kind of resharding, gradients included).
+8 ranks. Layouts: DP (batch split, parameters replicated), ZeRO-2 and ZeRO-3/FSDP (parameters
+stored split, gathered once per step or at each use) and random per-node strategies (every kind of resharding, gradients included).
 Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
 the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
 RMSNorm in float32 whatever the model dtype, so its bound is float32 rounding amplified
@@ -17,8 +17,8 @@ import sys
 import pytest
 
 LAUNCHES = {
-    2: ["resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
+    2: ["resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
+    4: ["errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
     8: ["2x2x2:gpt:random1", "2x2x2:mlp:dp"],
 }
 
@@ -58,7 +58,7 @@ def test_compiled_training_matches_single_process(nproc):
         assert r["param_err"] <= param_tol, f"{case}: parameters differ by {r['param_err']:.3g}"
         if "random" in case:
             assert r["reshards"] > 10, f"{case}: a random layout should need resharding"
-        if case == "2:mlp:fsdp":  # every parameter splits: each rank holds 1/N of AdamW's state
+        if case in ("2:mlp:fsdp", "2:mlp:zero2"):  # every parameter splits: 1/N of AdamW's state
             assert r["optimizer_numel_rank0"] * nproc == r["reference_optimizer_numel"]
         if case.endswith(":dp"):
             assert r["optimizer_numel_rank0"] == r["reference_optimizer_numel"]

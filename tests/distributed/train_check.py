@@ -113,7 +113,7 @@ def layout_choice(graph, captured, layout: str, mesh_shape):
         shape = tuple(node.meta["val"].shape)
         if node.name in captured.user_inputs:
             fixed[node] = (Shard(0),) * n_axes  # the batch over every axis
-        elif node.name in captured.params and layout == "fsdp":
+        elif node.name in captured.params and layout in ("fsdp", "zero2"):
             fixed[node] = (Shard(0),) * n_axes if shape and shape[0] % _size(mesh_shape) == 0 else (Replicate(),) * n_axes
     return choose_by_propagation(graph, fixed)
 
@@ -130,7 +130,12 @@ def layout_plan(model, inputs, layout: str, mesh_shape):
         warnings.simplefilter("ignore")
         captured = capture(model, inputs)
     graph = build_strategy_graph(captured, mesh_shape)
-    return plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
+    plan = plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
+    if layout == "fsdp":  # sharded storage, gathered at each use
+        plan.zero = {fqn: 3 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
+    if layout == "zero2":  # the same storage, gathered once per step
+        plan.zero = {fqn: 2 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
+    return plan
 
 
 def optimizer_numel(opt) -> int:
