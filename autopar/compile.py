@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -36,12 +35,36 @@ def compile(  # noqa: A001  (the public name users expect)
             f"autopar: expected a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh), "
             f"found {type(mesh).__name__}; to plan without devices use autopar.plan(model, shape, ...)"
         )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*_check_is_size.*")
-        captured = capture(model, example_inputs)
-    graph = build_strategy_graph(captured, tuple(mesh.shape))
     if plan is None:
         from passes.planner import plan_graph  # the planner: imported only when planning
 
+        captured = capture(model, example_inputs)
+        graph = build_strategy_graph(captured, tuple(mesh.shape))
         plan = plan_graph(graph, hardware=hardware, axis_names=mesh.mesh_dim_names)
+    if plan.pipeline is not None:
+        return _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan)
+    captured = capture(model, example_inputs)
+    graph = build_strategy_graph(captured, tuple(mesh.shape))
     return ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
+
+
+def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan):
+    """A pipeline plan's strategies are for one micro-batch on the intra-op axes."""
+    from autopar.pipeline import PipelineModule
+
+    pp = plan.pipeline
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise ValueError(
+            f"autopar: the plan is for a mesh of shape {plan.mesh_shape}, found {tuple(mesh.shape)}; "
+            "re-plan for this mesh, or run on the mesh the plan was made for"
+        )
+    micro = tuple(x.chunk(pp.micro_batches)[0] for x in example_inputs)
+    if any(m.shape[0] * pp.micro_batches != x.shape[0] for m, x in zip(micro, example_inputs)):
+        raise ValueError(
+            f"autopar: the batch ({example_inputs[0].shape[0]}) must divide into {pp.micro_batches} "
+            "equal micro-batches; change the batch size or the plan's micro-batch count"
+        )
+    captured = capture(model, micro)
+    intra = tuple(s for i, s in enumerate(mesh.shape) if i != pp.axis)
+    graph = build_strategy_graph(captured, intra)
+    return PipelineModule(model, captured, graph, plan, mesh, loss_fn, optimizer)

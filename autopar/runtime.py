@@ -146,30 +146,18 @@ class ParallelModule(nn.Module):
 
     # --- the loss program ---------------------------------------------------------
     def _loss_program_for(self, target: torch.Tensor, local: bool) -> tuple[RankProgram, Captured]:
-        if self._loss_program is not None:
-            return self._loss_program, self._loss_captured
-        out_specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
-        out_vals = [self._output_meta(i) for i in self.captured.user_outputs]
-        whole_target = target
-        if local:
-            raise ValueError(
-                "autopar: call train_step once with the whole batch (local=False) before passing "
-                "per-rank shards, so that the loss can be laid out"
+        if self._loss_program is None:
+            if local:
+                raise ValueError(
+                    "autopar: call train_step once with the whole batch (local=False) before passing "
+                    "per-rank shards, so that the loss can be laid out"
+                )
+            out_specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
+            out_metas = [self._output_meta(i) for i in self.captured.user_outputs]
+            self._loss_program, self._loss_captured = build_loss_program(
+                self.loss_fn, self.captured.out_spec, out_metas, out_specs, target, self.mesh
             )
-        loss_module = _LossOf(self.loss_fn, self.captured.out_spec)
-        example = (*[torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_vals],
-                   torch.empty(whole_target.shape, dtype=whole_target.dtype, device="meta"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cap = capture(loss_module, example)
-        graph = build_strategy_graph(cap, tuple(self.mesh.shape))
-        placeholders = {n.name: n for n in cap.nodes("placeholder")}
-        fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
-        target_node = placeholders[cap.user_inputs[-1]]
-        choice = _best_target_layout(graph, fixed, target_node)
-        self._loss_program = lower(graph, choice, self.mesh)
-        self._loss_captured = cap
-        return self._loss_program, cap
+        return self._loss_program, self._loss_captured
 
     def _output_meta(self, index: int) -> torch.Tensor:
         output_node = next(iter(self.captured.nodes("output")))
@@ -214,6 +202,23 @@ class _LossOf(nn.Module):
         *outputs, target = outputs_and_target
         model_output = pytree.tree_unflatten(list(outputs), self.out_spec) if self.out_spec else outputs
         return self.loss_fn(model_output, target)
+
+
+def build_loss_program(
+    loss_fn: Callable, out_spec: Any, out_metas: list[torch.Tensor], out_specs: list[Spec],
+    target: torch.Tensor, mesh: DeviceMesh | None,
+) -> tuple[RankProgram, Captured]:
+    """Capture ``loss_fn(outputs, target)`` and lay it out from the outputs' placements."""
+    example = (*[torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas],
+               torch.empty(target.shape, dtype=target.dtype, device="meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(_LossOf(loss_fn, out_spec), example)
+    graph = build_strategy_graph(cap, tuple(mesh.shape) if mesh is not None else ())
+    placeholders = {n.name: n for n in cap.nodes("placeholder")}
+    fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
+    choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
+    return lower(graph, choice, mesh), cap
 
 
 def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:

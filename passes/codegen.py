@@ -122,26 +122,52 @@ class RankProgram:
     output_specs: list[Spec | None]  # per graph output (None: not a tensor)
 
 
+@dataclass
+class Part:
+    """A piece of the graph (a pipeline stage): its op nodes, the values it receives
+    (placeholders of the model, or values made by earlier pieces) and those it sends."""
+
+    nodes: set[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+
+
+def sent(spec: Spec) -> Spec:
+    """Values leave a program as shards or replicas: a pending sum is reduced on the way out,
+    since whatever reads them (the loss, the user, the next stage) expects values."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
+
+
+def output_spec(graph: StrategyGraph, choice: dict[fx.Node, int], node: fx.Node) -> Spec:
+    ns = graph[node]
+    if ns.follows is not None:
+        producer, index = ns.follows
+        return graph[producer].strategies[choice[producer]].outputs[index]
+    return ns.strategies[choice[node]].outputs[0]
+
+
 def lower(
     graph: StrategyGraph,
     choice: dict[fx.Node, int],
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     gather_per_use: frozenset[str] = frozenset(),
+    part: Part | None = None,
 ) -> RankProgram:
     """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
 
     A value moved to the same layout for several consumers is moved once and shared,
     except the placeholders named in ``gather_per_use`` (ZeRO-3 parameters), which are
-    gathered again at each use so that no whole copy outlives its consumer.
+    gathered again at each use so that no whole copy outlives its consumer. With a
+    ``part``, only that piece of the graph is built (a pipeline stage). ``mesh`` None:
+    a single device (a pipeline stage with no intra-op axes).
     """
-    mesh_shape = tuple(mesh.shape)
+    mesh_shape = tuple(mesh.shape) if mesh is not None else ()
     if mesh_shape != graph.mesh_shape:
         raise ValueError(
             f"autopar: the strategies were listed for a mesh of shape {graph.mesh_shape}, "
             f"found a device mesh of shape {mesh_shape}; build the strategy graph for this mesh"
         )
-    ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()))
-    src_graph = graph.captured.graph
+    ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()) if mesh is not None else ())
     out = fx.Graph()
     root = nn.Module()
     env: dict[fx.Node, fx.Node] = {}
@@ -171,14 +197,35 @@ def lower(
         moved[key] = out.call_module(target, (node,))
         return moved[key]
 
-    for node in src_graph.nodes:
+    def emit(values: list[Any]) -> tuple[list[Any], list[Spec | None]]:
+        outputs, output_specs = [], []
+        for x in values:
+            if isinstance(x, fx.Node) and x in specs:
+                done = sent(specs[x][0])
+                outputs.append(fetch(x, done, done))
+                output_specs.append(done)
+            else:
+                outputs.append(env[x] if isinstance(x, fx.Node) else x)
+                output_specs.append(None)
+        return outputs, output_specs
+
+    def receive(node: fx.Node, spec: Spec | None) -> None:
+        env[node] = out.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+        if spec is not None:
+            specs[node] = (spec,)
+            input_specs[node.name] = spec
+
+    if part is not None:
+        for node in part.inputs:
+            spec = output_spec(graph, choice, node) if node in graph.nodes else None
+            receive(node, spec if node.op == "placeholder" or spec is None else sent(spec))
+
+    for node in graph.captured.graph.nodes:
+        if part is not None and node.op != "output" and node not in part.nodes:
+            continue
         if node.op == "placeholder":
-            env[node] = out.placeholder(node.name)
-            env[node].meta = dict(node.meta)
-            if node in graph.nodes:
-                spec = graph[node].strategies[choice[node]].output
-                specs[node] = (spec,)
-                input_specs[node.name] = spec
+            receive(node, output_spec(graph, choice, node) if node in graph.nodes else None)
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             env[node] = out.call_function(operator.getitem, (env[producer], index))
@@ -203,20 +250,13 @@ def lower(
                 env[node] = out.call_function(node.target, args, kwargs)
             specs[node] = strategy.outputs
         elif node.op == "output":
-            # Outputs leave as shards or replicas: a pending sum is reduced here, since
-            # whatever reads the outputs (the loss, the user) expects values.
-            flat, tree = pytree.tree_flatten(node.args[0])
-            outputs, output_specs = [], []
-            for x in flat:
-                if isinstance(x, fx.Node) and x in specs:
-                    have = specs[x][0]
-                    done = tuple(Replicate() if isinstance(p, Partial) else p for p in have)
-                    outputs.append(fetch(x, done, done))
-                    output_specs.append(done)
-                else:
-                    outputs.append(env[x] if isinstance(x, fx.Node) else x)
-                    output_specs.append(None)
-            out.output(pytree.tree_unflatten(outputs, tree))
+            if part is not None:
+                outputs, output_specs = emit(list(part.outputs))
+                out.output(tuple(outputs))
+            else:
+                flat, tree = pytree.tree_flatten(node.args[0])
+                outputs, output_specs = emit(flat)
+                out.output(pytree.tree_unflatten(outputs, tree))
         else:
             raise ValueError(f"autopar: cannot lower a graph node of kind {node.op} ({node.name})")
     out.lint()

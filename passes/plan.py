@@ -67,6 +67,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # For explain(): per node {"compute": s, "comm": s, "memory": bytes, "layer": i (if in a layer)}
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    param_layers: dict[str, int] = field(default_factory=dict)  # qualified name -> repeated-layer number
     candidates: dict[str, float] = field(default_factory=dict)  # layout name -> predicted step time (fits)
     solver: dict[str, Any] = field(default_factory=dict)  # status, method, gap, seconds, decisions
     reasons: list[str] = field(default_factory=list)  # why this plan: comparisons made while planning
@@ -153,9 +154,12 @@ def plan_from_choice(graph: StrategyGraph, choice: dict[fx.Node, int], *, kind: 
 
 def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
     """Find each node's strategy by its printed form; a clear error if the plan does not fit."""
-    if tuple(plan.mesh_shape) != graph.mesh_shape:
+    expected = tuple(plan.mesh_shape)
+    if plan.pipeline is not None:  # stages' strategies live on the mesh without the pipeline axis
+        expected = tuple(s for i, s in enumerate(expected) if i != plan.pipeline.axis)
+    if expected != graph.mesh_shape:
         raise ValueError(
-            f"autopar: the plan is for a mesh of shape {plan.mesh_shape}, found {graph.mesh_shape}; "
+            f"autopar: the plan's strategies are for a mesh of shape {expected}, found {graph.mesh_shape}; "
             "re-plan for this mesh, or run on the mesh the plan was made for"
         )
     choice = {}

@@ -100,7 +100,7 @@ class StrategyGraph:
 
 def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> StrategyGraph:
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    if not mesh_shape or any(s < 1 for s in mesh_shape):
+    if any(s < 1 for s in mesh_shape):  # () is one device: a pipeline stage with no intra-op axes
         raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (2, 2), found {mesh_shape}")
     graph = StrategyGraph(captured, mesh_shape)
     # Repeated layers repeat the same calls: list each distinct call's strategies once.

@@ -3,7 +3,8 @@
 Each launch runs several cases (process start-up costs seconds): gloo on CPU, 2, 4 and
 8 ranks. Layouts: DP (batch split, parameters replicated), ZeRO-2 and ZeRO-3/FSDP (parameters
 stored split, gathered once per step or at each use) and random per-node strategies (every kind of resharding, gradients included).
-Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
+Pipelines (``pp:``): GPipe, 1F1B and interleaved 1F1B from torch.distributed.pipelining,
+alone and with data parallel stages. Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
 the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
 RMSNorm in float32 whatever the model dtype, so its bound is float32 rounding amplified
 by AdamW's division by small second moments.
@@ -17,9 +18,9 @@ import sys
 import pytest
 
 LAUNCHES = {
-    2: ["resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
-    8: ["2x2x2:gpt:random1", "2x2x2:mlp:dp"],
+    2: ["pp:2:gpt:GPipe:2:1", "pp:2:mlp:Interleaved1F1B:2:2", "resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
+    4: ["pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
+    8: ["pp:2x2x2:gpt:1F1B:2:1", "2x2x2:gpt:random1", "2x2x2:mlp:dp"],
 }
 
 TOLERANCE = {"llama": (1e-5, 2e-3)}  # (loss, parameters); float64 models: 1e-9 both

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
+import os
 import random
 import shutil
 import sys
@@ -24,7 +26,7 @@ from autopar.models import GPT, GPTConfig, WideMLP
 import autopar.compile
 from autopar import checkpoint
 from passes.capture import capture
-from passes.plan import plan_from_choice
+from passes.plan import Pipeline, Plan, plan_from_choice
 from passes.propagate import choose_by_propagation
 from passes.strategies import build_strategy_graph
 
@@ -230,18 +232,68 @@ def resume_case(spec: str) -> dict:
             "loss_err": max(abs(a - b) for a, b in zip(uninterrupted, resumed))}
 
 
+def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, chunks: int):
+    """Pipeline over mesh axis 0, data parallel over the rest; stages cut evenly by node count."""
+    micro = batch.chunk(micro_batches)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, (micro,))
+    intra = mesh_shape[1:]
+    graph = build_strategy_graph(captured, intra)
+    fixed = {n: (Shard(0),) * len(intra) for n in graph.nodes if n.name in captured.user_inputs}
+    plan = plan_from_choice(graph, choose_by_propagation(graph, fixed), kind="pp")
+    n_stages = mesh_shape[0] * chunks
+    ops = list(captured.nodes("call_function"))
+    stage_of = {}
+    for i, node in enumerate(ops):
+        producer = node.args[0] if node.target is operator.getitem else None
+        stage_of[node.name] = stage_of[producer.name] if producer is not None else i * n_stages // len(ops)
+    plan.mesh_shape = mesh_shape
+    plan.axis_names = tuple(f"a{i}" for i in range(len(mesh_shape)))
+    plan.pipeline = Pipeline(axis=0, stages=mesh_shape[0], micro_batches=micro_batches, schedule=schedule,
+                             stage_of=stage_of, chunks_per_rank=chunks)
+    return Plan.from_json(plan.to_json())
+
+
+def pipeline_case(spec: str) -> dict:
+    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks per rank>"""
+    _, mesh_text, model_name, schedule, m, v = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v))
+    pm = autopar.compile.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses = [], []
+    for inputs, target in batches:
+        losses.append(pm.train_step((inputs,), target).item())
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_err": param_err, "losses": losses, "stages": len(pm.stages)}
+
+
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
         try:
             if spec == "errors":
                 result = error_cases(dist.get_world_size())
+            elif spec.startswith("pp:"):
+                result = pipeline_case(spec)
             elif spec.startswith("resume:"):
                 result = resume_case(spec)
             else:
                 result = run_case(spec)
-        except Exception as exc:  # reported per case; the test asserts on it
-            result = {"case": spec, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # reported, then the launch ends: other ranks may be stuck
+            print("RESULT " + json.dumps({"case": spec, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            os._exit(1)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
