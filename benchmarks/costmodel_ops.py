@@ -1,0 +1,65 @@
+"""Record the ATen ops one rank runs, as cost-model ``Op``s (FLOPs, bytes, dtype).
+
+Used by the accuracy benchmark to get the per-rank op inventory of a model's forward
+pass from its shapes (codegen does not exist yet, so the sharded model is the graph).
+DTensor arguments count by their local shards. Collectives are not recorded: the
+benchmark prices them from the layout. View ops count with zero FLOPs and bytes (they
+still pay the fixed per-op cost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from costmodels.step import Op
+
+_COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _local(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class OpRecorder(TorchDispatchMode):
+    """``with OpRecorder() as rec: model(x)``; then ``rec.ops`` and ``rec.names``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in _COMM_NAMESPACES:
+            return out
+        largs, lkwargs, lout = tree_map(_local, args), tree_map(_local, kwargs), tree_map(_local, out)
+        ins, outs = _tensors((largs, lkwargs)), _tensors(lout)
+        is_view = bool(func._schema.returns) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        )
+        flops = 0
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*largs, **lkwargs, out_val=lout)
+        elif packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+            # the CPU kernel's FLOPs, counted as flop_counter counts the CUDA one's
+            flops = sdpa_flop_count(largs[0].shape, largs[1].shape, largs[2].shape)
+        nbytes = 0 if is_view else sum(t.numel() * t.element_size() for t in ins + outs)
+        floats = [t.dtype for t in ins + outs if t.dtype in _DTYPE]
+        dtype = _DTYPE[floats[0]] if floats else "fp32"
+        self.ops.append(Op(float(flops), float(nbytes), dtype))
+        self.names.append(str(func))
+        return out

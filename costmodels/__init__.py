@@ -1,0 +1,89 @@
+"""autopar's cost model: hardware profiles and pure cost functions.
+
+Imports only torch, numpy, sympy and the standard library, plus tqdm inside the
+profiler for its progress bar; never ``passes`` or ``autopar``. The planner calls:
+
+- ``preset(name, mesh_shape)`` / ``h100(...)`` / ``a100(...)``, or a measured profile
+  from ``profile_mesh(...)`` (under torchrun) or ``load_profile(path, ...)``;
+- ``compute_time(flops, bytes_moved, dtype, profile)``;
+- ``collective_time(collective, nbytes, axis, profile)``;
+- ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
+  ``reshard_time(shape, itemsize, src, dst, profile)``;
+- ``model_state_bytes(n_params, zero, n_shards, precision)``,
+  ``layer_activation_bytes(...)``, ``activation_bytes(...)``, ``bubble_fraction(...)``,
+  ``pipeline_time(...)``;
+- ``step_time(forward_ops, profile, forward_comm=..., backward_extra=..., optimizer_ops=...)``.
+
+The formulas themselves are sympy expressions in ``costmodels.formulas``.
+"""
+
+from costmodels.cache import check_profile, default_cache_dir, load_profile
+from costmodels.comm import (
+    Step,
+    backward_reshard_plan,
+    collective_time,
+    grad_target,
+    local_numel,
+    reshard_plan,
+    reshard_time,
+    short,
+)
+from costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
+from costmodels.memory import (
+    activation_bytes,
+    bubble_fraction,
+    layer_activation_bytes,
+    micro_batches_in_flight,
+    model_state_bytes,
+    pipeline_time,
+)
+from costmodels.presets import PRESETS, a100, h100, preset
+from costmodels.profile import (
+    COLLECTIVES,
+    AxisProfile,
+    CollectiveFit,
+    DeviceProfile,
+    HardwareProfile,
+    ProfileError,
+    Rate,
+)
+from costmodels.step import Op, StepCost, adamw_ops, step_time
+
+__all__ = [
+    "COLLECTIVES",
+    "PRESETS",
+    "AxisProfile",
+    "CollectiveFit",
+    "DeviceProfile",
+    "HardwareProfile",
+    "Op",
+    "ProfileError",
+    "Rate",
+    "Step",
+    "StepCost",
+    "a100",
+    "activation_bytes",
+    "adamw_ops",
+    "backward_reshard_plan",
+    "bubble_fraction",
+    "check_profile",
+    "collective_time",
+    "compute_time",
+    "default_cache_dir",
+    "grad_target",
+    "h100",
+    "layer_activation_bytes",
+    "load_profile",
+    "local_numel",
+    "matmul_flops",
+    "matmul_time",
+    "micro_batches_in_flight",
+    "model_state_bytes",
+    "pipeline_time",
+    "pointwise_time",
+    "preset",
+    "reshard_plan",
+    "reshard_time",
+    "short",
+    "step_time",
+]

@@ -1,0 +1,194 @@
+"""Communication costs: one collective, and resharding a tensor between placements.
+
+Pure functions of shapes, placements and a ``HardwareProfile``. A placement spec is a
+tuple with one ``Shard(dim)`` / ``Replicate()`` / ``Partial()`` per mesh axis, axis 0
+outermost (DTensor's convention). ``reshard_plan`` follows the greedy plan of DTensor's
+``redistribute`` (torch/distributed/tensor/_redistribute.py): first, when the source
+shards anything, from the innermost axis out, every axis changes to its target, except that an axis whose target shards a
+dim that is sharded differently on the axes outside it is first replicated; then, from
+the outermost axis in, what is left. Each step is priced on the local shard it moves.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple, Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from costmodels.formulas import compiled
+from costmodels.profile import COLLECTIVES, HardwareProfile
+
+Spec = tuple[Placement, ...]
+
+
+class Step(NamedTuple):
+    """One collective of a resharding: which, on which mesh axis, on a buffer of X bytes."""
+
+    collective: str
+    axis: int
+    bytes: int
+
+
+def collective_time(collective: str, nbytes: float, axis: int | str, profile: HardwareProfile) -> float:
+    """Seconds for ``collective`` over mesh ``axis`` on a buffer of ``nbytes`` (see
+    ``formulas.COLLECTIVE_BUFFER`` for which buffer). Zero on an axis of size 1."""
+    ax = profile.axis(axis)
+    if ax.size == 1 or nbytes == 0:
+        return 0.0
+    fit = ax.collectives.get(collective)
+    if fit is None:
+        raise KeyError(f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}.")
+    return _collective_fn(collective)(fit.alpha_s, fit.beta_bytes_per_s, ax.size, nbytes)
+
+
+@lru_cache(maxsize=None)
+def _collective_fn(collective: str):
+    return compiled(f"collective.{collective}")
+
+
+def short(placement: Placement) -> str:
+    """``S(0)``, ``R``, ``P``: the printed short form."""
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Partial):
+        return "P"
+    raise TypeError(
+        f"autopar: expected a placement Shard(dim), Replicate() or Partial(); found {placement!r}."
+    )
+
+
+def _check(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], what: str) -> None:
+    if len(spec) != len(mesh_shape):
+        raise ValueError(
+            f"autopar: {what} placement {tuple(map(short, spec))} has {len(spec)} entries but the "
+            f"mesh {tuple(mesh_shape)} has {len(mesh_shape)} axes; give one placement per axis."
+        )
+    for pl in spec:
+        short(pl)
+        if isinstance(pl, Shard) and not -len(shape) <= pl.dim < len(shape):
+            raise ValueError(
+                f"autopar: {what} placement {short(pl)} shards dim {pl.dim} of a tensor of shape "
+                f"{tuple(shape)}; the dim must be in [0, {len(shape)})."
+            )
+
+
+def _norm(spec: Spec, ndim: int) -> Spec:
+    return tuple(Shard(pl.dim % ndim) if isinstance(pl, Shard) else pl for pl in spec)
+
+
+def local_numel(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """Elements of the largest local shard (uneven splits round up, as DTensor pads)."""
+    local = list(shape)
+    for pl, n in zip(spec, mesh_shape):
+        if isinstance(pl, Shard):
+            local[pl.dim] = -(-local[pl.dim] // n)
+    return math.prod(local)
+
+
+def _transition(src: Placement, dst: Placement) -> str | None:
+    """The collective that takes one mesh axis from ``src`` to ``dst`` (None: local, free)."""
+    if src == dst:
+        return None
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return "all_gather"
+        if isinstance(dst, Shard):
+            return "all_to_all"
+        return None  # S -> P: keep the shard, zeros elsewhere
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+    return None  # R -> S slices, R -> P keeps one rank's copy
+
+
+def reshard_plan(
+    shape: Sequence[int],
+    itemsize: int,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    mesh_shape: Sequence[int],
+) -> tuple[Step, ...]:
+    """The collectives that take a tensor from placement ``src`` to ``dst`` on the mesh.
+
+    Local moves (R->S slice, R->P, S->P) are free and not listed. ``bytes`` is each
+    collective's buffer X (per rank, as in ``formulas.COLLECTIVE_BUFFER``). Cached.
+    """
+    return _reshard_plan(tuple(shape), itemsize, tuple(src), tuple(dst), tuple(mesh_shape))
+
+
+@lru_cache(maxsize=1 << 16)
+def _reshard_plan(
+    shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]
+) -> tuple[Step, ...]:
+    _check(shape, src, mesh_shape, "source")
+    _check(shape, dst, mesh_shape, "target")
+    ndim = len(shape)
+    cur, tgt = list(_norm(src, ndim)), list(_norm(dst, ndim))
+    steps: list[Step] = []
+
+    def move(axis: int, to: Placement) -> None:
+        kind = _transition(cur[axis], to)
+        if kind is not None and mesh_shape[axis] > 1:
+            before = local_numel(shape, tuple(cur), mesh_shape)
+            # an all-gather's buffer is its output: N padded input shards
+            buffer = before * mesh_shape[axis] if kind == "all_gather" else before
+            steps.append(Step(kind, axis, buffer * itemsize))
+        cur[axis] = to
+
+    if any(isinstance(pl, Shard) for pl in cur):
+        for axis in reversed(range(len(cur))):
+            to = tgt[axis]
+            if isinstance(to, Shard):
+                outer_cur = [i for i in range(axis) if cur[i] == Shard(to.dim)]
+                outer_tgt = [i for i in range(axis) if tgt[i] == Shard(to.dim)]
+                if outer_cur != outer_tgt:
+                    to = Replicate()
+            if cur[axis] != to:
+                move(axis, to)
+    for axis in range(len(cur)):
+        if cur[axis] != tgt[axis]:
+            move(axis, tgt[axis])
+    return tuple(steps)
+
+
+def reshard_time(
+    shape: tuple[int, ...],
+    itemsize: int,
+    src: Spec,
+    dst: Spec,
+    profile: HardwareProfile,
+) -> float:
+    """Seconds to reshard a tensor from ``src`` to ``dst`` on ``profile``'s mesh."""
+    plan = _reshard_plan(tuple(shape), itemsize, tuple(src), tuple(dst), profile.mesh_shape)
+    return sum(collective_time(s.collective, s.bytes, s.axis, profile) for s in plan)
+
+
+def grad_target(src: Spec, grad: Spec) -> Spec:
+    """The placement a forward input's gradient is brought to in backward: the input's
+    own placement, except that a Partial input gets a Replicate gradient unless the
+    gradient arrives Partial (DTensor's ``_redistribute_backward``)."""
+    return tuple(
+        Replicate() if isinstance(t, Partial) and not isinstance(g, Partial) else t for g, t in zip(grad, src)
+    )
+
+
+def backward_reshard_plan(
+    shape: tuple[int, ...],
+    itemsize: int,
+    src: Spec,
+    dst: Spec,
+    mesh_shape: tuple[int, ...],
+    grad: Spec | None = None,
+) -> tuple[Step, ...]:
+    """The collectives of the gradient's resharding in backward, for a forward resharding
+    ``src -> dst``. ``grad`` is the placement the output gradient arrives in: by default
+    ``dst`` (consumers computed redundantly); Partial where the consumer contracted over a
+    sharded dim or each rank saw different data. So an all-gather of a parameter used by
+    data-parallel compute (grad Partial) has a reduce-scatter as its dual, a P -> R
+    all-reduce has a free dual, and a free R -> S slice has an all-gather as its dual."""
+    grad = tuple(dst) if grad is None else tuple(grad)
+    return reshard_plan(tuple(shape), itemsize, grad, grad_target(tuple(src), grad), tuple(mesh_shape))

@@ -1,0 +1,74 @@
+"""Compute costs: FLOPs and bytes of an op, priced by a roofline on measured rates.
+
+``compute_time(flops, bytes_moved, dtype, profile)`` is ``formulas.COMPUTE_TIME``: the
+op is bound by the matmul rate or the memory bandwidth, whichever takes longer, and
+pays the fixed cost (launch, dispatch) measured for that kind of op.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from costmodels.formulas import compiled
+from costmodels.profile import DTYPES, HardwareProfile
+
+_TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``"fp32"``, ``"bf16"`` or ``"fp16"`` for a torch dtype or one of those names."""
+    if isinstance(dtype, str):
+        if dtype in DTYPES:
+            return dtype
+    elif dtype in _TORCH_DTYPES:
+        return _TORCH_DTYPES[dtype]
+    raise ValueError(
+        f"autopar: expected a floating dtype among {list(DTYPES)} (or torch.float32/bfloat16/"
+        f"float16); found {dtype!r}. Integer ops are priced as fp32 pointwise ops: pass 'fp32'."
+    )
+
+
+@lru_cache(maxsize=1)
+def _compute_fn():
+    return compiled("compute")
+
+
+def compute_time(
+    flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile
+) -> float:
+    """Seconds for one op doing ``flops`` FLOPs and moving ``bytes_moved`` bytes."""
+    d = dtype_name(dtype)
+    mm, pw = profile.device.matmul[d], profile.device.pointwise[d]
+    return _compute_fn()(flops, bytes_moved, mm.rate, pw.rate, mm.latency_s, pw.latency_s)
+
+
+def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> int:
+    """FLOPs of ``batch`` products of an (m, k) by a (k, n) matrix: 2mkn each."""
+    return 2 * batch * m * k * n
+
+
+def matmul_bytes(m: int, k: int, n: int, itemsize: int, batch: int = 1) -> int:
+    """Bytes a matmul reads and writes at least once: both inputs and the output."""
+    return batch * (m * k + k * n + m * n) * itemsize
+
+
+def pointwise_bytes(shapes: Sequence[Sequence[int]], itemsize: int) -> int:
+    """Bytes a pointwise op moves: every input and output tensor read or written once."""
+    return sum(math.prod(s) for s in shapes) * itemsize
+
+
+def matmul_time(
+    m: int, k: int, n: int, dtype: torch.dtype | str, profile: HardwareProfile, batch: int = 1
+) -> float:
+    itemsize = ITEMSIZE[dtype_name(dtype)]
+    return compute_time(matmul_flops(m, k, n, batch), matmul_bytes(m, k, n, itemsize, batch), dtype, profile)
+
+
+def pointwise_time(numel: int, n_tensors: int, dtype: torch.dtype | str, profile: HardwareProfile) -> float:
+    """A pointwise op over ``numel`` elements touching ``n_tensors`` tensors (inputs + output)."""
+    return compute_time(0, numel * n_tensors * ITEMSIZE[dtype_name(dtype)], dtype, profile)

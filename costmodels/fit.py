@@ -1,0 +1,52 @@
+"""Least-squares fits of ``t = a + b x`` to measured times.
+
+Sweeps span several orders of magnitude in x, so the fit minimises *relative*
+residuals (each row weighted by 1/t): a 4 KB message and a 4 MB one count alike.
+A negative intercept (latency) is not physical; the fit then refits with a = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearFit:
+    intercept: float  # a, seconds
+    slope: float  # b, seconds per unit of x
+    median_rel_error: float  # median |t_fit - t| / t over the fitted points
+    points: int
+
+    def __call__(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearFit:
+    """Weighted least squares of ``t = a + b x`` with a >= 0 and b > 0."""
+    xs, ts = np.asarray(x, dtype=float), np.asarray(t, dtype=float)
+    if xs.shape != ts.shape or xs.size < 2:
+        raise ValueError(
+            f"autopar: a fit needs at least 2 (size, time) points of equal count; found "
+            f"{xs.size} sizes and {ts.size} times."
+        )
+    if not np.all(ts > 0) or not np.all(np.isfinite(ts)):
+        raise ValueError(f"autopar: measured times must be positive and finite; found {ts.tolist()}.")
+    w = 1.0 / ts
+    design = np.stack([np.ones_like(xs), xs], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, ts * w, rcond=None)
+    if a < 0:
+        a = 0.0
+        b = float(np.sum(xs * w * w * ts) / np.sum((xs * w) ** 2))
+    if not b > 0:
+        raise ValueError(
+            f"autopar: the measured times do not grow with size (slope {b:.3g} s per unit), so "
+            f"no rate can be fitted; sizes {xs.tolist()}, times {ts.tolist()}. Widen the sweep "
+            f"to larger sizes or re-run on a quieter machine."
+        )
+    rel = np.abs(a + b * xs - ts) / ts
+    return LinearFit(
+        intercept=float(a), slope=float(b), median_rel_error=float(np.median(rel)), points=int(xs.size)
+    )

@@ -1,0 +1,154 @@
+"""Every cost formula of autopar, in one place, as sympy expressions.
+
+A plan's explanation prints these (``describe(name)``); the solver evaluates them
+through ``compiled(name)``, a cached ``lambdify`` of the same expression, so what is
+printed is what is computed.
+
+Symbols (all SI units: seconds, bytes, FLOP):
+
+- ``X``     buffer size of a collective in bytes (which buffer: see COLLECTIVE_BUFFER)
+- ``N``     number of ranks on the mesh axis the collective runs over
+- ``alpha`` fixed latency of the collective on that axis (s)
+- ``beta``  bus bandwidth of the collective on that axis (bytes/s, nccl-tests' busbw)
+- ``F``, ``B``  FLOPs and bytes moved by an op; ``R``, ``W`` achieved FLOP/s and bytes/s;
+  ``t_R``, ``t_W`` fixed costs of a matmul-bound and a bandwidth-bound op
+- ``Psi``   parameter count; ``p``, ``g``, ``o`` bytes per parameter of parameters,
+  gradients and optimizer state; ``N_d`` ranks sharing the ZeRO partition
+- ``P``     pipeline stages; ``M`` micro-batches; ``v`` model chunks per rank (interleaved)
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Callable
+
+import sympy as sp
+
+X, N, alpha, beta = sp.symbols("X N alpha beta", positive=True)
+F, B, R, W, t_R, t_W = sp.symbols("F B R W t_R t_W", nonnegative=True)
+Psi, p, g, o, N_d = sp.symbols("Psi p g o N_d", positive=True)
+P, M, v = sp.symbols("P M v", positive=True)
+A, t_f, t_b, t_comm_f, t_comm_b, t_opt = sp.symbols("A t_f t_b t_comm_f t_comm_b t_opt", nonnegative=True)
+
+# -- collectives (ring algorithms; Thakur et al. 2005, and nccl-tests' PERFORMANCE.md
+#    which defines busbw with exactly these factors) -------------------------------------
+BUS_FACTOR = {
+    "all_reduce": 2 * (N - 1) / N,
+    "all_gather": (N - 1) / N,
+    "reduce_scatter": (N - 1) / N,
+    "all_to_all": (N - 1) / N,
+    "send_recv": sp.Integer(1),
+}
+# Which buffer X is, so that the same number means the same thing everywhere.
+COLLECTIVE_BUFFER = {
+    "all_reduce": "the tensor reduced, per rank",
+    "all_gather": "the gathered output, per rank (N times the input)",
+    "reduce_scatter": "the input, per rank (N times the output)",
+    "all_to_all": "the send buffer, per rank (equal to the receive buffer)",
+    "send_recv": "the message",
+}
+COLLECTIVE_TIME = {c: alpha + f * X / beta for c, f in BUS_FACTOR.items()}
+
+# -- compute: roofline with measured rates; the bound that binds brings its fixed cost --
+COMPUTE_TIME = sp.Piecewise(
+    (t_R + F / R, F / R > B / W),
+    (t_W + B / W, True),
+)
+
+# -- memory per device of parameters, gradients and optimizer state under ZeRO --------
+# Rajbhandari et al. 2020 (ZeRO), Fig. 1: with mixed precision p=2, g=2, o=12 (fp32
+# master weights, Adam m and v) this gives 16Psi, 4Psi+12Psi/N, 2Psi+14Psi/N, 16Psi/N.
+ZERO_MEMORY = {
+    0: (p + g + o) * Psi,
+    1: (p + g) * Psi + o * Psi / N_d,
+    2: p * Psi + (g + o) * Psi / N_d,
+    3: (p + g + o) * Psi / N_d,
+}
+BYTES_PER_PARAM = {
+    # (p, g, o): mixed precision AdamW keeps bf16/fp16 params and grads, fp32 master
+    # copy + m + v (ZeRO paper, K=12); plain fp32 AdamW keeps fp32 params, grads, m, v.
+    "mixed": (2, 2, 12),
+    "fp32": (4, 4, 8),
+}
+
+# -- pipeline: micro-batches whose activations are alive at once on the first stage ----
+# GPipe holds all M; 1F1B (PipeDream-flush, Narayanan et al. 2021) at most P; the
+# interleaved schedule with v chunks holds P + (P-1)/v stage-sized micro-batches
+# (Korthikanti et al. 2022, "Reducing Activation Recomputation", sec. 4.2.3: a factor
+# 1 + (P-1)/(P v) over 1F1B).
+IN_FLIGHT = {
+    "gpipe": M,
+    "1f1b": sp.Min(M, P),
+    "interleaved_1f1b": sp.Min(M, P + (P - 1) / v),
+}
+ACTIVATION_MEMORY = {k: A * n for k, n in IN_FLIGHT.items()}
+
+# Activation bytes one transformer layer keeps for backward, per micro-batch, with 16-bit
+# activations and no recomputation (Korthikanti et al. 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", sec. 4, eqs. 1-3): s sequence, b batch,
+# h hidden, a heads, t tensor-parallel ranks.
+s_, b_, h_, a_, t_ = sp.symbols("s b h a t", positive=True)
+LAYER_ACTIVATIONS = {
+    "none": s_ * b_ * h_ * (34 + 5 * a_ * s_ / h_),
+    "tensor_parallel": s_ * b_ * h_ * (10 + 24 / t_ + 5 * a_ * s_ / (h_ * t_)),
+    "tensor_sequence_parallel": s_ * b_ * h_ / t_ * (34 + 5 * a_ * s_ / h_),
+}
+
+# Idle fraction of the step (Narayanan et al. 2021, sec. 2.2: bubble time (P-1)/v per
+# micro-batch time against M of work).
+BUBBLE_FRACTION = {
+    "gpipe": (P - 1) / (M + P - 1),
+    "1f1b": (P - 1) / (M + P - 1),
+    "interleaved_1f1b": (P - 1) / (v * M + P - 1),
+}
+# Step time of a pipeline whose slowest stage takes t_f + t_b per micro-batch.
+PIPELINE_TIME = {
+    "gpipe": (M + P - 1) * (t_f + t_b),
+    "1f1b": (M + P - 1) * (t_f + t_b),
+    "interleaved_1f1b": (M + (P - 1) / v) * (t_f + t_b),
+}
+
+# -- one training step without pipelining: forward, backward (about twice the forward
+#    FLOPs, Kaplan et al. 2020 sec. 2.1), the dual collectives, optimizer step ----------
+STEP_TIME = t_f + t_b + t_comm_f + t_comm_b + t_opt
+BACKWARD_FLOPS = 2 * F
+
+_TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
+    **{f"collective.{c}": (e, (alpha, beta, N, X)) for c, e in COLLECTIVE_TIME.items()},
+    "compute": (COMPUTE_TIME, (F, B, R, W, t_R, t_W)),
+    **{f"zero{z}": (e, (Psi, p, g, o, N_d)) for z, e in ZERO_MEMORY.items()},
+    **{f"in_flight.{s}": (e, (M, P, v)) for s, e in IN_FLIGHT.items()},
+    **{f"layer_activations.{k}": (e, (s_, b_, h_, a_, t_)) for k, e in LAYER_ACTIVATIONS.items()},
+    **{f"bubble.{s}": (e, (M, P, v)) for s, e in BUBBLE_FRACTION.items()},
+    **{f"pipeline.{s}": (e, (M, P, v, t_f, t_b)) for s, e in PIPELINE_TIME.items()},
+    "step": (STEP_TIME, (t_f, t_b, t_comm_f, t_comm_b, t_opt)),
+}
+
+
+def names() -> list[str]:
+    """The names of every formula, for ``describe`` and ``compiled``."""
+    return list(_TABLE)
+
+
+def expression(name: str) -> sp.Expr:
+    if name not in _TABLE:
+        raise KeyError(f"autopar: no cost formula named {name!r}; known: {names()}.")
+    return _TABLE[name][0]
+
+
+def describe(name: str) -> str:
+    """``name = <formula>``, e.g. for a plan's explanation."""
+    return f"{name} = {sp.sstr(expression(name))}"
+
+
+@cache
+def compiled(name: str) -> Callable[..., float]:
+    """A fast plain-Python function of the formula's symbols, in ``signature(name)`` order."""
+    expression(name)  # a clear error for unknown names
+    expr, args = _TABLE[name]
+    return sp.lambdify(args, expr, modules="math")
+
+
+def signature(name: str) -> tuple[str, ...]:
+    expression(name)
+    return tuple(s.name for s in _TABLE[name][1])

@@ -1,0 +1,236 @@
+"""HardwareProfile: the measured (or sourced) numbers every cost function reads.
+
+Plain dataclasses with an exact JSON round-trip. One profile describes one device
+kind on one mesh: the device's compute and memory rates, and for every mesh axis the
+latency alpha and bandwidth beta of each collective on that axis, fitted to
+
+    t = alpha + factor(N) * X / beta          (see ``formulas.COLLECTIVE_TIME``)
+
+where X is the collective's buffer size in bytes and beta is the *bus* bandwidth in
+nccl-tests' sense (so published nccl-tests ``busbw`` figures drop straight in).
+Compute follows the same fixed-cost-plus-rate form: ``t = latency + amount / rate``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROFILE_VERSION = 1
+
+DTYPES = ("fp32", "bf16", "fp16")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LINKS = ("intra_node", "inter_node")
+
+
+class ProfileError(ValueError):
+    """A profile that is missing, corrupt, or does not match the machine or mesh."""
+
+
+@dataclass(kw_only=True)
+class Rate:
+    """``t = latency_s + amount / rate``: a fixed cost and a sustained rate.
+
+    ``rate`` is FLOP/s for matmuls and bytes/s for pointwise ops.
+    """
+
+    latency_s: float
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and self.latency_s >= 0):
+            raise ProfileError(
+                f"autopar: a Rate needs rate > 0 and latency_s >= 0; found rate={self.rate}, "
+                f"latency_s={self.latency_s}. Re-measure with `autopar profile --force`."
+            )
+
+
+@dataclass(kw_only=True)
+class CollectiveFit:
+    """alpha (s) and bus bandwidth beta (bytes/s) of one collective on one axis."""
+
+    alpha_s: float
+    beta_bytes_per_s: float
+    source: str = ""  # where the numbers came from (fit residual, or citation)
+
+    def __post_init__(self) -> None:
+        if not (self.beta_bytes_per_s > 0 and self.alpha_s >= 0):
+            raise ProfileError(
+                f"autopar: a CollectiveFit needs beta > 0 and alpha >= 0; found "
+                f"alpha={self.alpha_s}, beta={self.beta_bytes_per_s}. Re-measure with "
+                f"`autopar profile --force`."
+            )
+
+
+@dataclass(kw_only=True)
+class AxisProfile:
+    name: str
+    size: int
+    link: str  # one of LINKS: the link this axis's groups ride
+    collectives: dict[str, CollectiveFit]
+
+    def __post_init__(self) -> None:
+        if self.link not in LINKS:
+            raise ProfileError(
+                f"autopar: mesh axis {self.name!r} has link {self.link!r}; expected one of " f"{list(LINKS)}."
+            )
+        missing = [c for c in COLLECTIVES if c not in self.collectives]
+        if missing:
+            raise ProfileError(
+                f"autopar: mesh axis {self.name!r} has no fit for {missing}; every axis needs "
+                f"{list(COLLECTIVES)}. Re-measure with `autopar profile --force`."
+            )
+
+
+@dataclass(kw_only=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: int
+    matmul: dict[str, Rate]  # dtype -> achieved matmul (latency, FLOP/s)
+    pointwise: dict[str, Rate]  # dtype -> achieved pointwise (latency, bytes/s)
+    peak_matmul_flops: dict[str, float]  # dtype -> datasheet peak (dense)
+    peak_memory_bandwidth: float  # bytes/s, datasheet
+    peak_source: str = ""
+
+    def __post_init__(self) -> None:
+        for what, table in (("matmul", self.matmul), ("pointwise", self.pointwise)):
+            missing = [d for d in DTYPES if d not in table]
+            if missing:
+                raise ProfileError(
+                    f"autopar: device {self.name!r} has no {what} rate for {missing}; "
+                    f"expected all of {list(DTYPES)}. Re-measure with `autopar profile --force`."
+                )
+
+
+@dataclass(kw_only=True)
+class HardwareProfile:
+    machine: str  # fingerprint of the machine it was measured on, or "preset:<name>"
+    backend: str  # "nccl", "gloo" or "preset"
+    mesh_shape: tuple[int, ...]
+    device: DeviceProfile
+    axes: list[AxisProfile]
+    source: str = ""  # how it was made: command, date, preset citation
+    version: int = PROFILE_VERSION
+    _axis_index: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = tuple(int(n) for n in self.mesh_shape)
+        sizes = tuple(a.size for a in self.axes)
+        if sizes != self.mesh_shape:
+            raise ProfileError(
+                f"autopar: profile axes have sizes {sizes} but mesh_shape is {self.mesh_shape}; "
+                f"they must agree. Re-measure with `autopar profile --force`."
+            )
+        self._axis_index = {a.name: i for i, a in enumerate(self.axes)}
+
+    # -- lookup -------------------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    def axis(self, axis: int | str) -> AxisProfile:
+        """The profile of a mesh axis, by index or by name."""
+        if isinstance(axis, str):
+            if axis not in self._axis_index:
+                raise ProfileError(
+                    f"autopar: no mesh axis named {axis!r} in this profile; it has "
+                    f"{list(self.axis_names)}."
+                )
+            return self.axes[self._axis_index[axis]]
+        if not 0 <= axis < len(self.axes):
+            raise ProfileError(
+                f"autopar: mesh axis {axis} is out of range for a profile of mesh "
+                f"{self.mesh_shape} (axes 0..{len(self.axes) - 1})."
+            )
+        return self.axes[axis]
+
+    def fit(self, collective: str, axis: int | str) -> CollectiveFit:
+        fits = self.axis(axis).collectives
+        if collective not in fits:
+            raise ProfileError(
+                f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}."
+            )
+        return fits[collective]
+
+    def check_mesh(self, mesh_shape: tuple[int, ...]) -> None:
+        """Raise unless this profile was made for ``mesh_shape``."""
+        if tuple(mesh_shape) != self.mesh_shape:
+            raise ProfileError(
+                f"autopar: this hardware profile was made for mesh {self.mesh_shape}, but the "
+                f"plan uses mesh {tuple(mesh_shape)}. Profile that mesh (`autopar profile "
+                f"--mesh {'x'.join(map(str, mesh_shape))}`) or build a preset for it "
+                f"(`costmodels.preset(name, mesh_shape)`)."
+            )
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_axis_index")
+        d["mesh_shape"] = list(self.mesh_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HardwareProfile:
+        try:
+            if d.get("version") != PROFILE_VERSION:
+                raise ProfileError(
+                    f"autopar: profile format version {d.get('version')!r}; this autopar reads "
+                    f"version {PROFILE_VERSION}. Re-measure with `autopar profile --force`."
+                )
+            dev = dict(d["device"])
+            dev["matmul"] = {k: Rate(**v) for k, v in dev["matmul"].items()}
+            dev["pointwise"] = {k: Rate(**v) for k, v in dev["pointwise"].items()}
+            axes = [
+                AxisProfile(
+                    **{**a, "collectives": {k: CollectiveFit(**v) for k, v in a["collectives"].items()}}
+                )
+                for a in d["axes"]
+            ]
+            rest = {k: v for k, v in d.items() if k not in ("device", "axes", "mesh_shape")}
+            return cls(**rest, mesh_shape=tuple(d["mesh_shape"]), device=DeviceProfile(**dev), axes=axes)
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ProfileError(
+                f"autopar: a hardware profile must hold machine, backend, mesh_shape, device "
+                f"and axes (format version {PROFILE_VERSION}); this one does not ({type(e).__name__}: "
+                f"{e}). Delete it or re-measure with `autopar profile --force`."
+            ) from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> HardwareProfile:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(
+                f"autopar: a hardware profile must be JSON; this is not ({e}). Delete it or "
+                f"re-measure with `autopar profile --force`."
+            ) from None
+        if not isinstance(d, dict):
+            raise ProfileError(
+                f"autopar: a hardware profile must be a JSON object; found {type(d).__name__}. "
+                f"Delete it or re-measure with `autopar profile --force`."
+            )
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileError(
+                f"autopar: expected a hardware profile at {path}, found nothing. Measure one "
+                f"with `torchrun --nproc_per_node N -m autopar.cli profile` or use a preset "
+                f"(hardware='h100')."
+            )
+        return cls.from_json(path.read_text())

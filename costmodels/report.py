@@ -1,0 +1,44 @@
+"""Printed forms of a profile: markdown tables for the CLI, notes and reports."""
+
+from __future__ import annotations
+
+from costmodels.profile import COLLECTIVES, HardwareProfile
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, "")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def profile_table(profile: HardwareProfile) -> str:
+    """The profile as markdown: alpha/beta per axis and collective, then compute rates."""
+    lines = [
+        f"hardware profile: {profile.device.name}, backend {profile.backend}, mesh {profile.mesh_shape}",
+        f"source: {profile.source}",
+        "",
+        "| axis | size | link | collective | alpha (us) | beta (bus bandwidth) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for ax in profile.axes:
+        for c in COLLECTIVES:
+            fit = ax.collectives[c]
+            lines.append(
+                f"| {ax.name} | {ax.size} | {ax.link} | {c} | {fit.alpha_s * 1e6:.1f} | "
+                f"{_si(fit.beta_bytes_per_s, 'B/s')} |"
+            )
+    lines += [
+        "",
+        "| dtype | matmul latency (us) | matmul rate | pointwise latency (us) | pointwise bandwidth |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    dev = profile.device
+    for d in dev.matmul:
+        mm, pw = dev.matmul[d], dev.pointwise[d]
+        lines.append(
+            f"| {d} | {mm.latency_s * 1e6:.1f} | {_si(mm.rate, 'FLOP/s')} | {pw.latency_s * 1e6:.1f} | "
+            f"{_si(pw.rate, 'B/s')} |"
+        )
+    lines.append(f"\ndevice memory: {_si(dev.memory_bytes, 'B')}")
+    return "\n".join(lines)

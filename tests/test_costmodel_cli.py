@@ -1,0 +1,119 @@
+"""The profiler and `autopar profile`: cache reuse, bad caches, bad arguments, and one
+2-rank gloo smoke run under torchrun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from autopar.cli import main
+from costmodels import HardwareProfile
+from costmodels.profiler import Sweep, profile_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = Sweep(
+    comm_bytes=(1 << 10, 1 << 16),
+    matmul_shapes=((16, 16, 16), (96, 96, 96)),
+    low_precision_shapes=((16, 16, 16), (64, 64, 64)),
+    pointwise_numel=(1 << 8, 1 << 17),
+    repeats=3,
+    warmup=2,
+    min_batch_s=0.001,
+)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_profile_is_cached_reused_and_remeasured_when_bad(one_rank, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    p1, path, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
+    assert measured and path.is_file() and path.parent == cache
+    assert p1.backend == "gloo" and p1.mesh_shape == (1,) and p1.axes[0].link == "intra_node"
+    assert all(r.rate > 0 for r in p1.device.matmul.values())
+    p2, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
+    assert not measured and p2 == p1
+    # a corrupt cache entry is re-measured, with a message saying why
+    path.write_text("{oops")
+    _, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
+    assert measured and "must be JSON" in capsys.readouterr().out
+    # a profile of another machine under this key is re-measured too
+    other = HardwareProfile.load(path)
+    other.machine = "another-host|cpu"
+    other.save(path)
+    _, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
+    assert measured and "another-host" in capsys.readouterr().out
+    # force always measures
+    assert profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False, force=True)[2]
+
+
+def test_profile_mesh_rejects_a_mesh_of_the_wrong_size(one_rank, tmp_path):
+    with pytest.raises(ValueError, match="autopar: mesh \\(2, 2\\) has 4 ranks but 1 processes"):
+        profile_mesh((2, 2), cache_dir=tmp_path, sweep=TINY)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["profile", "--mesh", "2y2"], "expected a mesh shape like 4 or 2x2"),
+        (["profile", "--bogus"], "unrecognized arguments: --bogus"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_arguments_give_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: ") and match in err and err.count("\n") == 1
+
+
+def test_profile_outside_torchrun_says_how_to_run(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["profile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: ") and "torchrun" in err and err.count("\n") == 1
+
+
+def test_two_rank_gloo_profile_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "autopar.cli",
+        "profile",
+        "--mesh",
+        "2",
+        "--names",
+        "dp",
+        "--quick",
+        "--cache-dir",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "out.json"),
+        "--no-progress",
+    ]
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "measured and saved" in run.stdout and "| dp | 2 |" in run.stdout
+    p = HardwareProfile.load(tmp_path / "out.json")
+    assert p.mesh_shape == (2,) and p.backend == "gloo"
+    for fit in p.axes[0].collectives.values():
+        assert fit.alpha_s >= 0 and 0 < fit.beta_bytes_per_s < float("inf")
+    assert len(list(tmp_path.glob("*-gloo-2-dp.json"))) == 1

@@ -1,0 +1,125 @@
+"""HardwareProfile JSON, presets, and the errors a bad profile gets."""
+
+import json
+
+import pytest
+
+from costmodels import HardwareProfile, ProfileError, a100, check_profile, h100, load_profile, preset
+from costmodels.presets import axis_links
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    p = h100((2, 4, 8), axis_names=("pp", "dp", "tp"))
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p and q.to_json() == p.to_json()
+    p.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json") == p
+
+
+@pytest.mark.parametrize(
+    "shape, links",
+    [
+        ((8,), ["intra_node"]),
+        ((16,), ["inter_node"]),
+        ((2, 8), ["inter_node", "intra_node"]),
+        ((4, 4), ["inter_node", "intra_node"]),
+        ((2, 2, 2), ["intra_node"] * 3),
+        ((4, 2, 4), ["inter_node", "intra_node", "intra_node"]),
+        ((8, 1, 8), ["inter_node", "intra_node", "intra_node"]),
+    ],
+)
+def test_inner_axes_ride_nvlink_while_they_fit_in_a_node(shape, links):
+    assert axis_links(shape, 8) == links
+    assert [a.link for a in h100(shape).axes] == links
+
+
+def test_preset_numbers_and_sources():
+    p = h100((8,))
+    ar = p.fit("all_reduce", 0)
+    assert ar.beta_bytes_per_s == 460e9
+    assert ar.alpha_s == pytest.approx(8.4e-6 + 2 * 7 * 3.4e-6)  # NCCL ring/simple model
+    assert p.fit("all_gather", 0).alpha_s == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert "NCCL" in ar.source and "nccl-tests" in ar.source
+    assert p.device.peak_matmul_flops["bf16"] == 989.5e12
+    assert p.device.matmul["bf16"].rate == 794.5e12
+    assert h100((2, 8)).fit("all_reduce", 0).beta_bytes_per_s == 50e9
+    assert a100((8,)).fit("all_reduce", 0).beta_bytes_per_s == 235e9
+
+
+def test_h100_is_faster_than_a100():
+    h, a = h100((2, 8)), a100((2, 8))
+    assert h.device.matmul["bf16"].rate > a.device.matmul["bf16"].rate
+    for axis in (0, 1):
+        assert h.fit("all_reduce", axis).beta_bytes_per_s > a.fit("all_reduce", axis).beta_bytes_per_s
+
+
+def test_preset_lookup():
+    assert preset("H100", (4,)) == h100((4,))
+    assert preset("a100", (2, 2), ("dp", "tp")).axis("tp").size == 2
+    with pytest.raises(ValueError, match="autopar: no hardware preset named 'tpu'; known presets"):
+        preset("tpu", (4,))
+    with pytest.raises(ValueError, match="autopar: a mesh shape"):
+        preset("h100", (0, 2))
+    with pytest.raises(ValueError, match="one name per axis"):
+        h100((2, 2), ("dp",))
+
+
+def test_axis_lookup_errors():
+    p = h100((2, 2), ("dp", "tp"))
+    assert p.axis("tp") is p.axes[1]
+    with pytest.raises(ProfileError, match="autopar: no mesh axis named 'pp'"):
+        p.axis("pp")
+    with pytest.raises(ProfileError, match="out of range"):
+        p.axis(2)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ProfileError, match="autopar: expected a hardware profile at .*found nothing"):
+        HardwareProfile.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "must be JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"version": 1}', "must hold machine"),
+        ('{"version": 99}', "format version 99"),
+    ],
+)
+def test_corrupt_profiles_are_clear_errors(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=f"autopar: .*{match}"):
+        HardwareProfile.load(path)
+
+
+def test_inconsistent_profiles_are_rejected():
+    d = json.loads(h100((2, 4)).to_json())
+    d["mesh_shape"] = [4, 2]
+    with pytest.raises(ProfileError, match="axes have sizes"):
+        HardwareProfile.from_dict(d)
+    d = json.loads(h100((2,)).to_json())
+    d["axes"][0]["collectives"].pop("all_to_all")
+    with pytest.raises(ProfileError, match="no fit for \\['all_to_all'\\]"):
+        HardwareProfile.from_dict(d)
+    d = json.loads(h100((2,)).to_json())
+    d["axes"][0]["collectives"]["all_reduce"]["beta_bytes_per_s"] = -1
+    with pytest.raises(ProfileError, match="beta > 0"):
+        HardwareProfile.from_dict(d)
+
+
+def test_mismatched_profile_names_every_difference(tmp_path):
+    p = h100((2, 4), ("dp", "tp"))
+    p.save(tmp_path / "p.json")
+    with pytest.raises(ProfileError) as e:
+        load_profile(
+            tmp_path / "p.json", machine="other", backend="nccl", mesh_shape=(4, 2), axis_names=("a", "b")
+        )
+    msg = str(e.value)
+    assert msg.startswith("autopar: ")
+    for part in ("machine 'preset:h100'", "backend 'preset'", "mesh (2, 4)", "axis names"):
+        assert part in msg
+    check_profile(p, mesh_shape=(2, 4))  # matching: no error
+    with pytest.raises(ProfileError, match="made for mesh \\(2, 4\\), but the plan uses mesh \\(8,\\)"):
+        p.check_mesh((8,))

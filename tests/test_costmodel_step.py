@@ -1,0 +1,59 @@
+"""A training step from ops, collectives and the optimizer, by hand."""
+
+import pytest
+
+from costmodels import Op, Step, adamw_ops, step_time
+from costmodels.step import ADAMW_OPS, dual_steps
+from tests.test_costmodel_formulas import make_profile
+
+
+def test_step_time_by_hand():
+    p = make_profile((4,), alpha=1e-5, beta=1e9)
+    fwd_ops = [Op(2e9, 1e6, "fp32"), Op(0, 4e6, "fp32")]
+    t_f = (1e-6 + 2e9 / 1e12) + (2e-6 + 4e6 / 1e11)
+    ag = Step("all_gather", 0, 4_000_000)
+    t_ag = 1e-5 + 0.75 * 4e6 / 1e9
+    ar = Step("all_reduce", 0, 1_000_000)
+    t_ar = 1e-5 + 1.5 * 1e6 / 1e9
+    opt = adamw_ops([1000], "fp32")
+    t_opt = sum(2e-6 + k * 1000 * 4 / 1e11 for _, k in ADAMW_OPS)
+    cost = step_time(fwd_ops, p, forward_comm=[ag], backward_extra=[ar], optimizer_ops=opt)
+    assert cost.forward == pytest.approx(t_f)
+    assert cost.backward == pytest.approx(2 * t_f)
+    assert cost.forward_comm == pytest.approx(t_ag)
+    # the all-gather's dual (a reduce-scatter of the same buffer) plus the extra all-reduce
+    assert cost.backward_comm == pytest.approx(t_ag + t_ar)
+    assert cost.optimizer == pytest.approx(t_opt)
+    assert cost.total == pytest.approx(3 * t_f + 2 * t_ag + t_ar + t_opt)
+    assert set(cost.to_dict()) == {
+        "forward",
+        "backward",
+        "forward_comm",
+        "backward_comm",
+        "optimizer",
+        "total",
+    }
+
+
+def test_duals():
+    steps = [Step(c, 0, 8) for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")]
+    assert [s.collective for s in dual_steps(steps)] == [
+        "reduce_scatter",
+        "all_gather",
+        "all_reduce",
+        "all_to_all",
+        "send_recv",
+    ]
+
+
+def test_adamw_ops_touch_20_parameter_sizes_per_element():
+    ops = adamw_ops([10, 30], "bf16")
+    assert len(ops) == 2 * len(ADAMW_OPS)
+    assert sum(o.bytes for o in ops) == 20 * 40 * 2
+
+
+def test_sharding_the_optimizer_makes_its_step_cheaper():
+    p = make_profile()
+    full = step_time([], p, optimizer_ops=adamw_ops([1 << 24])).total
+    shard = step_time([], p, optimizer_ops=adamw_ops([1 << 21])).total
+    assert shard < full
