@@ -27,7 +27,7 @@ class GPTConfig:
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
         self.q = nn.Linear(cfg.dim, cfg.dim)
         self.k = nn.Linear(cfg.dim, cfg.dim)
         self.v = nn.Linear(cfg.dim, cfg.dim)
@@ -35,17 +35,16 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        h = self.n_heads
+        b, s, _ = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, h, d // h).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # -1: as many heads as this rank holds
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.o(y.transpose(1, 2).reshape(b, s, d))
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils import _pytree as pytree
 
-from autopar.runtime import build_loss_program, whole
+from autopar.runtime import build_loss_program, sync_gradients, whole
 from passes.capture import Captured
 from passes.codegen import Part, RankProgram, lower
 from passes.placements import local_slice
@@ -131,11 +131,12 @@ class PipelineModule(nn.Module):
         self.shard_names: list[str] = []
         self.stages: list[PipelineStage] = []
         self.programs: list[RankProgram] = []
+        self.stage_state: list[dict[str, torch.Tensor]] = []
         self.parts = parts
         for index in range(self.pp_rank, n_stages, pp.stages):
             part = parts[index]
             program = lower(graph, choice, self.intra, part=part)
-            state, own = [], nn.ParameterList()
+            state, own, named = [], nn.ParameterList(), {}
             for node in part.inputs:
                 if node.name not in values:
                     continue
@@ -148,7 +149,9 @@ class PipelineModule(nn.Module):
                     self.params.append(local)
                     self.shard_names.append(captured.params[node.name])
                 state.append(local)
+                named[node.name] = local
             module = _Stage(program, state, own)
+            self.stage_state.append(named)
             self.programs.append(program)
             self.stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=self.pp_group))
         self.optimizer = optimizer(list(self.params))
@@ -203,6 +206,9 @@ class PipelineModule(nn.Module):
             self.schedule.step(*args, **kwargs)
         else:
             self.schedule.step(**kwargs)
+        if self.intra is not None:
+            for program, named in zip(self.programs, self.stage_state):
+                sync_gradients(program.grad_sync, named, self.intra)
         self.optimizer.step()
         total = torch.stack(losses).mean().detach() if losses else torch.zeros((), dtype=torch.float64)
         total = total.to(torch.float64)

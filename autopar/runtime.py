@@ -141,6 +141,7 @@ class ParallelModule(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(inputs, target, local)
         loss.backward()
+        sync_gradients(self.program.grad_sync, self.local, self.mesh)
         self.optimizer.step()
         return loss.detach()
 
@@ -239,6 +240,24 @@ def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> d
         if cost < best_cost:
             best, best_cost = choice, cost
     return best
+
+
+def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:
+    """Sum the gradient shares of data-parallel parameters: one all-reduce per mesh axis
+    for all of them together (flattened), as DDP does with its buckets."""
+    by_axis: dict[int, list[torch.Tensor]] = {}
+    for name, axes in grad_sync.items():
+        grad = params[name].grad
+        if grad is not None:
+            for axis in axes:
+                by_axis.setdefault(axis, []).append(grad)
+    for axis, grads in sorted(by_axis.items()):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=mesh.get_group(axis))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:

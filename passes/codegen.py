@@ -19,7 +19,7 @@ reduce-scattered, with no special case for either.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -120,6 +120,9 @@ class RankProgram:
     gm: fx.GraphModule
     input_specs: dict[str, Spec]  # placeholder name -> placement of its local shard
     output_specs: list[Spec | None]  # per graph output (None: not a tensor)
+    # parameter placeholder -> mesh axes over which its gradient comes out of backward as
+    # this device's share, to be summed once per step for all parameters together
+    grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +155,7 @@ def lower(
     mesh: DeviceMesh | None,
     gather_per_use: frozenset[str] = frozenset(),
     part: Part | None = None,
+    batch_grad_sync: bool = True,
 ) -> RankProgram:
     """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
 
@@ -159,7 +163,11 @@ def lower(
     except the placeholders named in ``gather_per_use`` (ZeRO-3 parameters), which are
     gathered again at each use so that no whole copy outlives its consumer. With a
     ``part``, only that piece of the graph is built (a pipeline stage). ``mesh`` None:
-    a single device (a pipeline stage with no intra-op axes).
+    a single device (a pipeline stage with no intra-op axes). ``batch_grad_sync``: a
+    replicated parameter whose every use leaves it as it is and sends back a share of
+    its gradient (data parallelism) has those shares summed once per step for all such
+    parameters together (``RankProgram.grad_sync``), as DDP's buckets do, instead of
+    one all-reduce per use.
     """
     mesh_shape = tuple(mesh.shape) if mesh is not None else ()
     if mesh_shape != graph.mesh_shape:
@@ -181,6 +189,7 @@ def lower(
         return name
 
     moved: dict[tuple[fx.Node, Spec, Spec], fx.Node] = {}
+    grad_sync = _deferred_grad_sync(graph, choice, part) if batch_grad_sync else {}
 
     def fetch(src: fx.Node, needed: Spec | None, grad: Spec | None) -> fx.Node:
         have = specs[src][0]
@@ -189,6 +198,8 @@ def lower(
             not (isinstance(g, Partial) and isinstance(h, Replicate)) for g, h in zip(grad, have)
         )):
             return node
+        if src.name in grad_sync and needed == have:
+            return node  # its gradient shares are summed after backward
         key = (src, needed, grad)
         if key in moved and src.name not in gather_per_use:
             return moved[key]
@@ -260,4 +271,43 @@ def lower(
         else:
             raise ValueError(f"autopar: cannot lower a graph node of kind {node.op} ({node.name})")
     out.lint()
-    return RankProgram(fx.GraphModule(root, out, class_name="RankProgram"), input_specs, output_specs)
+    gm = fx.GraphModule(root, out, class_name="RankProgram")
+    return RankProgram(gm, input_specs, output_specs, grad_sync)
+
+
+def _deferred_grad_sync(
+    graph: StrategyGraph, choice: dict[fx.Node, int], part: Part | None
+) -> dict[str, tuple[int, ...]]:
+    """Parameters whose gradient can be summed after backward, and over which axes: every
+    use takes the parameter as stored, and on each replicated axis either every use or no
+    use sends back a share (mixing shares with whole gradients could not be summed)."""
+    result = {}
+    for node in graph.captured.nodes("placeholder"):
+        if node.name not in graph.captured.params or node not in graph.nodes:
+            continue
+        have = output_spec(graph, choice, node)
+        uses = [u for u in node.users if u in graph.nodes and (part is None or u in part.nodes)]
+        grads = []
+        for user in uses:
+            strategy = graph[user].strategies[choice[user]]
+            for src, need in zip(tensor_inputs(user), strategy.inputs):
+                if src is node:
+                    if need != have:
+                        grads = None
+                        break
+                    grads.append(gradient_spec(need, strategy.outputs))
+            if grads is None:
+                break
+        if not grads:
+            continue
+        axes = []
+        for axis, p in enumerate(have):
+            shares = {isinstance(g[axis], Partial) for g in grads}
+            if isinstance(p, Replicate) and shares == {True}:
+                axes.append(axis)
+            elif isinstance(p, Replicate) and len(shares) > 1:
+                axes = None
+                break
+        if axes:
+            result[node.name] = tuple(axes)
+    return result
