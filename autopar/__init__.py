@@ -5,7 +5,11 @@ The layers, bottom up: ``costmodels`` (hardware profiles, cost functions), ``pas
 package, the public API on top.
 """
 
+from autopar.compiler import compile  # noqa: A004  (autopar.compile is the public entry point)
 from passes.capture import Captured, capture
 from passes.strategies import StrategyGraph, build_strategy_graph
+from passes.plan import Plan
+from autopar import layouts
+from autopar.planning import plan
 
-__all__ = ["Captured", "capture", "StrategyGraph", "build_strategy_graph"]
+__all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "layouts", "plan"]

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from passes.capture import Captured, capture
 from passes.codegen import RankProgram, lower
-from passes.placements import Spec, fits, local_shape, local_slice, spec_str
+from passes.placements import Spec, fits, local_shape, local_slice, parse_spec, spec_str
 from passes.plan import Plan, choice_from_plan
 from passes.propagate import choose_by_propagation, reshard_bytes
 from passes.strategies import StrategyGraph, build_strategy_graph, tensor_inputs
@@ -48,7 +48,9 @@ class ParallelModule(nn.Module):
         self.loss_fn = loss_fn
         self.check_inputs = check_inputs
         per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
-        self.program: RankProgram = lower(graph, choice_from_plan(graph, plan), mesh, per_use)
+        self.program: RankProgram = lower(
+            graph, choice_from_plan(graph, plan), mesh, per_use, storage=storage_specs(captured, plan)
+        )
         self.coord = tuple(mesh.get_coordinate())
         self.input_shapes = {
             n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs
@@ -240,6 +242,15 @@ def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> d
         if cost < best_cost:
             best, best_cost = choice, cost
     return best
+
+
+def storage_specs(captured: Captured, plan: Plan) -> dict[str, Spec]:
+    """Placeholder -> where the plan stores it, for parameters stored otherwise than used."""
+    out = {}
+    for ph, fqn in captured.params.items():
+        if fqn in plan.params and plan.zero.get(fqn, 0) in (1, 2):
+            out[ph] = parse_spec(plan.params[fqn])
+    return out
 
 
 def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:

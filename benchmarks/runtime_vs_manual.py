@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import autopar.compile  # noqa: E402
+import autopar  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from passes.capture import capture  # noqa: E402
 from passes.plan import plan_from_choice  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     target = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=gen)
     rows = []
     for layout in ("dp", "zero3", "tp"):
-        compiled = autopar.compile.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn,
+        compiled = autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn,
                                            optimizer=adamw, plan=plan_for(base, tokens, layout, n))
         hand = manual(copy.deepcopy(base), layout, mesh)
         hand_opt = adamw(hand.parameters())

@@ -156,6 +156,7 @@ def lower(
     gather_per_use: frozenset[str] = frozenset(),
     part: Part | None = None,
     batch_grad_sync: bool = True,
+    storage: dict[str, Spec] | None = None,
 ) -> RankProgram:
     """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
 
@@ -167,7 +168,8 @@ def lower(
     replicated parameter whose every use leaves it as it is and sends back a share of
     its gradient (data parallelism) has those shares summed once per step for all such
     parameters together (``RankProgram.grad_sync``), as DDP's buckets do, instead of
-    one all-reduce per use.
+    one all-reduce per use. ``storage``: placeholders kept in another layout than their
+    strategy's (ZeRO-1/2 parameters: stored split, used whole); they are moved once.
     """
     mesh_shape = tuple(mesh.shape) if mesh is not None else ()
     if mesh_shape != graph.mesh_shape:
@@ -188,8 +190,13 @@ def lower(
         root.add_module(name, module)
         return name
 
+    storage = storage or {}
+
+    def stored(node: fx.Node) -> Spec:
+        return storage.get(node.name) or output_spec(graph, choice, node)
+
     moved: dict[tuple[fx.Node, Spec, Spec], fx.Node] = {}
-    grad_sync = _deferred_grad_sync(graph, choice, part) if batch_grad_sync else {}
+    grad_sync = _deferred_grad_sync(graph, choice, part, stored) if batch_grad_sync else {}
 
     def fetch(src: fx.Node, needed: Spec | None, grad: Spec | None) -> fx.Node:
         have = specs[src][0]
@@ -229,14 +236,14 @@ def lower(
 
     if part is not None:
         for node in part.inputs:
-            spec = output_spec(graph, choice, node) if node in graph.nodes else None
+            spec = stored(node) if node in graph.nodes else None
             receive(node, spec if node.op == "placeholder" or spec is None else sent(spec))
 
     for node in graph.captured.graph.nodes:
         if part is not None and node.op != "output" and node not in part.nodes:
             continue
         if node.op == "placeholder":
-            receive(node, output_spec(graph, choice, node) if node in graph.nodes else None)
+            receive(node, stored(node) if node in graph.nodes else None)
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             env[node] = out.call_function(operator.getitem, (env[producer], index))
@@ -276,7 +283,7 @@ def lower(
 
 
 def _deferred_grad_sync(
-    graph: StrategyGraph, choice: dict[fx.Node, int], part: Part | None
+    graph: StrategyGraph, choice: dict[fx.Node, int], part: Part | None, stored
 ) -> dict[str, tuple[int, ...]]:
     """Parameters whose gradient can be summed after backward, and over which axes: every
     use takes the parameter as stored, and on each replicated axis either every use or no
@@ -285,7 +292,7 @@ def _deferred_grad_sync(
     for node in graph.captured.nodes("placeholder"):
         if node.name not in graph.captured.params or node not in graph.nodes:
             continue
-        have = output_spec(graph, choice, node)
+        have = stored(node)
         uses = [u for u in node.users if u in graph.nodes and (part is None or u in part.nodes)]
         grads = []
         for user in uses:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig, WideMLP
-import autopar.compile
+import autopar
 from autopar import checkpoint
 from passes.capture import capture
 from passes.plan import Pipeline, Plan, plan_from_choice
@@ -144,15 +144,34 @@ def optimizer_numel(opt) -> int:
     return sum(t.numel() for state in opt.state.values() for t in state.values() if t.dim() > 0)
 
 
+PLANNED = ("auto", "tp", "tp+dp", "tp+sp", "fsdp+tp", "zero1")  # by autopar's planner and layouts
+
+
+def planned(model, mesh, tokens, layout: str):
+    """The planner's own plan ("auto") or a manual layout from autopar.layouts, made on
+    rank 0 with the H100 preset and given to every rank."""
+    if layout == "auto":
+        return None  # autopar.compile plans (on rank 0) by itself
+    text = [autopar.layouts.build(layout, model, mesh, (tokens,), hardware="h100").to_json()
+            if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text)
+    return Plan.from_json(text[0])
+
+
 def run_case(spec: str) -> dict:
     mesh_text, model_name, layout = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
-    mesh = init_device_mesh("cpu", mesh_shape)
+    names = tuple(f"a{i}" for i in range(len(mesh_shape)))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
-    plan = layout_plan(model, (batches[0][0],), layout, mesh_shape)
-    plan = type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
-    pm = autopar.compile.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    tokens = batches[0][0]
+    if layout in PLANNED:
+        plan = planned(model, mesh, tokens, layout)
+    else:
+        plan = layout_plan(model, (tokens,), layout, mesh_shape)
+        plan = type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
 
     ref_opt = adamw(list(reference.parameters()))
     losses, ref_losses = [], []
@@ -172,7 +191,8 @@ def run_case(spec: str) -> dict:
     return {
         "case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "reshards": n_reshard,
         "optimizer_numel_rank0": optimizer_numel(pm.optimizer), "optimizer_numel_all": int(state.item()),
-        "reference_optimizer_numel": optimizer_numel(ref_opt),
+        "reference_optimizer_numel": optimizer_numel(ref_opt), "plan_kind": pm.plan.kind,
+        "params": pm.plan.params,
     }
 
 
@@ -192,15 +212,15 @@ def error_cases(nproc: int) -> dict:
     flat = init_device_mesh("cpu", (nproc,))
     square = init_device_mesh("cpu", (2, nproc // 2))
     plan = layout_plan(model, (tokens,), "dp", (nproc,))
-    pm = autopar.compile.compile(model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    pm = autopar.compile(model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
     expect("other batch size", lambda: pm.train_step((tokens[:6],), target[:6]))
     own = tokens.clone()
     own[0, 0] = (own[0, 0] + dist.get_rank()) % 64  # rank r > 0 sees a different batch
     expect("different inputs per rank", lambda: pm.train_step((own,), target))
-    expect("plan for another mesh", lambda: autopar.compile.compile(
+    expect("plan for another mesh", lambda: autopar.compile(
         model, square, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan))
     expect("indivisible batch", lambda: layout_plan(model, (tokens[:3],), "dp", (nproc,)))
-    expect("not a mesh", lambda: autopar.compile.compile(model, (nproc,), (tokens,), plan=plan))
+    expect("not a mesh", lambda: autopar.compile(model, (nproc,), (tokens,), plan=plan))
     return {"case": "errors", "messages": messages}
 
 
@@ -213,7 +233,7 @@ def resume_case(spec: str) -> dict:
     model, loss_fn, batches = MODELS["gpt"]()
     fresh = copy.deepcopy(model)
     tokens = batches[0][0]
-    first = autopar.compile.compile(model, init_device_mesh("cpu", shape_a), (tokens,), loss_fn=loss_fn,
+    first = autopar.compile(model, init_device_mesh("cpu", shape_a), (tokens,), loss_fn=loss_fn,
                                     optimizer=adamw, plan=layout_plan(model, (tokens,), layout_a, shape_a))
     for inputs, target in batches[:3]:
         first.train_step((inputs,), target)
@@ -221,7 +241,7 @@ def resume_case(spec: str) -> dict:
     dist.broadcast_object_list(path)
     checkpoint.save(first, path[0])
     uninterrupted = [first.train_step((i,), t).item() for i, t in batches[3:]]
-    second = autopar.compile.compile(fresh, init_device_mesh("cpu", shape_b), (tokens,), loss_fn=loss_fn,
+    second = autopar.compile(fresh, init_device_mesh("cpu", shape_b), (tokens,), loss_fn=loss_fn,
                                      optimizer=adamw, plan=layout_plan(fresh, (tokens,), layout_b, shape_b))
     checkpoint.load(second, path[0])
     resumed = [second.train_step((i,), t).item() for i, t in batches[3:]]
@@ -263,7 +283,7 @@ def pipeline_case(spec: str) -> dict:
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v))
-    pm = autopar.compile.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
     ref_opt = adamw(list(reference.parameters()))
     losses, ref_losses = [], []
     for inputs, target in batches:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -22,7 +23,7 @@ def compile(  # noqa: A001  (the public name users expect)
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     plan: Plan | None = None,
-    hardware: Any = None,
+    hardware: Any = None,  # a HardwareProfile or preset name for planning; None: measure this mesh
     check_inputs: bool = True,
 ) -> ParallelModule:
     """Capture ``model``, plan it for ``mesh`` (or replay ``plan``) and build this rank's part.
@@ -36,16 +37,29 @@ def compile(  # noqa: A001  (the public name users expect)
             f"found {type(mesh).__name__}; to plan without devices use autopar.plan(model, shape, ...)"
         )
     if plan is None:
-        from passes.planner import plan_graph  # the planner: imported only when planning
-
-        captured = capture(model, example_inputs)
-        graph = build_strategy_graph(captured, tuple(mesh.shape))
-        plan = plan_graph(graph, hardware=hardware, axis_names=mesh.mesh_dim_names)
+        plan = plan_once(model, mesh, example_inputs, hardware)
     if plan.pipeline is not None:
         return _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan)
     captured = capture(model, example_inputs)
     graph = build_strategy_graph(captured, tuple(mesh.shape))
     return ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
+
+
+def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardware: Any = None) -> Plan:
+    """Plan on rank 0 and give every rank the same plan (planning under a time limit need
+    not give the same answer twice). ``hardware`` None: this machine's profile, measured
+    on this mesh once and cached (``autopar profile``)."""
+    if hardware is None:
+        from costmodels.profiler import profile_mesh
+
+        hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=False)
+    text = [None]
+    if dist.get_rank() == 0:
+        from autopar.planning import plan as make_plan
+
+        text[0] = make_plan(model, mesh, example_inputs, hardware=hardware).to_json()
+    dist.broadcast_object_list(text, src=0)
+    return Plan.from_json(text[0])
 
 
 def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan):

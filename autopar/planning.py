@@ -1,0 +1,89 @@
+"""``autopar.plan``: plan a model on a mesh without running it (nothing is started).
+
+Works on meta-device models: capture and costing read only shapes. ``mesh_or_shape``
+is a ``DeviceMesh`` (its shape and axis names are kept) or a shape such as ``(8, 8)``
+(axis 0 outermost; with a preset, inner axes ride the fast intra-node links).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+import costmodels
+from autopar import layouts
+from passes.capture import capture
+from passes.plan import Plan
+from passes.planner import plan_captured
+from passes.strategies import NoRuleWarning
+
+
+def plan(
+    model: torch.nn.Module,
+    mesh_or_shape: Any,
+    example_inputs: tuple,
+    *,
+    hardware: costmodels.HardwareProfile | str = "h100",
+    loss_fn: Callable | None = None,
+    target: torch.Tensor | None = None,
+    memory_limit: float | None = None,
+    time_limit_s: float = 60.0,
+    pipeline: bool = True,
+    layout: str | None = None,
+    axis_names: Sequence[str] | None = None,
+) -> Plan:
+    """The fastest predicted Plan that fits in memory (or, with ``layout``, that manual layout).
+
+    ``loss_fn(model(*example_inputs), target)`` is planned too when given (pass ``target``).
+    ``memory_limit`` defaults to the device memory of ``hardware``. ``time_limit_s`` bounds the
+    search after capture (strategies, costs, solves, pipeline search); past it the best plan
+    found so far is returned, with the solver's gap in ``plan.solver``. Capture time is
+    reported in ``plan.solver["capture_seconds"]``. ``pipeline=False``
+    keeps the mesh as given (no pipeline axis). The result's ``candidates`` lists the
+    manual layouts' predicted step times; the auto plan is never slower than the best.
+    """
+    shape, names = _mesh(mesh_or_shape, axis_names)
+    if loss_fn is not None and target is None:
+        raise ValueError("autopar: plan(loss_fn=...) expected a target= tensor for the loss; found none. "
+                         "Pass target=labels, or leave loss_fn out to plan the model alone")
+    if loss_fn is not None:
+        from autopar.runtime import WithLoss
+
+        model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoRuleWarning)
+        captured = capture(model, example_inputs)
+    left = time_limit_s  # the search's own limit: capture (torch.export) cannot be interrupted
+    captured_in = time.perf_counter() - started
+    result = plan_captured(
+        captured, shape, hardware, hint_fn=layouts.hints, memory_limit=memory_limit, time_limit_s=left,
+        pipeline=pipeline and not _is_device_mesh(mesh_or_shape), layout=layout, axis_names=names,
+    )
+    result.solver["capture_seconds"] = captured_in
+    return result
+
+
+def _is_device_mesh(mesh: Any) -> bool:
+    return hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "shape") and not isinstance(mesh, (tuple, list))
+
+
+def _mesh(mesh_or_shape: Any, axis_names: Sequence[str] | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    if _is_device_mesh(mesh_or_shape):
+        shape = tuple(int(s) for s in mesh_or_shape.shape)
+        names = axis_names or mesh_or_shape.mesh_dim_names
+    elif isinstance(mesh_or_shape, int):
+        shape, names = (mesh_or_shape,), axis_names
+    else:
+        try:
+            shape, names = tuple(int(s) for s in mesh_or_shape), axis_names
+        except TypeError:
+            raise ValueError(f"autopar: expected a DeviceMesh or a mesh shape such as (8, 8), found "
+                             f"{type(mesh_or_shape).__name__}") from None
+    if not shape or any(s < 1 for s in shape) or math.prod(shape) < 1:
+        raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (8, 8), found {shape}")
+    return shape, tuple(names) if names else None

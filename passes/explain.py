@@ -1,0 +1,143 @@
+"""Reading a Plan: ``explain`` (a table per layer and why) and ``diff`` (what two plans change).
+
+Works from the Plan alone (a loaded JSON plan explains itself): the per-node
+``breakdown`` the planner stored, the manual layouts' predicted times
+(``candidates``) and the comparisons made while planning (``reasons``).
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import groupby
+
+MS = 1e3
+GB = 1e9
+
+
+def _ms(t: float) -> str:
+    return "inf" if not math.isfinite(t) else f"{t * MS:.4g} ms"
+
+
+def layer_rows(plan) -> list[tuple[str, float, float, float]]:
+    """(layer label, compute s, communication s, bytes) per layer; nodes outside layers as 'other'."""
+    rows: dict = {}
+    for name, row in plan.breakdown.items():
+        key = int(row["layer"]) if "layer" in row else -1
+        acc = rows.setdefault(key, [0.0, 0.0, 0.0])
+        acc[0] += row.get("compute", 0.0)
+        acc[1] += row.get("comm", 0.0)
+        acc[2] += row.get("memory", 0.0)
+    return [("other" if k < 0 else f"layer {k}", *rows[k]) for k in sorted(rows)]
+
+
+def _layer_signature(plan, layer: int) -> tuple:
+    """Placements of a layer's parameters, named without the layer's own path (to fold identical layers)."""
+    mine = sorted(fqn for fqn, k in plan.param_layers.items() if k == layer)
+    if not mine:
+        return ()
+    prefix = _common_prefix(mine)
+    return tuple((fqn[len(prefix):], plan.params.get(fqn, "?")) for fqn in mine)
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The shared dotted prefix of a layer's parameter names, e.g. 'model.layers.3.'."""
+    parts = [n.split(".") for n in names]
+    common = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    if len(names) == 1:
+        common = common[:-1]
+    return ".".join(common) + "." if common else ""
+
+
+def _kinds(memory: dict) -> list[str]:
+    order = ["parameters", "gradients", "optimizer", "activations"]
+    return [k for k in order if k in memory] + sorted(k for k in memory if k not in order)
+
+
+def explain(plan) -> str:
+    p = plan.predicted
+    lines = [
+        f"plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
+        f"predicted step {_ms(p.step_time)} = compute {_ms(p.compute)} + communication {_ms(p.communication)}"
+        f" + bubble {_ms(p.bubble)}",
+        "predicted memory per device: " + ", ".join(f"{k} {p.memory[k] / GB:.3g} GB" for k in _kinds(p.memory))
+        + f" (total {sum(p.memory.values()) / GB:.3g} GB)",
+    ]
+    if plan.pipeline:
+        pl = plan.pipeline
+        lines.append(f"pipeline on axis {pl.axis}: {pl.stages} stages, {pl.micro_batches} micro-batches, "
+                     f"{pl.schedule}" + (f", {pl.chunks_per_rank} chunks per rank" if pl.chunks_per_rank > 1 else ""))
+    if plan.recompute:
+        lines.append(f"recomputed in backward: {len(plan.recompute)} layers")
+    zero = {}
+    for level in plan.zero.values():
+        zero[level] = zero.get(level, 0) + 1
+    if zero:
+        lines.append("ZeRO levels: " + ", ".join(f"{n} parameters at {lvl}" for lvl, n in sorted(zero.items())))
+    if plan.solver:
+        s = plan.solver
+        lines.append(f"solver: {s.get('status')} by {s.get('method')}, gap {s.get('gap', math.nan):.2%}, "
+                     f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+    rows = layer_rows(plan)
+    if rows:
+        lines += ["", f"{'layers':<16} {'compute':>12} {'comm':>12} {'memory':>10}  parameters"]
+        layered = [r for r in rows if r[0] != "other"]
+        keyed = [(r, _layer_signature(plan, int(r[0].split()[1]))) for r in layered]
+        for (_, sig), group in groupby(keyed, key=lambda rs: (round(rs[0][1], 12), rs[1])):
+            group = [g[0] for g in group]
+            first, last = group[0][0].split()[1], group[-1][0].split()[1]
+            label = f"layer {first}" if first == last else f"layers {first}-{last}"
+            shown = ", ".join(f"{k} {v}" for k, v in sig[:6]) + (", ..." if len(sig) > 6 else "")
+            r = group[0]
+            lines.append(f"{label:<16} {_ms(r[1]):>12} {_ms(r[2]):>12} {r[3] / GB:>8.3g}GB  {shown}"
+                         + (" (each)" if len(group) > 1 else ""))
+        for r in rows:
+            if r[0] == "other":
+                lines.append(f"{'other':<16} {_ms(r[1]):>12} {_ms(r[2]):>12} {r[3] / GB:>8.3g}GB")
+    lines += ["", "why:"]
+    lines += [f"  {r}" for r in plan.reasons]
+    if plan.candidates:
+        best = min(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))
+        ratio = p.step_time / best[1] if best[1] > 0 else math.nan
+        lines.append(f"  best manual layout: {best[0]} at {_ms(best[1])}; auto / best = {ratio:.3f}")
+        lines.append("  manual layouts that fit: " + ", ".join(
+            f"{k} {_ms(v)}" for k, v in sorted(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))))
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def diff(a, b) -> str:
+    """Line per difference: mesh, pipeline, ZeRO, parameter placements, strategies, prediction."""
+    out = []
+    if a.mesh_shape != b.mesh_shape or a.axis_names != b.axis_names:
+        out.append(f"mesh: {a.mesh_shape} {a.axis_names} -> {b.mesh_shape} {b.axis_names}")
+    pa = a.pipeline and (a.pipeline.stages, a.pipeline.micro_batches, a.pipeline.schedule)
+    pb = b.pipeline and (b.pipeline.stages, b.pipeline.micro_batches, b.pipeline.schedule)
+    if pa != pb:
+        out.append(f"pipeline (stages, micro-batches, schedule): {pa} -> {pb}")
+    if sorted(a.recompute) != sorted(b.recompute):
+        out.append(f"recompute: {len(a.recompute)} -> {len(b.recompute)} layers")
+    for fqn in sorted(set(a.params) | set(b.params)):
+        x, y = a.params.get(fqn), b.params.get(fqn)
+        if x != y:
+            out.append(f"param {fqn}: {x} -> {y}")
+        za, zb = a.zero.get(fqn), b.zero.get(fqn)
+        if za != zb:
+            out.append(f"zero {fqn}: {za} -> {zb}")
+    changed = [n for n in a.strategies if n in b.strategies and a.strategies[n] != b.strategies[n]]
+    if changed:
+        out.append(f"{len(changed)} node strategies differ, e.g. " + "; ".join(
+            f"{n}: {a.strategies[n]} -> {b.strategies[n]}" for n in changed[:3]))
+    missing = set(a.strategies) ^ set(b.strategies)
+    if missing:
+        out.append(f"{len(missing)} nodes are in only one plan (different model or inputs)")
+    ta, tb = a.predicted.step_time, b.predicted.step_time
+    if ta != tb:
+        out.append(f"predicted step: {_ms(ta)} -> {_ms(tb)} ({(tb / ta if ta else math.inf):.3f}x)")
+    ma, mb = sum(a.predicted.memory.values()), sum(b.predicted.memory.values())
+    if ma != mb:
+        out.append(f"predicted memory: {ma / GB:.3g} GB -> {mb / GB:.3g} GB per device")
+    return "\n".join(out) if out else "plans are identical"

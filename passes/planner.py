@@ -1,0 +1,363 @@
+"""The planner: a captured model on a mesh -> the fastest Plan that fits, with its Prediction.
+
+Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole search):
+
+1. strategies (``passes.strategies``) and costs (``passes.costing``) on the mesh;
+2. manual layouts (the caller's hints: fixed placeholder placements and ZeRO levels,
+   completed by ``complete`` with the solver's heuristic) evaluated on the same costs and handed to ``passes.solve.solve`` as candidate solutions, so the result
+   is never predicted slower than the best layout that fits;
+3. the intra-op solve (followers, tied layers, chain DP or CP-SAT, wall-clock limit);
+4. the pipeline search (``passes.planner_pipeline``) over device factorisations into a
+   pipeline axis times intra-op axes, stage cuts, micro-batches and schedules;
+5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
+   broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
+
+A memory limit nothing meets raises an ``autopar:`` error with the least memory any
+plan needs, its breakdown, and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from torch import fx
+from torch.distributed.tensor import Replicate, Shard
+
+import costmodels
+from passes.costing import Costs, build_costs, state_breakdown
+from passes.placements import fits, local_shape, spec_str
+from passes.plan import Plan, Prediction, plan_from_choice
+from passes.solve import SolveOptions, SolveProblem, SolveResult, plan_costs, solve
+from passes.solve.heuristics import chain_relaxation_plan
+from passes.solve.shrink import shrink_problem
+from passes.strategies import StrategyGraph, tensor_inputs
+
+GB = 1e9
+
+
+class PlanningError(ValueError):
+    """No plan fits, or the request cannot be planned."""
+
+
+@dataclass
+class Hint:
+    """A manual layout: fixed placeholder placements (``fixed``) and ZeRO levels 0..2 per
+    parameter; ``choice`` (a strategy per node) is filled in by ``complete`` unless given."""
+
+    name: str
+    choice: dict[fx.Node, int] | None = None
+    zero: dict[fx.Node, int] = field(default_factory=dict)
+    fixed: dict[fx.Node, tuple] = field(default_factory=dict)
+    keep_axes: tuple[int, ...] = ()  # mesh axes on which parameters are used where they lie (Megatron)
+
+
+def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
+    """A full choice from the hint's fixed placeholder placements and ZeRO levels, completed by
+    the solver's own heuristic (chain relaxation plus local improvement, ``passes.solve.
+    heuristics``) on the problem with every other placement of those placeholders forbidden:
+    the best completion of the layout the heuristic finds, not a greedy pass that lets
+    pending sums travel and pays for them later."""
+    graph, problem = costs.graph, costs.problem
+    node_time = [t.copy() for t in problem.node_time]
+    levels = len(costs.problem.node_time[next(iter(costs.zero_node.values()))]) if costs.zero_node else 1
+    for node, ns in graph.nodes.items():
+        if node.op != "placeholder":
+            continue
+        want = hint.fixed.get(node, tuple(Replicate() for _ in graph.mesh_shape))
+        allowed = [i for i, s in enumerate(ns.strategies) if s.output == want] or [0]
+        if node in costs.zero_node:
+            zi, k = costs.zero_node[node], len(ns.strategies)
+            per = len(node_time[zi]) // k
+            keep = np.full(len(node_time[zi]), np.inf)
+            level = min(hint.zero.get(node, 0), per - 1)
+            for i in allowed:  # the layout's level where it means something, else level 0
+                keep[i * per + (level if np.isfinite(node_time[zi][i * per + level]) else 0)] = 0.0
+            node_time[zi] = node_time[zi] + keep
+        else:
+            keep = np.full(len(node_time[costs.index[node]]), np.inf)
+            keep[allowed] = 0.0
+            node_time[costs.index[node]] = node_time[costs.index[node]] + keep
+    if hint.keep_axes:  # a tensor-parallel layout computes with its weights where they lie
+        for src, dst, position in costs.edge_inputs:
+            if src.name not in graph.captured.params:
+                continue
+            want = hint.fixed.get(src, tuple(Replicate() for _ in graph.mesh_shape))
+            forbid = np.array([0.0 if s.inputs[position] is None or all(
+                s.inputs[position][a] == want[a] for a in hint.keep_axes) else np.inf
+                for s in graph.nodes[dst].strategies])
+            combined = node_time[costs.index[dst]] + forbid
+            if np.isfinite(combined).any():  # an op with no such strategy moves the weight after all
+                node_time[costs.index[dst]] = combined
+    edges = problem.edges
+    restricted = SolveProblem(node_time=node_time, node_memory=problem.node_memory, edges=edges,
+                              ties=problem.ties, followers=problem.followers)
+    try:
+        shrunk = shrink_problem(restricted)
+    except ValueError:  # the layout contradicts a tie or follower (e.g. tied layers placed apart)
+        return None
+    decisions, _ = chain_relaxation_plan(shrunk)
+    if decisions is None:
+        return None
+    choice, _ = costs.choice(shrunk.expand(decisions))
+    return choice
+
+
+@dataclass
+class Solved:
+    """One intra-op solve: the costs, the solver's verdict and every hint's evaluation."""
+
+    costs: Costs
+    result: SolveResult | None  # None when a layout was only costed
+    hint_times: dict[str, tuple[float, float]]  # layout -> (step seconds, bytes per device)
+    hints: list[Hint] = field(default_factory=list)  # completed
+
+
+def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints: Sequence[Hint] = (), *,
+                memory_limit: float | None, time_limit_s: float = 60.0, tie_layers: bool = True,
+                recompute: bool = False, pricer=None) -> Solved:
+    costs = build_costs(graph, profile, memory_limit=memory_limit, tie_layers=tie_layers, recompute=recompute,
+                        pricer=pricer)
+    for h in hints:
+        if h.choice is None:
+            h.choice = complete(costs, h)
+    hints = [h for h in hints if h.choice is not None]  # a layout that does not apply here is left out
+    assignments = [costs.assignment(h.choice, h.zero) for h in hints]
+    costs.problem.hints = assignments
+    hint_times = {}
+    for h, a in zip(hints, assignments):
+        pc = plan_costs(costs.problem, a)
+        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+    options = SolveOptions(time_limit_s=max(time_limit_s, 0.5), relative_gap_limit=1e-3)
+    return Solved(costs, solve(costs.problem, options), hint_times, list(hints))
+
+
+def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float]:
+    """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as parameters)."""
+    mesh = costs.graph.mesh_shape
+    out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+    choice, zero = costs.choice(assignment)
+    for ph, zi in costs.zero_node.items():
+        spec = costs.graph.nodes[ph].strategies[choice[ph]].output
+        val = ph.meta["val"]
+        numel = math.prod(local_shape(tuple(val.shape), spec, mesh))
+        shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
+        for kind, b in state_breakdown(numel, zero[ph], shards, costs.precision).items():
+            out[kind] += b
+    for v, s in enumerate(assignment):
+        out["activations"] += float(costs.activation_memory[v][s])
+        if v < len(costs.index):
+            out["parameters"] += float(costs.state_memory[v][s])  # buffers; parameters sit on ZeRO nodes
+    return out
+
+
+def zero_levels(costs: Costs, assignment: Sequence[int]) -> dict[str, int]:
+    """Qualified name -> ZeRO level: 3 where the placement splits the parameter over an axis on
+    which a consumer needs it whole (gathered in forward), else the chosen level 0..2."""
+    choice, zero = costs.choice(assignment)
+    graph = costs.graph
+    out = {}
+    for ph, level in zero.items():
+        spec = graph.nodes[ph].strategies[choice[ph]].output
+        gathered = False
+        for user in ph.users:
+            if user not in graph.nodes or graph.nodes[user].follows is not None:
+                continue
+            strategy = graph.nodes[user].strategies[choice[user]]
+            for src, need in zip(tensor_inputs(user), strategy.inputs):
+                if src is ph and need is not None:
+                    gathered |= any(isinstance(p, Shard) and isinstance(q, Replicate) for p, q in zip(spec, need))
+        out[graph.captured.params[ph.name]] = 3 if gathered else level
+    return out
+
+
+def predict(costs: Costs, assignment: Sequence[int]) -> Prediction:
+    pc = plan_costs(costs.problem, assignment)
+    compute = sum(float(costs.compute[v][s]) for v, s in enumerate(assignment))
+    return Prediction(step_time=pc.total_time, compute=compute, communication=pc.total_time - compute,
+                      bubble=0.0, memory=memory_breakdown(costs, assignment))
+
+
+def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Per graph node: compute and incoming communication seconds, saved bytes, layer index."""
+    pc = plan_costs(costs.problem, assignment)
+    out: dict[str, dict[str, float]] = {}
+    for v, node in enumerate(costs.nodes):
+        row = out.setdefault(node.name, {"compute": 0.0, "comm": 0.0, "memory": 0.0})
+        row["compute"] += float(costs.compute[v][assignment[v]])
+        row["comm"] += float(pc.node_time[v] - costs.compute[v][assignment[v]])
+        row["memory"] += float(pc.node_memory[v])
+        if node in costs.layer_of:
+            row["layer"] = costs.layer_of[node]
+    for (src, dst, _), t in zip(costs.edge_inputs, pc.edge_time):
+        out[dst.name]["comm"] += float(t)
+    return out
+
+
+def storage_specs(costs: Costs, assignment: Sequence[int]) -> dict[str, str]:
+    """Qualified name -> where the parameter is STORED (``Plan.params``, passes/plan.py): its
+    placement, except that at ZeRO 1-2 the axes it is replicated on split it too (along the
+    largest dim that divides), the runtime gathering it once per step."""
+    graph, mesh = costs.graph, costs.graph.mesh_shape
+    choice, zero = costs.choice(assignment)
+    out = {}
+    for ph, level in zero.items():
+        spec = list(graph.nodes[ph].strategies[choice[ph]].output)
+        if level in (1, 2):
+            shape = tuple(ph.meta["val"].shape)
+            axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
+            for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+                trial = [Shard(d) if a in axes else p for a, p in enumerate(spec)]
+                if fits(shape, tuple(trial), mesh):
+                    spec = trial
+                    break
+        out[graph.captured.params[ph.name]] = spec_str(tuple(spec))
+    return out
+
+
+def param_layers(costs: Costs) -> dict[str, int]:
+    params = costs.graph.captured.params
+    return {params[n.name]: layer for n, layer in costs.layer_of.items() if n.name in params}
+
+
+def build_plan(solved: Solved, assignment: Sequence[int], *, kind: str, axis_names: Sequence[str]) -> Plan:
+    """The Plan of one assignment of ``solved``'s problem, with its prediction and breakdown."""
+    costs = solved.costs
+    choice, _ = costs.choice(assignment)
+    plan = plan_from_choice(costs.graph, choice, kind=kind, axis_names=tuple(axis_names))
+    plan.zero = zero_levels(costs, assignment)
+    plan.params = storage_specs(costs, assignment)
+    plan.predicted = predict(costs, assignment)
+    plan.breakdown = node_breakdown(costs, assignment)
+    plan.param_layers = param_layers(costs)
+    plan.candidates = {name: t for name, (t, m) in solved.hint_times.items()
+                       if m <= (costs.problem.memory_limit or math.inf) * (1 + 1e-9)}
+    if solved.result is not None and kind == "auto":
+        from passes.reasons import planning_reasons
+
+        fitting = {n: a for n, a in zip(solved.hint_times, costs.problem.hints) if n in plan.candidates}
+        plan.reasons = planning_reasons(costs, assignment, fitting) + plan.reasons
+        r = solved.result
+        plan.solver = {"status": r.status, "method": r.method, "gap": r.gap, "seconds": r.solve_seconds,
+                       "decisions": r.num_decision_nodes}
+    return plan
+
+
+def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hint_fn=None, *,
+                  memory_limit: float | None, time_limit_s: float = 60.0, layout: str | None = None,
+                  axis_names: Sequence[str] | None = None) -> tuple[Plan, Solved]:
+    """Solve (or, with ``layout``, only cost that layout) on one mesh; raise if nothing fits."""
+    hints = list(hint_fn(graph)) if hint_fn else []
+    names = tuple(axis_names or profile.axis_names)
+    if layout is not None:
+        chosen = [h for h in hints if h.name == layout]
+        if not chosen:
+            raise PlanningError(f"autopar: layout {layout!r} does not apply here; expected one of "
+                                f"{[h.name for h in hints]}")
+        costs = build_costs(graph, profile, memory_limit=memory_limit)
+        if chosen[0].choice is None:
+            chosen[0].choice = complete(costs, chosen[0])
+        if chosen[0].choice is None:
+            raise PlanningError(f"autopar: layout {layout!r} contradicts this model's structure on mesh "
+                                f"{graph.mesh_shape} (its placements break tied layers or followers); "
+                                "expected a layout that places repeated layers alike; pick another layout")
+        a = costs.assignment(chosen[0].choice, chosen[0].zero)
+        pc = plan_costs(costs.problem, a)
+        solved = Solved(costs, None, {layout: (pc.total_time, float(pc.node_memory.sum()))})
+        return build_plan(solved, a, kind=layout, axis_names=names), solved
+    started = time.perf_counter()
+    solved = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s)
+    if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
+        left = time_limit_s - (time.perf_counter() - started)
+        retry = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=max(left, 1.0),
+                            recompute=True, pricer=solved.costs.pricer)
+        if not retry.result.feasible:
+            raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
+        solved = retry
+    plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
+    if solved.costs.recompute:
+        plan.recompute = [f"layer {k}" for k in sorted(set(solved.costs.layer_of.values()))]
+        plan.reasons.append("activations do not fit: every repeated layer is recomputed in backward")
+    return plan, solved
+
+
+def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
+    costs, result = solved.costs, solved.result
+    need = memory_breakdown(costs, result.min_memory_assignment)
+    parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in need.items())
+    limit = costs.problem.memory_limit or 0.0
+    total = sum(need.values())
+    more = math.ceil(devices * total / max(limit, 1.0))
+    return PlanningError(
+        f"autopar: no plan fits in {limit / GB:.3g} GB per device{what}; expected a plan within the limit, "
+        f"found the smallest predicted memory {total / GB:.3g} GB per device ({parts}). To fit: give devices "
+        f"with at least {total / GB:.3g} GB, or about {more}+ devices instead of {devices}, or a smaller "
+        f"batch or sequence (activations), or allow pipeline stages."
+    )
+
+
+def _profile(hardware, shape: tuple[int, ...], names) -> costmodels.HardwareProfile:
+    if isinstance(hardware, str):
+        return costmodels.preset(hardware, shape, names)
+    if tuple(hardware.mesh_shape) != tuple(shape):
+        raise PlanningError(f"autopar: the hardware profile is for mesh {hardware.mesh_shape}, found mesh {shape}; "
+                            "measure or build a profile for this mesh shape")
+    return hardware
+
+
+def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """(P, intra-op shape) with P > 1 taken out of the outermost (slowest) axis."""
+    out = []
+    for p in range(2, shape[0] + 1):
+        if shape[0] % p == 0:
+            intra = tuple(s for s in (shape[0] // p,) + shape[1:] if s > 1) or (1,)
+            out.append((p, intra))
+    return out
+
+
+def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
+                  time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
+                  axis_names: Sequence[str] | None = None) -> Plan:
+    """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins."""
+    from passes.planner_pipeline import pipeline_plan
+    from passes.strategies import build_strategy_graph
+
+    started = time.perf_counter()
+    profile = _profile(hardware, shape, axis_names)
+    limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
+    graph = build_strategy_graph(captured, shape)
+    options = factorisations(shape) if pipeline and isinstance(hardware, str) and layout is None else []
+    best, error, tried, candidates = None, None, {}, {}
+    for k, (p, intra) in enumerate([(1, shape)] + options):
+        remaining = time_limit_s - (time.perf_counter() - started)
+        where = "no pipeline" if p == 1 else f"pp{p}x{'x'.join(map(str, intra))}"
+        if k and remaining <= 0.02 * time_limit_s:
+            tried[where] = "not tried: out of time"
+            continue
+        solver_time = 0.5 * remaining / (1 + len(options) - k)  # the rest: costs, completion, stage search
+        if p == 1:
+            try:
+                candidate, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
+                                             layout=layout, axis_names=axis_names)
+                why = f"{candidate.predicted.step_time * 1e3:.4g} ms"
+            except PlanningError as exc:
+                candidate, error, why = None, exc, str(exc)
+        else:
+            candidate, why = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
+                                           time_limit_s=solver_time, shape=shape)
+        tried[where] = why
+        if candidate is None:
+            continue
+        candidates.update({(k_ if p == 1 else f"{k_}[{where}]"): t for k_, t in candidate.candidates.items()})
+        if best is None or candidate.predicted.step_time < best.predicted.step_time:
+            best = candidate
+    if best is None:
+        raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
+    best.notes.extend(f"{k}: {v}" for k, v in tried.items())
+    best.candidates = candidates
+    best.solver["planning_seconds"] = time.perf_counter() - started
+    return best

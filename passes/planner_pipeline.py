@@ -1,0 +1,241 @@
+"""Pipeline plans: an intra-op solution cut into stages along a new outermost mesh axis.
+
+For a device factorisation ``(P,) + intra`` (the pipeline axis outermost, on the slow
+links; ``intra`` keeps the fast inner axes for the ops that talk most), the intra-op
+assignment solved on ``intra`` for the whole batch is turned into per-layer numbers
+(``layer_numbers``):
+
+- activation-side time (op compute, resharding of activations) scales as 1 / M per
+  micro-batch; parameter-side time (gathers and gradient syncs on parameter edges, the
+  optimizer step, ZeRO traffic) is paid once per step, ``1 / P`` of it per rank
+  (balanced stages), as ``step_overhead``;
+- static memory (parameter, gradient, optimizer state, buffers) per layer, and saved
+  activations per micro-batch (``1 / M`` of the whole batch's);
+- the point-to-point send of the activation leaving each layer, on the pipeline axis.
+
+The Plan's strategies and parameter placements are on the intra-op mesh (each stage
+runs its nodes there; ``passes.plan.choice_from_plan`` drops the pipeline axis).
+
+Nodes outside repeated layers go to the first layer (before it in graph order) or the
+last. ``passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
+schedule. Recomputation (all layers) is the same search with every layer's saved
+activations reduced to its input and one more forward pass of compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from torch.distributed.tensor import Replicate
+
+import costmodels
+from passes.costing import BACKWARD_FACTOR, Costs, state_breakdown
+from passes.placements import local_shape
+from passes.solve.pipeline_search import LayerCosts, search_pipeline
+from passes.strategy import TensorMeta
+
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+
+
+@dataclass
+class LayerNumbers:
+    """Whole-batch per-layer numbers of one intra-op assignment (see module docstring)."""
+
+    act_time: np.ndarray  # seconds, forward + backward, whole batch
+    compute: np.ndarray  # the compute part of act_time
+    param_time: np.ndarray  # seconds once per step
+    optimizer: np.ndarray  # the optimizer-step (compute) part of param_time
+    static: np.ndarray  # bytes
+    kinds: np.ndarray  # [layers, 3]: parameters, gradients, optimizer bytes
+    activation: np.ndarray  # bytes, whole batch
+    boundary: np.ndarray  # bytes leaving each layer, whole batch
+    layer_of_node: dict  # graph node -> layer number
+
+
+def layer_numbers(costs: Costs, assignment) -> LayerNumbers:
+    graph, mesh = costs.graph, costs.graph.mesh_shape
+    nodes = list(graph.nodes)
+    layered = [costs.layer_of[n] for n in nodes if n in costs.layer_of and n.op != "placeholder"]
+    count = max(layered) + 1 if layered else 1
+    first_pos = min((i for i, n in enumerate(nodes) if n in costs.layer_of and n.op != "placeholder"), default=0)
+    where: dict = {}
+    for i, n in enumerate(nodes):
+        if n.op != "placeholder":
+            where[n] = costs.layer_of.get(n, 0 if i < first_pos else count - 1)
+    for n in nodes:  # a placeholder sits with its layer, or with its first reader
+        if n.op == "placeholder":
+            where[n] = costs.layer_of.get(n, min((where[u] for u in n.users if u in where), default=0))
+    z = lambda: np.zeros(count)  # noqa: E731
+    num = LayerNumbers(z(), z(), z(), z(), z(), np.zeros((count, 3)), z(), z(), where)
+    choice, zero = costs.choice(assignment)
+    for v, node in enumerate(costs.nodes):
+        s = assignment[v]
+        layer = where[node]
+        if node in costs.zero_node and costs.zero_node[node] == v:
+            num.param_time[layer] += costs.problem.node_time[v][s]
+            num.optimizer[layer] += costs.compute[v][s]
+            num.static[layer] += costs.state_memory[v][s]
+            spec = graph.nodes[node].strategies[choice[node]].output
+            numel = math.prod(local_shape(tuple(node.meta["val"].shape), spec, mesh))
+            shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
+            kinds = state_breakdown(numel, zero[node], shards, costs.precision)
+            num.kinds[layer] += [kinds["parameters"], kinds["gradients"], kinds["optimizer"]]
+            continue
+        num.act_time[layer] += costs.problem.node_time[v][s]
+        num.compute[layer] += costs.compute[v][s]
+        num.static[layer] += costs.state_memory[v][s]
+        num.kinds[layer][0] += costs.state_memory[v][s]
+        num.activation[layer] += costs.activation_memory[v][s]
+    for (src, dst, _), (u, v, table) in zip(costs.edge_inputs, costs.problem.edges):
+        t = table[assignment[u], assignment[v]]
+        if src.name in graph.captured.params:
+            num.param_time[where[dst]] += t
+        else:
+            num.act_time[where[dst]] += t
+        if where[src] < where[dst] and src.op != "placeholder":
+            spec = graph.nodes[src].strategies[choice[src]].outputs[0] if graph.nodes[src].follows is None else None
+            if spec is not None:
+                meta = TensorMeta.of(src.meta["val"])
+                nbytes = math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize
+                for layer in range(where[src], where[dst]):
+                    num.boundary[layer] = max(num.boundary[layer], nbytes)
+    return num
+
+
+def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
+           memory_limit: float, schedules=("gpipe", "1f1b", "interleaved_1f1b")):
+    """Best pipeline option (with or without recomputation) for ``stages`` ranks on axis 0."""
+    count = len(num.act_time)
+    send = lambda nbytes: costmodels.collective_time("send_recv", nbytes, 0, pp_profile)  # noqa: E731
+    results = []
+    for recompute in (False, True):
+        def layer_costs(p: int, m: int, recompute=recompute) -> LayerCosts:
+            extra = num.compute / (1.0 + BACKWARD_FACTOR) if recompute else 0.0  # one more forward
+            activation = num.boundary if recompute else num.activation
+            return LayerCosts(
+                time=(num.act_time + extra) / m, static_memory=num.static, activation_memory=activation / m,
+                boundary_time=[send(b / m) for b in num.boundary[:-1]] if count > 1 else None,
+                step_overhead=float(num.param_time.sum()) / p,
+            )
+        found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
+                                schedules=schedules, chunks_per_rank=(2,), memory_limit=memory_limit)
+        if found.best is not None:
+            results.append((found.best, recompute, found))
+    if not results:
+        return None
+    return min(results, key=lambda r: r[0].step_time)
+
+
+def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: str, hint_fn, *, memory_limit: float,
+                  time_limit_s: float, shape: tuple[int, ...]):
+    """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``."""
+    from passes.planner import PlanningError, plan_intra_op
+    from passes.strategies import build_strategy_graph
+
+    names = ("pp",) + tuple(f"axis{i + 1}" for i in range(len(intra)))
+    full = costmodels.preset(hardware, (p,) + intra, names)
+    intra_profile = costmodels.HardwareProfile(
+        machine=full.machine, backend=full.backend, mesh_shape=intra, device=full.device, axes=full.axes[1:],
+        source=full.source)
+    graph = build_strategy_graph(captured, intra)
+    try:  # the whole model's state over P stages: P times the budget before the cut checks it
+        plan, solved = plan_intra_op(graph, intra_profile, hint_fn, memory_limit=memory_limit * p,
+                                     time_limit_s=time_limit_s, axis_names=names[1:])
+    except PlanningError as exc:
+        return None, f"intra-op part does not fit ({str(exc)[:80]}...)"
+    costs = solved.costs
+    candidates = [("auto", solved.result.assignment)]
+    hints = solved.hints
+    candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
+                   for h in hints]
+    found = {}
+    for label, assignment in candidates:
+        num = layer_numbers(costs, assignment)
+        if len(num.act_time) < p:
+            return None, f"{len(num.act_time)} layers for {p} stages"
+        r = search(num, full, p, _microbatches(costs, assignment), memory_limit=memory_limit)
+        if r is not None:
+            found[label] = (r, num, assignment)
+    if not found:
+        return None, "no stage cut fits in memory"
+    label, (r, num, assignment) = min(found.items(), key=lambda kv: kv[1][0][0].step_time)
+    out = _to_plan(costs, assignment, num, r, p, intra, names)
+    out.candidates = {k: v[0][0].step_time for k, v in found.items() if k != "auto"}
+    out.solver = dict(plan.solver)
+    out.reasons = [r for r in plan.reasons if r.startswith("layer ")] + out.reasons
+    if label != "auto":
+        out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
+    return out, f"{out.predicted.step_time * 1e3:.4g} ms ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
+
+
+def _microbatches(costs: Costs, assignment) -> list[int]:
+    """Micro-batch counts that split the batch evenly after its data-parallel split."""
+    graph = costs.graph
+    choice, _ = costs.choice(assignment)
+    batch, shards = None, 1
+    for name in graph.captured.user_inputs:
+        node = next(n for n in graph.nodes if n.name == name)
+        val = node.meta["val"]
+        if val.ndim:
+            batch = int(val.shape[0])
+            spec = graph.nodes[node].strategies[choice[node]].output
+            shards = math.prod(graph.mesh_shape[a] for a, q in enumerate(spec) if getattr(q, "dim", None) == 0)
+            break
+    if batch is None:
+        return [1]
+    return [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if batch % (m * shards) == 0] or [1]
+
+
+def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names):
+    from passes.plan import Pipeline, Plan, Prediction
+    from passes.planner import node_breakdown, param_layers, storage_specs, zero_levels
+    from passes.solve.stages import in_flight_microbatches
+
+    option, recompute, _ = found
+    graph = costs.graph
+    choice, _ = costs.choice(assignment)
+    stage_of_layer = {}
+    for s in range(len(option.cut.starts)):
+        for layer in option.cut.layers(s):
+            stage_of_layer[layer] = s
+    m, v = option.num_microbatches, option.chunks_per_rank
+    slowest = max(option.cut.stage_time)
+    bubble = (p - 1) * slowest
+    overhead = float(num.param_time.sum()) / p
+    rank = int(np.argmax(option.rank_memory))
+    in_flight = in_flight_microbatches(option.schedule, p, m, v)
+    layers = [l for s in range(rank, p * v, p) for l in option.cut.layers(s)]
+    per_stage = [(s, list(option.cut.layers(s))) for s in range(rank, p * v, p)]
+    kinds = num.kinds[layers].sum(axis=0)
+    act = num.boundary if recompute else num.activation
+    activations = sum(in_flight[s] * float(act[ls].sum()) / m for s, ls in per_stage)
+    busy = option.step_time - bubble - overhead
+    frac = float(num.compute.sum() / max(num.act_time.sum(), 1e-300))
+    optimizer = float(num.optimizer.sum()) / p
+    predicted = Prediction(
+        step_time=option.step_time, compute=busy * frac + optimizer,
+        communication=busy * (1 - frac) + overhead - optimizer, bubble=bubble,
+        memory={"parameters": float(kinds[0]), "gradients": float(kinds[1]), "optimizer": float(kinds[2]),
+                "activations": activations},
+    )
+    layer_names = sorted({str(k) for k in range(len(num.act_time))}, key=int)
+    plan = Plan(
+        model=graph.captured.model_name, mesh_shape=(p,) + tuple(intra), axis_names=names,
+        strategies={n.name: str(ns.strategies[choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
+        params=storage_specs(costs, assignment),
+        zero=zero_levels(costs, assignment),
+        pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=SCHEDULE_NAMES[option.schedule],
+                          stage_of={n.name: stage_of_layer[num.layer_of_node[n]] for n in graph.nodes},
+                          chunks_per_rank=v),
+        recompute=[f"layer {k}" for k in layer_names] if recompute or costs.recompute else [],
+        predicted=predicted, kind="auto",
+    )
+    plan.breakdown = node_breakdown(costs, assignment)
+    plan.param_layers = param_layers(costs)
+    plan.reasons.append(
+        f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {SCHEDULE_NAMES[option.schedule]}"
+        f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {bubble * 1e3:.3g} ms of {option.step_time * 1e3:.4g} ms"
+        + ("; every layer recomputed in backward to fit memory" if recompute else ""))
+    return plan
