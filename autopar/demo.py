@@ -1,7 +1,8 @@
-"""The demo: capture a small GPT and show every op's sharding strategies on a 2x2 mesh.
+"""The demo: capture a small GPT, show every op's sharding strategies on a 2x2 mesh, and
+the plan autopar chooses for it on 2x2 H100s, explained.
 
-Run with ``python -m autopar.demo``. (Planning, training and the 70B plan join the demo
-as the planner and runtime land.)
+Run with ``python -m autopar.demo``. (Training under torchrun and the 70B plan join the
+demo with the benchmark issue.)
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def main() -> None:
         print(f"  {op:<44} {min(counts):>4} / {statistics.median(counts):>6} / {max(counts):>4}")
     if graph.missing_rules:
         print(f"\nOps without a rule (replicated): {sorted(graph.missing_rules)}")
+
+    from autopar.planning import plan
+
+    start = time.perf_counter()
+    chosen = plan(model, mesh_shape, (tokens,), hardware="h100", time_limit_s=30)
+    print(f"\nThe plan for {'x'.join(map(str, mesh_shape))} H100s ({time.perf_counter() - start:.1f} s):\n")
+    print(chosen.explain())
 
 
 if __name__ == "__main__":

@@ -178,7 +178,9 @@ def zero_levels(costs: Costs, assignment: Sequence[int]) -> dict[str, int]:
 def predict(costs: Costs, assignment: Sequence[int]) -> Prediction:
     pc = plan_costs(costs.problem, assignment)
     compute = sum(float(costs.compute[v][s]) for v, s in enumerate(assignment))
-    return Prediction(step_time=pc.total_time, compute=compute, communication=pc.total_time - compute,
+    # (the difference of two float sums: clamp the rounding residue of a plan with no communication)
+    communication = max(0.0, pc.total_time - compute)
+    return Prediction(step_time=pc.total_time, compute=compute, communication=communication,
                       bubble=0.0, memory=memory_breakdown(costs, assignment))
 
 
