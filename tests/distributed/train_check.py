@@ -140,6 +140,23 @@ def layout_plan(model, inputs, layout: str, mesh_shape):
     return plan
 
 
+def train_against_reference(pm, reference, loss_fn, batches):
+    """Train the compiled model and the one-process reference on the same batches; return
+    the compiled losses, the largest loss and parameter differences, and the reference's optimizer."""
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses = [], []
+    for inputs, target in batches:
+        losses.append(pm.train_step((inputs,), target).item())
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return losses, max(abs(a - b) for a, b in zip(losses, ref_losses)), param_err, ref_opt
+
+
 def optimizer_numel(opt) -> int:
     return sum(t.numel() for state in opt.state.values() for t in state.values() if t.dim() > 0)
 
@@ -173,18 +190,7 @@ def run_case(spec: str) -> dict:
         plan = type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
 
-    ref_opt = adamw(list(reference.parameters()))
-    losses, ref_losses = [], []
-    for inputs, target in batches:
-        losses.append(pm.train_step((inputs,), target).item())
-        ref_opt.zero_grad()
-        loss = loss_fn(reference(inputs), target)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-    full = pm.full_parameters()
-    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    losses, loss_err, param_err, ref_opt = train_against_reference(pm, reference, loss_fn, batches)
     n_reshard = sum(1 for n in pm.gm.graph.nodes if n.op == "call_module" and "Reshard" in type(pm.gm.get_submodule(n.target)).__name__)
     state = torch.tensor([optimizer_numel(pm.optimizer)], dtype=torch.float64)
     dist.all_reduce(state)
@@ -284,19 +290,8 @@ def pipeline_case(spec: str) -> dict:
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v))
     pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
-    ref_opt = adamw(list(reference.parameters()))
-    losses, ref_losses = [], []
-    for inputs, target in batches:
-        losses.append(pm.train_step((inputs,), target).item())
-        ref_opt.zero_grad()
-        loss = loss_fn(reference(inputs), target)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-    full = pm.full_parameters()
-    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "param_err": param_err, "losses": losses, "stages": len(pm.stages)}
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "stages": len(pm.stages)}
 
 
 def main(cases: list[str]) -> None:
