@@ -195,6 +195,20 @@ class ParallelModule(nn.Module):
         return {name: self.program.input_specs[by_name[name]] for name in self.shard_names}
 
 
+class WithLoss(nn.Module):
+    """``loss_fn(model(*inputs), target)`` as one module: how the planner sees a model and
+    its loss together (``autopar.plan(..., loss_fn=, target=)``)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs_and_target: Any) -> torch.Tensor:
+        *inputs, target = inputs_and_target
+        return self.loss_fn(self.model(*inputs), target)
+
+
 class _LossOf(nn.Module):
     def __init__(self, loss_fn: Callable, out_spec: Any):
         super().__init__()

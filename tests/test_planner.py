@@ -160,3 +160,20 @@ def test_diff_names_what_changed(gpt_plan):
     assert f"zero {first}: {p.zero[first]} -> 3" in text
     assert "predicted step" in text and "(2.000x)" in text
     assert p.diff(p) == "plans are identical"
+
+
+def test_plan_with_the_loss():
+    """The loss can be planned with the model: a mean cross-entropy splits with the batch."""
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.models import WideMLP
+
+    torch.manual_seed(0)
+    model = WideMLP(dim=16, hidden=64, n_layers=1)
+    x, target = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    with pytest.raises(ValueError, match="autopar: plan\\(loss_fn=...\\) expected a target"):
+        autopar.plan(model, (2,), (x,), loss_fn=F.cross_entropy)
+    plan = autopar.plan(model, (2,), (x,), loss_fn=F.cross_entropy, target=target, time_limit_s=10, pipeline=False)
+    assert any("cross_entropy_loss" in name for name in plan.strategies)
+    assert plan.predicted.step_time > 0
