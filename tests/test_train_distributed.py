@@ -4,7 +4,7 @@ Each launch runs several cases (process start-up costs seconds): gloo on CPU, 2,
 8 ranks. Layouts: the planner's own choice ("auto"), autopar.layouts' Megatron TP, TP+DP, TP+SP,
 FSDP+TP and ZeRO-1 (planned on rank 0 with the H100 preset), DP (batch split, parameters replicated), ZeRO-2 and ZeRO-3/FSDP (parameters
 stored split, gathered once per step or at each use) and random per-node strategies (every kind of resharding, gradients included).
-Pipelines (``pp:``): GPipe, 1F1B and interleaved 1F1B from torch.distributed.pipelining,
+Pipelines (``pp:``, and the planner's own ``pp-planned:``): GPipe, 1F1B and interleaved 1F1B from torch.distributed.pipelining,
 alone and with data parallel stages. Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
 the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
 RMSNorm in float32 whatever the model dtype, so its bound is float32 rounding amplified
@@ -23,7 +23,7 @@ import pytest
 
 LAUNCHES = {
     2: ["2:gpt:auto", "2:gpt:tp", "2:mlp:tp", "pp:2:gpt:GPipe:2:1", "pp:2:mlp:Interleaved1F1B:2:2", "resume:2:dp:2:fsdp", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
+    4: ["2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "errors", "resume:4:fsdp:2x2:random2", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp"],
     8: ["pp:2x2x2:gpt:1F1B:2:1", "2x2x2:gpt:random1", "2x2x2:mlp:dp"],
 }
 

@@ -281,6 +281,34 @@ def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, c
     return Plan.from_json(plan.to_json())
 
 
+def planned_pipeline_case(spec: str) -> dict:
+    """pp-planned:<P>x<D>:<model>: the planner's pipelined plan (P stages over D-way
+    intra-op), made on rank 0 with the H100 preset, run by the runtime."""
+    from autopar import layouts
+    from passes.planner_pipeline import pipeline_plan as plan_pipeline
+
+    _, mesh_text, model_name = spec.split(":")
+    p, d = (int(x) for x in mesh_text.split("x"))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    tokens = batches[0][0]
+    text = [None]
+    if dist.get_rank() == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            captured = capture(model, (tokens,))
+        plan, why = plan_pipeline(captured, p, (d,), "h100", layouts.hints, memory_limit=80e9,
+                                  time_limit_s=20, shape=(p, d))
+        text[0] = plan.to_json() if plan is not None else why
+    dist.broadcast_object_list(text)
+    plan = Plan.from_json(text[0])
+    mesh = init_device_mesh("cpu", (p, d), mesh_dim_names=("pp", "intra"))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
+            "schedule": plan.pipeline.schedule, "micro_batches": plan.pipeline.micro_batches}
+
+
 def pipeline_case(spec: str) -> dict:
     """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks per rank>"""
     _, mesh_text, model_name, schedule, m, v = spec.split(":")
@@ -300,6 +328,8 @@ def main(cases: list[str]) -> None:
         try:
             if spec == "errors":
                 result = error_cases(dist.get_world_size())
+            elif spec.startswith("pp-planned:"):
+                result = planned_pipeline_case(spec)
             elif spec.startswith("pp:"):
                 result = pipeline_case(spec)
             elif spec.startswith("resume:"):
