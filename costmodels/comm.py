@@ -50,13 +50,14 @@ def _collective_fn(collective: str):
 
 
 def short(placement: Placement) -> str:
-    """``S(0)``, ``R``, ``P``: the printed short form."""
+    """``S(0)``, ``R``, ``P`` (a pending sum), ``P(max)``: the printed short form, the one
+    place it is defined (``passes.placements`` prints with it too)."""
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Replicate):
         return "R"
     if isinstance(placement, Partial):
-        return "P"
+        return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
     raise TypeError(
         f"autopar: expected a placement Shard(dim), Replicate() or Partial(); found {placement!r}."
     )

@@ -14,6 +14,8 @@ from typing import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from costmodels.comm import short
+
 Spec = tuple[Placement, ...]
 
 R = Replicate()
@@ -22,16 +24,6 @@ P = Partial()
 
 def S(dim: int) -> Shard:
     return Shard(dim)
-
-
-def short(p: Placement) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    raise TypeError(f"autopar: expected a Shard, Replicate or Partial placement, found {p!r}")
 
 
 def spec_str(spec: Spec | None) -> str:
