@@ -1,18 +1,34 @@
 """The ``autopar`` command line.
 
+    autopar plan llama-70b --mesh 8x8 --hardware h100     # plan, explain, write plan.json + pictures
+    autopar plan mypkg.models:build --mesh 2x4 --out plans/run1
+    autopar explain autopar-plan/plan.json --pictures pics/
+    autopar diff a.json b.json
+    autopar bench --models gpt-small --meshes gloo-4 --quick
     torchrun --standalone --nproc_per_node 4 -m autopar.cli profile --mesh 2x2 --names dp,tp
 
 Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in ``_build``;
 add one by adding a parser there. Wrong arguments and ``autopar:`` errors print one
 line, ``autopar: ...``, and exit with status 2 (usage) or 1 (run-time).
+
+``plan``'s MODEL is a built-in name (``BUILTINS``, built on the meta device: nothing is
+allocated) or ``package.module:factory``: a callable returning ``(model, example_inputs)``,
+called with no arguments, or with ``batch=`` / ``seq=`` keywords when ``--batch`` /
+``--seq`` are given.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from autopar.layouts import LAYOUTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,6 +58,125 @@ def _names(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"expected axis names like dp,tp; found {text!r}")
     return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number; found {text!r}")
+    return value
+
+
+def _csv(text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list like a,b; found {text!r}")
+    return items
+
+
+# --- models for `autopar plan` --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in model: ``build(batch, seq) -> (model, example_inputs)`` on the meta device."""
+
+    about: str
+    batch: int
+    seq: int
+    build: Callable[[int, int], tuple]
+
+
+def _gpt_small(batch: int, seq: int) -> tuple:
+    from autopar.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(max_seq_len=max(seq, GPTConfig.max_seq_len)))
+    return model, (_tokens(batch, seq),)
+
+
+def _gpt2(batch: int, seq: int) -> tuple:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_positions=max(seq, 1024))), (_tokens(batch, seq),)
+
+
+def _llama(size: str) -> Callable[[int, int], tuple]:
+    def build(batch: int, seq: int) -> tuple:
+        from autopar.models import llama3
+
+        return llama3(size, seq), (_tokens(batch, seq),)
+
+    return build
+
+
+def _mixtral(batch: int, seq: int) -> tuple:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=4, hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
+                        num_key_value_heads=4, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=max(seq, 1024))
+    return MixtralForCausalLM(cfg).to(torch.bfloat16), (_tokens(batch, seq),)
+
+
+def _wide_mlp(batch: int, seq: int) -> tuple:
+    import torch
+
+    from autopar.models import WideMLP
+
+    return WideMLP(dim=4096, hidden=16384, n_layers=8), (torch.zeros(batch, seq, 4096),)
+
+
+def _tokens(batch: int, seq: int):
+    import torch
+
+    return torch.zeros(batch, seq, dtype=torch.long)
+
+
+BUILTINS = {
+    "gpt-small": Builtin("autopar.models.GPT, default config (2 layers, dim 64)", 8, 64, _gpt_small),
+    "gpt2": Builtin("Hugging Face GPT-2 124M shape", 8, 1024, _gpt2),
+    "llama-8b": Builtin("Llama-3 8B shape, bf16", 16, 4096, _llama("8b")),
+    "llama-70b": Builtin("Llama-3 70B shape, bf16", 16, 4096, _llama("70b")),
+    "llama-405b": Builtin("Llama-3 405B shape, bf16", 16, 4096, _llama("405b")),
+    "mixtral": Builtin("small Mixtral MoE: 4 layers, dim 1024, 8 experts top-2, bf16", 8, 1024, _mixtral),
+    "wide-mlp": Builtin("autopar.models.WideMLP: 8 layers, 4096 -> 16384 -> 4096", 16, 256, _wide_mlp),
+}
+
+
+def load_model(spec: str, batch: int | None = None, seq: int | None = None) -> tuple:
+    """(model, example_inputs) for a built-in name or ``package.module:factory`` (module docstring)."""
+    import torch
+
+    if spec in BUILTINS:
+        b = BUILTINS[spec]
+        try:
+            with torch.device("meta"):
+                return b.build(batch or b.batch, seq or b.seq)
+        except ImportError as e:
+            raise _UsageError(f"model {spec!r} needs a package that is not installed ({e}); "
+                              "install it, e.g. `pip install transformers`") from None
+    if ":" not in spec:
+        raise _UsageError(f"unknown model {spec!r}; expected one of {', '.join(BUILTINS)} "
+                          "or package.module:factory")
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # `autopar plan mymodels:build` finds ./mymodels.py, as `python -m` would
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except ImportError as e:
+        raise _UsageError(f"cannot import {module_name!r} for model {spec!r}: {e}") from None
+    except AttributeError:
+        raise _UsageError(f"module {module_name!r} has no {attr!r} (model {spec!r})") from None
+    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+    got = factory(**kwargs) if callable(factory) else factory
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.nn.Module):
+        model, inputs = got
+        return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    raise _UsageError(f"model factory {spec!r} must return (model, example_inputs) with an nn.Module model; "
+                      f"found {type(got).__name__}")
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -82,6 +217,107 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- plan, explain, diff, bench -------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from autopar.planning import plan
+
+    model, inputs = load_model(args.model, args.batch, args.seq)
+    hardware = _hardware(args.hardware)
+    with _PhaseBar(enabled=not args.no_progress) as bar:
+        result = plan(model, args.mesh, inputs, hardware=hardware, time_limit_s=args.time_limit,
+                      pipeline=not args.no_pipeline, layout=args.layout, progress=bar.update)
+    print(result.explain())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.save(out / "plan.json")
+    print(f"\nplan: {out / 'plan.json'}")
+    _write_pictures(result, out)
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from passes.plan import Plan
+
+    plan = Plan.load(_existing(args.plan))
+    print(plan.explain())
+    if args.pictures:
+        print()
+        _write_pictures(plan, Path(args.pictures))
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from passes.plan import Plan
+
+    a, b = (Plan.load(_existing(p)) for p in (args.a, args.b))
+    print(a.diff(b))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        bench = importlib.import_module("autopar.bench")
+    except ImportError as e:
+        raise _UsageError(f"the benchmark module autopar.bench is not available here ({e})") from None
+    # bench.run checks the names: an unknown model or mesh is a one-line autopar: error
+    table = bench.run(models=args.models, meshes=args.meshes, out_dir=args.out, quick=args.quick,
+                      progress=not args.no_progress, time_limit_s=args.time_limit)
+    print(Path(table).read_text())
+    print(f"table: {table}")
+    return 0
+
+
+def _hardware(text: str):
+    """A preset name, or a HardwareProfile read from a JSON file."""
+    from costmodels import PRESETS, HardwareProfile
+
+    if text.lower() in PRESETS:
+        return text.lower()
+    if not Path(text).is_file():
+        raise _UsageError(f"--hardware: expected a preset ({', '.join(sorted(PRESETS))}) or a hardware profile "
+                          f"JSON file (from `autopar profile --out`); found {text!r}")
+    return HardwareProfile.load(text)
+
+
+def _existing(path: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise _UsageError(f"expected a plan JSON file at {path}, found {'a folder' if p.is_dir() else 'nothing'}; "
+                          "make one with `autopar plan MODEL --mesh 2x2`")
+    return p
+
+
+def _write_pictures(plan, out: Path) -> None:
+    from autopar import pictures
+
+    for name, path in pictures.write_all(plan, out).items():
+        print(f"{name}: {path}" if isinstance(path, Path) else f"{name}: not drawn: {path}")
+
+
+class _PhaseBar:
+    """A tqdm bar over the planner's phases (``autopar.plan(progress=...)``), on stderr."""
+
+    def __init__(self, enabled: bool):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=None, desc="plan", unit="step", disable=not enabled or None, leave=False,
+                         bar_format="{desc}{bar:20} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    def update(self, phase: str, done: int, total: int | None) -> None:
+        if total is not None:  # capture is one step more than the search reports
+            self._bar.total = total + 1
+            self._bar.n = done + 1
+        self._bar.set_description(f"plan: {phase}")
+
+    def __enter__(self) -> "_PhaseBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
+
+
 class _UsageError(Exception):
     pass
 
@@ -114,6 +350,57 @@ def _build() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
+
+    models = "\n".join(f"  {name:<11} {b.about} (batch {b.batch}, seq {b.seq})" for name, b in BUILTINS.items())
+    p = sub.add_parser(
+        "plan",
+        help="plan a model on a mesh (no devices needed); explain it, save plan.json and pictures",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Capture MODEL, search tensor, pipeline, data parallel and ZeRO layouts on the mesh with\n"
+        "the hardware's cost model, print the explanation, write DIR/plan.json and the pictures\n"
+        "(pipeline.png, memory.png, weights.png).\n\n"
+        f"Built-in models (meta device: nothing is allocated):\n{models}\n\n"
+        "Or package.module:factory, a callable returning (model, example_inputs); it is called\n"
+        "with batch=/seq= keywords when --batch/--seq are given.",
+    )
+    p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
+    p.add_argument("--mesh", type=_mesh_shape, required=True,
+                   help="mesh shape, outermost (slowest) axis first, e.g. 8x8")
+    p.add_argument("--hardware", default="h100", help="preset h100 or a100, or a profile JSON (default: h100)")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's)")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--out", default="autopar-plan", metavar="DIR", help="where plan.json and the pictures go "
+                   "(default: ./autopar-plan/)")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="seconds for the search after capture (default: 60)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None, metavar="NAME",
+                   help=f"cost this manual layout instead of searching: {', '.join(LAYOUTS)}")
+    p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("explain", help="print the explanation of a saved plan (and its pictures)",
+                       description="Print what a saved plan chose and why; with --pictures, draw its pictures.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--pictures", default=None, metavar="DIR", help="write pipeline.png, memory.png, weights.png here")
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("diff", help="what differs between two saved plans",
+                       description="Print each difference: mesh, pipeline, placements, ZeRO levels, prediction.")
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    p.set_defaults(func=_cmd_diff)
+
+    p = sub.add_parser("bench", help="auto plan versus manual layouts, predicted and measured (autopar.bench)",
+                       description="Run autopar.bench over models and meshes; print its markdown table.")
+    p.add_argument("--models", type=_csv, default=None, help="comma-separated, e.g. gpt-small,llama (default: all)")
+    p.add_argument("--meshes", type=_csv, default=None, help="comma-separated, e.g. gloo-4,h100-64 (default: all)")
+    p.add_argument("--out", default="results/bench", metavar="DIR", help="results folder (default: results/bench)")
+    p.add_argument("--quick", action="store_true", help="fewer steps and models (a smoke run)")
+    p.add_argument("--time-limit", type=float, default=20.0, metavar="S", help="planning seconds per case "
+                   "(default: 20)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
@@ -125,11 +412,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         sys.stderr.write(f"autopar: {e}\n")
         return 2
-    except ValueError as e:
+    except ValueError as e:  # autopar's own errors (PlanningError, ProfileError), bad JSON
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(msg if msg.startswith("autopar:") else f"autopar: {msg}")
         sys.stderr.write("\n")
         return 1
+    except OSError as e:  # a file that cannot be read or written
+        sys.stderr.write(f"autopar: {e.strerror or e}: {e.filename or ''}".rstrip(": ") + "\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("autopar: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ def compile(  # noqa: A001  (the public name users expect)
 
     Call it on every rank with the same model weights (same seed, or loaded from the
     same checkpoint) and the same example inputs (the whole batch).
+
+    ``check_inputs``: every ``train_step`` and ``loss`` given the whole batch checks that
+    every rank was given the same one (a checksum per input, one small all-reduce that
+    runs alongside the step; a mismatch is an ``autopar:`` error raised before the
+    optimizer step). Pass False to skip it when the batches are known to agree (one
+    seeded loader on every rank); ``local=True`` steps are never checked.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(

@@ -1,52 +1,181 @@
-"""The demo: capture a small GPT, show every op's sharding strategies on a 2x2 mesh, and
-the plan autopar chooses for it on 2x2 H100s, explained.
+"""The demo: autopar on this machine, then on 64 H100s, in about two minutes.
 
-Run with ``python -m autopar.demo``. (Training under torchrun and the 70B plan join the
-demo with the benchmark issue.)
+    python -m autopar.demo
+
+1. Launches 4 gloo ranks (``torchrun``) on this machine. They measure its hardware
+   profile (once; cached), and rank 0 plans a small GPT for them: the plan, explained,
+   and how its predicted step time compares with the manual layouts.
+2. The ranks train the planned model a few AdamW steps, printing each step's loss next
+   to a single-process model's (they must agree) and the measured step time next to the
+   predicted one; then the best manual layouts train too, measured alike.
+3. Back in one process: a Llama-3-70B-shaped model (built on the meta device, no weights)
+   planned for 64 H100s (8 nodes x 8), and that plan explained.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import statistics
+import subprocess
+import sys
 import time
+import warnings
 
 import torch
+import torch.nn.functional as F
 
-from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.strategies import build_strategy_graph
+RANKS = 4
+STEPS = 6  # the first is warm-up (and builds the loss program); the rest are timed
+BATCH, SEQ = 16, 64
+
+
+def _small_gpt():
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=512, max_seq_len=SEQ, dim=128, n_heads=4, n_layers=2))
+
+
+def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 512, (BATCH, SEQ), generator=gen), torch.randint(0, 512, (BATCH, SEQ), generator=gen))
+        for _ in range(STEPS)
+    ]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+# --- part 1 and 2: under torchrun --------------------------------------------------------
+def worker() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from costmodels.profiler import Sweep, profile_mesh
+    from passes.plan import Plan
+
+    dist.init_process_group("gloo")
+    logging.disable(logging.WARNING)  # torch's notes on gloo's missing all_to_all and DTensor's hops
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    started = time.perf_counter()
+    profile, path, measured = profile_mesh((2, 2), ("dp", "tp"), sweep=Sweep.quick(), progress=rank == 0)
+    say(f"Hardware profile of this machine as a 2x2 gloo mesh: {'measured' if measured else 'cached'} "
+        f"({time.perf_counter() - started:.1f} s) -> {path}\n")
+
+    model = _small_gpt()  # every rank builds the same weights (seed 0)
+    batches = _batches()
+    tokens = batches[0][0]
+
+    def on_rank0(make):  # plan once, give every rank the same plan
+        text = [make().to_json() if rank == 0 else None]
+        dist.broadcast_object_list(text, src=0)
+        return Plan.from_json(text[0])
+
+    started = time.perf_counter()
+    auto = on_rank0(lambda: autopar.plan(model, mesh, (tokens,), hardware=profile, time_limit_s=20))
+    planned_in = time.perf_counter() - started
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"== The plan for a small GPT ({n_params:,} parameters, batch {BATCH}x{SEQ}) on 2x2 gloo ranks "
+        f"({planned_in:.1f} s) ==\n")
+    say(auto.explain())
+    say("\nPredicted step time, auto against the manual layouts (same cost model):")
+    for name, t in sorted(auto.candidates.items(), key=lambda kv: kv[1]):
+        say(f"  {name:<24} {_ms(t):>10}   auto / {name} = {auto.predicted.step_time / t:.2f}")
+
+    # the auto plan and the best manual layouts train side by side, step by step, so that
+    # load on this shared machine hits them alike
+    manual = [name for name, _ in sorted(auto.candidates.items(), key=lambda kv: kv[1])
+              if name in ("dp", "fsdp", "tp+dp", "tp")][:3]
+    plans = {"auto": auto}
+    plans.update({name: on_rank0(lambda: autopar.plan(_small_gpt(), mesh, (tokens,), hardware=profile, layout=name))
+                  for name in manual})
+    modules = {name: autopar.compile(_small_gpt(), mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=p)
+               for name, p in plans.items()}
+    reference = _small_gpt()
+    ref_opt = _adamw(reference.parameters())
+    times = {name: [] for name in plans}
+
+    say(f"\n== Training {STEPS} AdamW steps on 4 ranks: the plan against one process "
+        f"(and {', '.join(manual)} alongside) ==\n")
+    say(f"{'step':>4}  {'autopar loss':>13}  {'1-process loss':>14}  {'measured':>10}  {'predicted':>10}")
+    for step, (x, y) in enumerate(batches):
+        for name, pm in modules.items():
+            dist.barrier()
+            started = time.perf_counter()
+            loss = pm.train_step((x,), y)
+            elapsed = time.perf_counter() - started
+            if step > 0:
+                times[name].append(elapsed)
+            if name == "auto":
+                auto_loss, auto_time = float(loss), elapsed
+        ref_opt.zero_grad()
+        ref_loss = _loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        say(f"{step:>4}  {auto_loss:>13.6f}  {float(ref_loss.detach()):>14.6f}  {_ms(auto_time):>10}  "
+            f"{_ms(auto.predicted.step_time):>10}" + ("  (warm-up)" if step == 0 else ""))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    say(f"\n{'layout':<10} {'measured':>10} {'predicted':>10} {'measured/predicted':>19} {'auto/this measured':>19}"
+        f" {'auto/this predicted':>20}")
+    for name, p in plans.items():
+        say(f"{name:<10} {_ms(median[name]):>10} {_ms(p.predicted.step_time):>10} "
+            f"{median[name] / p.predicted.step_time:>19.2f} {median['auto'] / median[name]:>19.2f} "
+            f"{auto.predicted.step_time / p.predicted.step_time:>20.2f}")
+    say("(measured: median of the last {} steps; this machine is shared, so ratios measured side by side "
+        "are the result)".format(STEPS - 1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- part 3 and the launcher ---------------------------------------------------------------
+def plan_70b() -> None:
+    import autopar
+    from autopar.models import llama3
+
+    with torch.device("meta"):
+        model = llama3("70b")
+    tokens = torch.zeros(16, 4096, dtype=torch.long, device="meta")
+    print("\n== Llama-3-70B shape (80 layers, hidden 8192, 70.6 B parameters, bf16, meta device) on 64 H100s "
+          "(8 nodes x 8 GPUs), global batch 16x4096 ==\n")
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (8, 8), (tokens,), hardware="h100", time_limit_s=40)
+    print(f"planned in {time.perf_counter() - started:.1f} s on this {os.cpu_count()}-core machine\n")
+    print(plan.explain())
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, max_seq_len=32, dim=64, n_heads=4, n_layers=2)
-    model = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (8, 32))
-    mesh_shape = (2, 2)
-
-    start = time.perf_counter()
-    captured = capture(model, (tokens,))
-    graph = build_strategy_graph(captured, mesh_shape)
-    elapsed = time.perf_counter() - start
-
-    n_nodes = sum(1 for _ in captured.nodes("call_function"))
-    print(f"Captured GPT ({sum(p.numel() for p in model.parameters()):,} parameters): "
-          f"{n_nodes} ATen ops, strategies on a {'x'.join(map(str, mesh_shape))} mesh in {elapsed:.2f} s\n")
-    print(f"{'node':<28} {'op':<38} {'#':>4}  first strategies")
-    print(graph.table())
-    print("\nStrategies per op (min / median / max over its nodes):")
-    for op, counts in sorted(graph.counts().items()):
-        print(f"  {op:<44} {min(counts):>4} / {statistics.median(counts):>6} / {max(counts):>4}")
-    if graph.missing_rules:
-        print(f"\nOps without a rule (replicated): {sorted(graph.missing_rules)}")
-
-    from autopar.planning import plan
-
-    start = time.perf_counter()
-    chosen = plan(model, mesh_shape, (tokens,), hardware="h100", time_limit_s=30)
-    print(f"\nThe plan for {'x'.join(map(str, mesh_shape))} H100s ({time.perf_counter() - start:.1f} s):\n")
-    print(chosen.explain())
+    started = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
+               "-m", "autopar.demo", "--worker"]
+    print(f"$ {' '.join(['torchrun'] + command[3:])}\n", flush=True)
+    done = subprocess.run(command, env=env)
+    if done.returncode != 0:
+        sys.exit(f"autopar: the demo's {RANKS}-rank run failed (exit {done.returncode}); see the output above")
+    plan_70b()
+    print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        worker()
+    else:
+        main()

@@ -145,8 +145,10 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
     completes it with its cost tables (each op the fastest given its producers);
     ``complete=True`` completes it here by ``passes.propagate`` (fewest bytes moved)."""
     fixed, zero = layout_placements(name, graph)
-    keep = tuple(a for a, role in enumerate(axis_roles(name, len(graph.mesh_shape))) if role == "tp")
-    return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep)
+    roles = axis_roles(name, len(graph.mesh_shape))
+    keep = tuple(a for a, role in enumerate(roles) if role == "tp")
+    data = tuple(a for a, role in enumerate(roles) if role == "dp" and graph.mesh_shape[a] > 1)
+    return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data)
 
 
 def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:

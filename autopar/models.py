@@ -105,3 +105,24 @@ class WideMLP(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return x
+
+
+LLAMA3 = {  # Llama 3 (Meta, 2024): hidden, ffn, layers, heads, kv heads, vocab
+    "8b": (4096, 14336, 32, 32, 8, 128256),
+    "70b": (8192, 28672, 80, 64, 8, 128256),
+    "405b": (16384, 53248, 126, 128, 8, 128256),
+}
+
+
+def llama3(size: str, seq: int = 4096, layers: int | None = None) -> nn.Module:
+    """A Hugging Face Llama of a Llama-3 size ("8b", "70b", "405b") in bf16, built on the
+    current default device: build it under ``torch.device("meta")`` to plan without weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if size not in LLAMA3:
+        raise ValueError(f"autopar: no Llama 3 size {size!r}; expected one of {sorted(LLAMA3)}")
+    hidden, ffn, n_layers, heads, kv, vocab = LLAMA3[size]
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers or n_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                      max_position_embeddings=seq, torch_dtype=torch.bfloat16)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)

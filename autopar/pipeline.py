@@ -9,7 +9,6 @@ data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's schedules.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -20,8 +19,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils import _pytree as pytree
 
-from autopar.runtime import build_loss_program, sync_gradients, whole
+from autopar.gradsync import sync_gradients
+from autopar.runtime import build_loss_program, whole
 from passes.capture import Captured
+from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import Part, RankProgram, lower
 from passes.placements import local_slice
 from passes.plan import Plan, choice_from_plan
@@ -80,6 +81,7 @@ class _Stage(nn.Module):
     def __init__(self, program: RankProgram, state: list[torch.Tensor], params: nn.ParameterList):
         super().__init__()
         self.program = program.gm
+        self.saving = program.saving  # gathered weights it frees are saved as references
         self.params = params
         self.state = state
 
@@ -87,7 +89,9 @@ class _Stage(nn.Module):
         # send/recv move dense buffers: views (an expand, a transpose) are packed first,
         # on the way out and for the gradients that go back.
         received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
-        return tuple(t.contiguous() for t in self.program(*self.state, *received))
+        with self.saving():
+            outs = self.program(*self.state, *received)
+        return tuple(t.contiguous() for t in outs)
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -133,9 +137,12 @@ class PipelineModule(nn.Module):
         self.programs: list[RankProgram] = []
         self.stage_state: list[dict[str, torch.Tensor]] = []
         self.parts = parts
+        layer_of = plan_layers(plan)
         for index in range(self.pp_rank, n_stages, pp.stages):
             part = parts[index]
             program = lower(graph, choice, self.intra, part=part)
+            mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
+            program.gm = recompute_layers(program.gm, layer_of, mine)
             state, own, named = [], nn.ParameterList(), {}
             for node in part.inputs:
                 if node.name not in values:

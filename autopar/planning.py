@@ -35,6 +35,7 @@ def plan(
     pipeline: bool = True,
     layout: str | None = None,
     axis_names: Sequence[str] | None = None,
+    progress: Callable[[str, int, int | None], None] | None = None,
 ) -> Plan:
     """The fastest predicted Plan that fits in memory (or, with ``layout``, that manual layout).
 
@@ -45,6 +46,8 @@ def plan(
     reported in ``plan.solver["capture_seconds"]``. ``pipeline=False``
     keeps the mesh as given (no pipeline axis). The result's ``candidates`` lists the
     manual layouts' predicted step times; the auto plan is never slower than the best.
+    ``progress(phase, done, total)`` is told each phase as it starts: "capture" (total None),
+    then the search's ``total`` steps ("strategies", "no pipeline", "pp2x8", ..., "done").
     """
     shape, names = _mesh(mesh_or_shape, axis_names)
     if loss_fn is not None and target is None:
@@ -55,15 +58,25 @@ def plan(
 
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
     started = time.perf_counter()
+    if progress is not None:
+        progress("capture", 0, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
         captured = capture(model, example_inputs)
     left = time_limit_s  # the search's own limit: capture (torch.export) cannot be interrupted
     captured_in = time.perf_counter() - started
-    result = plan_captured(
-        captured, shape, hardware, hint_fn=layouts.hints, memory_limit=memory_limit, time_limit_s=left,
-        pipeline=pipeline and not _is_device_mesh(mesh_or_shape), layout=layout, axis_names=names,
-    )
+    with warnings.catch_warnings(record=True) as seen:  # each pipeline option lists strategies anew
+        warnings.simplefilter("always", NoRuleWarning)
+        result = plan_captured(
+            captured, shape, hardware, hint_fn=layouts.hints, memory_limit=memory_limit, time_limit_s=left,
+            pipeline=pipeline and not _is_device_mesh(mesh_or_shape), layout=layout, axis_names=names,
+            progress=progress,
+        )
+    for text in dict.fromkeys(str(w.message) for w in seen if issubclass(w.category, NoRuleWarning)):
+        warnings.warn(text, NoRuleWarning, stacklevel=2)
+    for w in seen:
+        if not issubclass(w.category, NoRuleWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     result.solver["capture_seconds"] = captured_in
     return result
 

@@ -14,13 +14,14 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils import _pytree as pytree
 
+from autopar.gradsync import GradientSync, Rider, sync_gradients
 from passes.capture import Captured, capture
+from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import RankProgram, lower
 from passes.placements import Spec, fits, local_shape, local_slice, parse_spec, spec_str
 from passes.plan import Plan, choice_from_plan
@@ -51,6 +52,8 @@ class ParallelModule(nn.Module):
         self.program: RankProgram = lower(
             graph, choice_from_plan(graph, plan), mesh, per_use, storage=storage_specs(captured, plan)
         )
+        if plan.recompute:  # activation checkpointing of the plan's layers
+            self.program.gm = recompute_layers(self.program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
         self.coord = tuple(mesh.get_coordinate())
         self.input_shapes = {
             n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs
@@ -69,6 +72,7 @@ class ParallelModule(nn.Module):
             else:
                 self.local[name] = local.clone()
         self.optimizer = optimizer(list(self.shards)) if optimizer is not None else None
+        self.grads = GradientSync(self.program.grad_sync, self.local, backward_order(self.program.gm), mesh)
         self._loss_program: RankProgram | None = None
         self._loss_captured: Captured | None = None
 
@@ -103,10 +107,11 @@ class ParallelModule(nn.Module):
             values[name] = value if local else local_slice(value, spec, self.mesh.shape, self.coord)
         return values
 
-    def _run_model(self, inputs: tuple, local: bool) -> list[torch.Tensor]:
+    def _run_model(self, inputs: tuple, local: bool, observe: Callable | None = None) -> list[torch.Tensor]:
         values = dict(self.local)
         values.update(self._local_inputs(inputs, local))
-        outs = self.gm(*[values[n] for n in self.captured.placeholders])
+        with self.program.saving(observe):
+            outs = self.gm(*[values[n] for n in self.captured.placeholders])
         return pytree.tree_leaves(outs)
 
     def forward(self, *inputs: Any) -> Any:
@@ -117,35 +122,96 @@ class ParallelModule(nn.Module):
         wholes = [whole(t, s, self.mesh) if s is not None else t for t, s in zip(user, specs)]
         return pytree.tree_unflatten(wholes, self.captured.out_spec)
 
-    def loss(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> torch.Tensor:
-        """The global loss, replicated on every rank, differentiable."""
-        if self.loss_fn is None:
-            raise ValueError("autopar: this ParallelModule was compiled without loss_fn; pass loss_fn to compile")
-        if self.check_inputs:
-            same_on_every_rank((*inputs, target), self.mesh, local)
-        flat = self._run_model(inputs, local)
-        user = [flat[i] for i in self.captured.user_outputs]
-        program, loss_cap = self._loss_program_for(target, local)
-        values = dict(zip(loss_cap.user_inputs, [*user, self._local_target(program, loss_cap, target, local)]))
-        out = pytree.tree_leaves(program.gm(*[values[n] for n in loss_cap.placeholders]))
-        index = loss_cap.user_outputs[0]
-        return whole(out[index], program.output_specs[index], self.mesh)
+    def loss(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
+             observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
+        """The global loss, replicated on every rank, differentiable. ``observe(tensor,
+        is_weight)`` is called with every tensor autograd keeps for backward, ``is_weight``
+        for gathered weights kept for backward (to measure memory)."""
+        check = self._check(inputs, target, local)
+        if check is not None:
+            sync_gradients({}, {}, self.mesh, [check.rider])
+            check.confirm()
+        value, spec = self._local_loss(inputs, target, local, observe)
+        return whole(value, spec, self.mesh)
 
-    def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> torch.Tensor:
+    def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
+                   observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
         """Forward, backward and optimizer step; returns the global mean loss on every rank.
 
         ``inputs`` and ``target`` are the whole batch, the same on every rank; with
         ``local=True`` each rank passes only its shard, laid out as ``input_specs()``
-        (and ``target_spec()`` once known) say.
+        (and ``target_spec()`` once known) say. The check that every rank was given the
+        same batch (``check_inputs``) runs alongside the step and raises before the
+        optimizer changes anything.
         """
         if self.optimizer is None:
             raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(inputs, target, local)
-        loss.backward()
-        sync_gradients(self.program.grad_sync, self.local, self.mesh)
+        check = self._check(inputs, target, local)
+        value, spec = self._local_loss(inputs, target, local, observe)
+        # the loss may still be this rank's share of a sum: backward from the share is
+        # backward from the sum (its all-reduce's backward is the identity), and the value
+        # is summed with the gradients, in the same all-reduce; so is the input check
+        loss = value.detach().clone()
+        riders = [Rider(loss, tuple(a for a, p in enumerate(spec) if isinstance(p, Partial)))]
+        self.grads.begin(riders + ([check.rider] if check is not None else []))
+        value.backward()
+        self.grads.finish()
+        if check is not None:
+            check.confirm()
         self.optimizer.step()
-        return loss.detach()
+        return loss
+
+    def measure_memory(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> dict[str, int]:
+        """Run one ``train_step`` and return this rank's bytes by kind, as measured on any
+        device (no allocator statistics needed), in ``Plan.predicted.memory``'s kinds:
+
+        - parameters: the parameter shards and buffers this rank holds, plus gathered
+          whole copies kept for backward (ZeRO-1/2; ZeRO-3 frees its copies and gathers
+          again in backward, so keeps none);
+        - gradients: the shards' ``.grad`` after the step;
+        - optimizer: the optimizer's state tensors (the 0-d step counters left out);
+        - activations: the distinct storages autograd keeps for backward at the end of
+          forward, the loss's included, the parameters' own storages left out.
+
+        Transient buffers (a bucket being gathered, gradients in flight) are not counted.
+        """
+        own = {p.untyped_storage().data_ptr() for p in self.shards}
+        kept: dict[bool, dict[int, int]] = {True: {}, False: {}}
+
+        def observe(t: torch.Tensor, is_weight: bool) -> None:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own:
+                kept[is_weight][storage.data_ptr()] = storage.nbytes()
+
+        self.train_step(inputs, target, local, observe=observe)
+        state = [t for s in self.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {
+            "parameters": sum(t.numel() * t.element_size() for t in self.local.values()) + sum(kept[True].values()),
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in self.shards if p.grad is not None),
+            "optimizer": sum(t.numel() * t.element_size() for t in state),
+            "activations": sum(kept[False].values()),
+        }
+
+    def _check(self, inputs: tuple, target: torch.Tensor, local: bool) -> "SameInputs | None":
+        if not self.check_inputs or local:
+            return None
+        return SameInputs((*inputs, target), self.mesh)
+
+    def _local_loss(self, inputs: tuple, target: torch.Tensor, local: bool,
+                    observe: Callable | None) -> tuple[torch.Tensor, Spec]:
+        """This rank's loss, and its placement (a Partial axis: a share of the sum)."""
+        if self.loss_fn is None:
+            raise ValueError("autopar: this ParallelModule was compiled without loss_fn; pass loss_fn to compile")
+        flat = self._run_model(inputs, local, observe)
+        user = [flat[i] for i in self.captured.user_outputs]
+        program, loss_cap = self._loss_program_for(target, local)
+        values = dict(zip(loss_cap.user_inputs, [*user, self._local_target(program, loss_cap, target, local)]))
+        with program.saving(observe):
+            out = pytree.tree_leaves(program.gm(*[values[n] for n in loss_cap.placeholders]))
+        index = loss_cap.user_outputs[0]
+        return out[index], program.output_specs[index]
 
     # --- the loss program ---------------------------------------------------------
     def _loss_program_for(self, target: torch.Tensor, local: bool) -> tuple[RankProgram, Captured]:
@@ -158,7 +224,7 @@ class ParallelModule(nn.Module):
             out_specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
             out_metas = [self._output_meta(i) for i in self.captured.user_outputs]
             self._loss_program, self._loss_captured = build_loss_program(
-                self.loss_fn, self.captured.out_spec, out_metas, out_specs, target, self.mesh
+                self.loss_fn, self.captured.out_spec, out_metas, out_specs, target, self.mesh, reduce_output=False
             )
         return self._loss_program, self._loss_captured
 
@@ -223,9 +289,10 @@ class _LossOf(nn.Module):
 
 def build_loss_program(
     loss_fn: Callable, out_spec: Any, out_metas: list[torch.Tensor], out_specs: list[Spec],
-    target: torch.Tensor, mesh: DeviceMesh | None,
+    target: torch.Tensor, mesh: DeviceMesh | None, reduce_output: bool = True,
 ) -> tuple[RankProgram, Captured]:
-    """Capture ``loss_fn(outputs, target)`` and lay it out from the outputs' placements."""
+    """Capture ``loss_fn(outputs, target)`` and lay it out from the outputs' placements.
+    ``reduce_output`` False: a loss that is a pending sum is returned as this rank's share."""
     example = (*[torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas],
                torch.empty(target.shape, dtype=target.dtype, device="meta"))
     with warnings.catch_warnings():
@@ -235,7 +302,7 @@ def build_loss_program(
     placeholders = {n.name: n for n in cap.nodes("placeholder")}
     fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
     choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
-    return lower(graph, choice, mesh), cap
+    return lower(graph, choice, mesh, reduce_outputs=reduce_output), cap
 
 
 def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:
@@ -267,41 +334,45 @@ def storage_specs(captured: Captured, plan: Plan) -> dict[str, Spec]:
     return out
 
 
-def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:
-    """Sum the gradient shares of data-parallel parameters: one all-reduce per mesh axis
-    for all of them together (flattened), as DDP does with its buckets."""
-    by_axis: dict[int, list[torch.Tensor]] = {}
-    for name, axes in grad_sync.items():
-        grad = params[name].grad
-        if grad is not None:
-            for axis in axes:
-                by_axis.setdefault(axis, []).append(grad)
-    for axis, grads in sorted(by_axis.items()):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=mesh.get_group(axis))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+def backward_order(gm: fx.GraphModule) -> list[str]:
+    """Placeholders in the order backward reaches them: the reverse of their first use."""
+    first_use: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        for x in node.all_input_nodes:
+            if x.op == "placeholder":
+                first_use.setdefault(x.name, None)
+    return list(reversed(first_use))
 
 
 def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
+    if all(isinstance(p, Replicate) for p in spec):
+        return local
     return DTensor.from_local(local, mesh, spec, run_check=False).full_tensor()
 
 
-def same_on_every_rank(tensors: tuple, mesh: DeviceMesh, local: bool) -> None:
-    """Every rank must be given the same batch (unless it passes its own shard)."""
-    if local:
-        return
-    flat = [t for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
-    summary = torch.tensor([float(t.double().sum()) + float(t.double().abs().sum()) for t in flat], dtype=torch.float64)
-    lo, hi = summary.clone(), summary.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    if not torch.equal(lo, hi):
-        bad = int((lo != hi).nonzero()[0])
-        raise ValueError(
-            f"autopar: the ranks were given different values for input {bad} (expected the same whole "
-            "batch on every rank); give every rank the same batch, or pass each rank's shard with "
-            "local=True"
-        )
+class SameInputs:
+    """The check that every rank was given the same batch: a checksum per input tensor,
+    written in this rank's row of a table that is summed over the mesh (``rider``: it
+    rides along with the gradients' all-reduce); every row must then be the same."""
+
+    def __init__(self, tensors: tuple, mesh: DeviceMesh):
+        flat = [t for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+        sums = torch.tensor([float(t.double().sum()) + float(t.double().abs().sum()) for t in flat],
+                            dtype=torch.float64)
+        high = sums.float().double()  # two float32 parts: exact enough to ride in a float32 bucket
+        self.table = torch.zeros(mesh.size(), 2, len(flat), dtype=torch.float64)
+        row = 0
+        for size, index in zip(mesh.shape, mesh.get_coordinate()):
+            row = row * size + index
+        self.table[row] = torch.stack([high, sums - high])
+        self.rider = Rider(self.table, tuple(range(mesh.ndim)), castable=True)
+
+    def confirm(self) -> None:
+        differs = (self.table != self.table[0]).flatten(0, 1).any(dim=0)
+        if differs.any():
+            bad = int(differs.nonzero()[0])
+            raise ValueError(
+                f"autopar: the ranks were given different values for input {bad} (expected the same whole "
+                "batch on every rank); give every rank the same batch, or pass each rank's shard with "
+                "local=True"
+            )

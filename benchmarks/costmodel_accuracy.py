@@ -5,9 +5,10 @@
 
 For each world size this launches ``torchrun`` on costmodel_worker.py, which measures
 a fresh profile and then compares predictions with measurements of (1) each collective
-at message sizes the fit did not use, (2) matmuls and pointwise ops of the benchmark
-GPT's shapes, (3) a whole GPT training step under DP (DDP), TP (parallelize_module on
-the MLPs) and ZeRO-3 (FSDP2). It prints markdown tables (fitted alpha/beta, every row,
+at message sizes the fit did not use, (2) matmuls, pointwise kinds and attention at
+the benchmark GPT's shapes (each timed right after its own fit), (3) a whole GPT
+training step under DP (DDP), TP (parallelize_module on the MLPs) and ZeRO-3 (FSDP2),
+timed by phase. It prints markdown tables (fitted alpha/beta, every row,
 and the median absolute error per category) and writes them, with the raw rows as
 JSON, under results/ (gitignored).
 """
@@ -71,17 +72,29 @@ def fit_table(results: list[dict]) -> list[str]:
             )
     lines += [
         "",
-        "| ranks | dtype | matmul latency | matmul rate | pointwise latency | pointwise bandwidth |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| ranks | dtype | matmul latency | matmul rate | attention fwd / bwd rate |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for data in results:
         dev = data["profile"]["device"]
         for d in dev["matmul"]:
-            mm, pw = dev["matmul"][d], dev["pointwise"][d]
+            mm, att = dev["matmul"][d], dev["attention"]
             lines.append(
                 f"| {data['ranks']} | {d} | {fmt_s(mm['latency_s'])} | {mm['rate'] / 1e9:.1f} GFLOP/s | "
-                f"{fmt_s(pw['latency_s'])} | {pw['rate'] / 1e9:.2f} GB/s |"
+                f"{att['forward'][d]['rate'] / 1e9:.1f} / {att['backward'][d]['rate'] / 1e9:.1f} GFLOP/s |"
             )
+    kinds = list(results[0]["profile"]["device"]["pointwise"]) if results else []
+    lines += [
+        "",
+        "Pointwise kinds, fp32: effective bandwidth (every input and output counted once) and fixed cost.",
+        "",
+        "| ranks | " + " | ".join(kinds) + " |",
+        "| --- |" + " --- |" * len(kinds),
+    ]
+    for data in results:
+        pw = data["profile"]["device"]["pointwise"]
+        cells = [f"{pw[k]['fp32']['rate'] / 1e9:.2f} GB/s, {fmt_s(pw[k]['fp32']['latency_s'])}" for k in kinds]
+        lines.append(f"| {data['ranks']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -100,10 +113,30 @@ def rows_table(results: list[dict]) -> list[str]:
 
 
 def breakdown_table(results: list[dict]) -> list[str]:
+    """Each step's prediction by phase against the same phases timed in the step."""
     lines = [
-        "| ranks | layout | forward | backward | fwd comm | bwd comm | optimizer | predicted | measured | "
-        "forward + fwd comm: predicted / measured (no_grad) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ranks | layout | forward + comm: predicted / measured | backward + comm: predicted / measured | "
+        "optimizer: predicted / measured | step: predicted / measured | forward (no_grad) measured |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(p: float, m: float) -> str:
+        return f"{fmt_s(p)} / {fmt_s(m)} ({100 * (p - m) / m:+.0f}%)"
+
+    for data in results:
+        for r in data["rows"]:
+            if r["kind"] == "step":
+                b, m = r["breakdown"], r["measured_phases"]
+                lines.append(
+                    f"| {data['ranks']} | {r['group']} | {cell(b['forward'] + b['forward_comm'], m['forward'])} | "
+                    f"{cell(b['backward'] + b['backward_comm'], m['backward'])} | "
+                    f"{cell(b['optimizer'], m['optimizer'])} | {cell(r['predicted'], r['measured'])} | "
+                    f"{fmt_s(m['forward_no_grad'])} |"
+                )
+    lines += [
+        "",
+        "| ranks | layout | forward | backward | fwd comm | bwd comm | optimizer (predicted) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for data in results:
         for r in data["rows"]:
@@ -111,60 +144,24 @@ def breakdown_table(results: list[dict]) -> list[str]:
                 b = r["breakdown"]
                 lines.append(
                     f"| {data['ranks']} | {r['group']} | {fmt_s(b['forward'])} | {fmt_s(b['backward'])} | "
-                    f"{fmt_s(b['forward_comm'])} | {fmt_s(b['backward_comm'])} | {fmt_s(b['optimizer'])} | "
-                    f"{fmt_s(r['predicted'])} | {fmt_s(r['measured'])} | "
-                    f"{fmt_s(b['forward'] + b['forward_comm'])} / {fmt_s(r['measured_forward'])} |"
+                    f"{fmt_s(b['forward_comm'])} | {fmt_s(b['backward_comm'])} | {fmt_s(b['optimizer'])} |"
                 )
     return lines
 
 
 def drift_table(results: list[dict]) -> list[str]:
-    """How far the same quantity moved between the profile at the start of a run and one
-    measured again just before the steps: the noise floor of this machine."""
+    """How far the fp32 matmul rate and the all-reduce fit moved between the profile and
+    the end of the run: the noise floor of this machine."""
     lines = [
-        "| ranks | load avg (after profile / before steps / after steps) | quantity | start | end | drift |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| ranks | load avg | wall s | quantity | profile | end of run | drift |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for data in results:
-        a, b = data["profile"], data["profile_again"]
-        if data["ranks"] == 1:
-            a["axes"][0]["collectives"], b["axes"][0]["collectives"] = {}, {}
-        load = " / ".join(f"{v:.1f}" for v in data["load"].values())
-        pairs = [
-            (
-                f"{c} beta (MB/s)",
-                a["axes"][0]["collectives"][c]["beta_bytes_per_s"] / 1e6,
-                b["axes"][0]["collectives"][c]["beta_bytes_per_s"] / 1e6,
-            )
-            for c in a["axes"][0]["collectives"]
-        ]
-        pairs += [
-            (
-                f"{c} alpha (us)",
-                a["axes"][0]["collectives"][c]["alpha_s"] * 1e6,
-                b["axes"][0]["collectives"][c]["alpha_s"] * 1e6,
-            )
-            for c in a["axes"][0]["collectives"]
-            if c in ("all_reduce", "all_gather")
-        ]
-        pairs += [
-            (
-                f"matmul {d} (GFLOP/s)",
-                a["device"]["matmul"][d]["rate"] / 1e9,
-                b["device"]["matmul"][d]["rate"] / 1e9,
-            )
-            for d in ("fp32", "bf16")
-        ]
-        pairs += [
-            (
-                "pointwise fp32 (GB/s)",
-                a["device"]["pointwise"]["fp32"]["rate"] / 1e9,
-                b["device"]["pointwise"]["fp32"]["rate"] / 1e9,
-            )
-        ]
-        for name, x, y in pairs:
+        load = ", ".join(f"{k} {v:.1f}" for k, v in data["load"].items())
+        wall = ", ".join(f"{k} {v:.0f}" for k, v in data["wall_s_by_phase"].items())
+        for name, (x, y) in data["drift"].items():
             lines.append(
-                f"| {data['ranks']} | {load} | {name} | {x:.1f} | {y:.1f} | {100 * (y - x) / x:+.0f}% |"
+                f"| {data['ranks']} | {load} | {wall} | {name} | {x:.1f} | {y:.1f} | {100 * (y - x) / x:+.0f}% |"
             )
     return lines
 
@@ -221,11 +218,11 @@ def main() -> None:
         "",
         *fit_table(results),
         "",
-        "## Noise floor: the profile measured again just before the steps (steps are predicted from it)",
+        "## Noise floor: the profile's fp32 matmul and all-reduce fits measured again at the end",
         "",
         *drift_table(results),
         "",
-        "## Step breakdown (predicted)",
+        "## Step by phase: predicted against measured",
         "",
         *breakdown_table(results),
         "",

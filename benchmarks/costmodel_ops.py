@@ -1,10 +1,12 @@
 """Record the ATen ops one rank runs, as cost-model ``Op``s (FLOPs, bytes, dtype).
 
 Used by the accuracy benchmark to get the per-rank op inventory of a model's forward
-pass from its shapes (codegen does not exist yet, so the sharded model is the graph).
-DTensor arguments count by their local shards. Collectives are not recorded: the
-benchmark prices them from the layout. View ops count with zero FLOPs and bytes (they
-still pay the fixed per-op cost).
+pass from its shapes (the hand-written layouts run through DTensor, FSDP and DDP, so
+the sharded model is the graph). DTensor arguments count by their local shards.
+Collectives are not recorded: the benchmark prices them from the layout. Every op keeps
+its ATen name, which picks the rate that prices it (``costmodels.op_kind``) and the ops
+its backward runs (``costmodels.backward_ops``). View ops count with zero FLOPs and
+bytes (they still pay the fixed per-op cost).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from costmodels.step import Op
+from costmodels import Op
 
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 _DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -33,12 +35,11 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 class OpRecorder(TorchDispatchMode):
-    """``with OpRecorder() as rec: model(x)``; then ``rec.ops`` and ``rec.names``."""
+    """``with OpRecorder() as rec: model(x)``; then ``rec.ops``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[Op] = []
-        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,6 +61,6 @@ class OpRecorder(TorchDispatchMode):
         nbytes = 0 if is_view else sum(t.numel() * t.element_size() for t in ins + outs)
         floats = [t.dtype for t in ins + outs if t.dtype in _DTYPE]
         dtype = _DTYPE[floats[0]] if floats else "fp32"
-        self.ops.append(Op(float(flops), float(nbytes), dtype))
-        self.names.append(str(func))
+        out_bytes = 0 if is_view else sum(t.numel() * t.element_size() for t in outs)
+        self.ops.append(Op(float(flops), float(nbytes), dtype, str(func), float(out_bytes)))
         return out

@@ -2,15 +2,17 @@
 
     torchrun --standalone --nproc_per_node N benchmarks/costmodel_worker.py --out rows.json
 
-On N gloo ranks: measure a fresh profile (1-D mesh), then predict and measure
-(1) every collective at message sizes the fit did not use, (2) matmuls and pointwise
-ops of the benchmark GPT's shapes, (3) a whole training step of that GPT under DP
-(DDP), TP (parallelize_module, Megatron MLP) and ZeRO-3 (FSDP2 fully_shard).
-Rank 0 writes the rows (predicted and measured seconds), the profiles and the load
-average along the way as JSON. Collectives and ops are predicted from the first
-profile; the steps from the same profile measured again just before them (the load on
-a shared machine drifts within minutes); the difference between the two profiles is
-the machine's own noise floor.
+On N gloo ranks: measure a fresh profile (1-D mesh) and, right after each of its fits,
+time the same quantity where the fit did not: (1) every collective at message sizes
+between the fitted ones, (2) matmuls, pointwise kinds and attention at the benchmark
+GPT's shapes. A shared machine's load drifts within minutes, so each held-out row is
+timed seconds after its fit, not minutes. Then (3) a whole training step of that GPT
+under DP (DDP), TP (parallelize_module, Megatron MLP) and ZeRO-3 (FSDP2 fully_shard),
+the three layouts in turns, step by step, so that all see the same load; each is
+predicted from the profile (measured just before) and timed by phase. Last, the fp32
+matmul and all-reduce fits are measured again: their drift over the run is the noise
+floor. Rank 0 writes the rows (predicted and measured seconds), the profile, the
+drift and the load average along the way as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,24 +37,31 @@ from costmodel_ops import OpRecorder  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from costmodels import collective_time, compute_time  # noqa: E402
 from costmodels.comm import Step  # noqa: E402
-from costmodels.profile import COLLECTIVES  # noqa: E402
-from costmodels.profiler import Sweep, measure_profile, profile_mesh  # noqa: E402
+from costmodels.fit import fit_linear  # noqa: E402
+from costmodels.formulas import BUS_FACTOR, N  # noqa: E402
+from costmodels.profiler import ATTENTION_BACKWARD_FLOPS, Sweep, measure_profile  # noqa: E402
 from costmodels.step import adamw_ops, step_time  # noqa: E402
 from costmodels.timing import (  # noqa: E402
+    MATMUL_LAYOUTS,
     WORKING_SET_BYTES,
-    median_time,
-    rotating,
-    time_collective,
-    time_matmul,
-    time_pointwise,
+    OperandPool,
+    attention_calls,
+    attention_flops,
+    collective_call,
+    matmul_call,
+    pointwise_bytes_moved,
+    pointwise_call,
+    timed,
 )
 
 CFG = GPTConfig(vocab_size=256, max_seq_len=128, dim=256, n_heads=8, n_layers=2)
 GLOBAL_BATCH = 16
+LAYOUTS = ("DP", "TP", "ZeRO-3")
 # between the profiler's fitted sizes (4 KiB .. 4 MiB, powers of 4): none was fitted
 HELD_OUT_BYTES = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # DDP's bucket caps (torch/nn/parallel/distributed.py): first bucket 1 MiB, then 25 MiB
 DDP_FIRST_BUCKET, DDP_BUCKET = dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024
+CPU = torch.device("cpu")
 
 
 def _max_over_ranks(t: float) -> float:
@@ -62,67 +70,101 @@ def _max_over_ranks(t: float) -> float:
     return float(x)
 
 
-def bench_collectives(profile, group, rows: list, repeats: int) -> None:
-    n = dist.get_world_size()
-    if n == 1:  # nothing to communicate: a 1-rank run checks compute and steps only
-        return
-    for kind in COLLECTIVES:
-        for nbytes in HELD_OUT_BYTES:
+class HeldOut:
+    """``measure_profile``'s ``on_fit`` hook: right after a fit, time the same quantity at
+    sizes the fit did not use; ``rows(profile)`` then predicts them from the profile."""
+
+    def __init__(self, mesh, repeats: int, steps: int):
+        self.mesh, self.group, self.repeats, self.steps = mesh, mesh.get_group(0), repeats, steps
+        self.measured_steps: dict = {}
+        self.loads: dict[str, float] = {}
+        self.steps_s = 0.0
+        self.timed: list[dict] = []  # name, group, what to predict, measured
+        n = dist.get_world_size()
+        d, v, h = CFG.dim, CFG.vocab_size, CFG.mlp_ratio * CFG.dim
+        self.t_dp = GLOBAL_BATCH // n * CFG.max_seq_len  # tokens per rank under DP / ZeRO-3
+        self.t_all = GLOBAL_BATCH * CFG.max_seq_len  # tokens per rank under TP
+        t_dp, t_all = self.t_dp, self.t_all
+        self.matmuls = [(t_dp, d, d), (t_dp, d, h), (t_dp, h, d), (t_dp, d, v), (t_all, d, h // n),
+                        (t_all, h // n, d)]
+        self.pointwise = {  # kind -> the GPT's sizes of it, per rank (the sweep's are not these)
+            "gelu": sorted({t_dp * h, t_all * h // n}),
+            "gelu_backward": sorted({t_dp * h, t_all * h // n}),
+            "memory": sorted({t_dp * d, t_all * d}),  # the residual add
+            "layer_norm": (t_dp * d,),
+            "layer_norm_backward": (t_dp * d,),
+            "softmax": (t_dp * v,),  # the loss's log_softmax over the vocabulary
+        }
+        self.pool = OperandPool(CPU)
+
+    def __call__(self, what: str, key: tuple) -> None:
+        getattr(self, f"_{what}")(*key)
+
+    def _collectives(self) -> None:
+        """fp32 compute and every collective are fitted: time the training steps now."""
+        self.pool.release("fp32")
+        self.loads["before steps"] = os.getloadavg()[0]
+        started = time.perf_counter()
+        self.measured_steps = measure_steps(self.mesh, self.steps)
+        self.loads["after steps"] = os.getloadavg()[0]
+        self.steps_s = time.perf_counter() - started
+
+    def _add(self, name: str, group: str, predict: tuple, measured: float) -> None:
+        self.timed.append(dict(name=name, group=group, predict=predict, measured=measured))
+
+    def _collective(self, axis: int, kind: str) -> None:
+        n = dist.get_world_size()
+        calls = [collective_call(kind, self.group, nbytes, CPU) for nbytes in HELD_OUT_BYTES]
+        times = timed(calls, CPU, self.repeats, 2, group=self.group)
+        for nbytes, meas in zip(HELD_OUT_BYTES, times):
             actual = max(n, nbytes // 4 // n * n) * 4  # the buffer collective_call builds
-            measured = time_collective(kind, group, nbytes, torch.device("cpu"), repeats, 2)
-            rows.append(
-                dict(
-                    kind="collective",
-                    name=f"{kind} {actual} B",
-                    group=kind,
-                    predicted=collective_time(kind, actual, 0, profile),
-                    measured=measured,
-                )
-            )
+            self._add(f"{kind} {actual} B", kind, ("collective", kind, actual), meas)
 
-
-def bench_ops(profile, rows: list, repeats: int) -> None:
-    n = dist.get_world_size()
-    d, v = CFG.dim, CFG.vocab_size
-    h = CFG.mlp_ratio * d
-    t_dp = GLOBAL_BATCH // n * CFG.max_seq_len  # tokens per rank under DP / ZeRO-3
-    t_all = GLOBAL_BATCH * CFG.max_seq_len  # tokens per rank under TP
-    mm = [(t_dp, d, d), (t_dp, d, h), (t_dp, h, d), (t_dp, d, v), (t_all, d, h // n), (t_all, h // n, d)]
-    for m, k, nn in mm:
-        for dtype, layout in (("fp32", "nn"), ("fp32", "nt"), ("fp32", "tn"), ("bf16", "nt")):
-            # timed as the profiler times its sweep (cold operands, slowest rank), at shapes
-            # the sweep did not use
-            meas = time_matmul(m, k, nn, dtype, torch.device("cpu"), repeats, 2, layout=layout)
+    def _matmul(self, dtype: str) -> None:
+        for other in [d for d in self.pool.pools if d != dtype]:  # the profiler moved on to this dtype
+            self.pool.release(other)
+        layouts = {"fp32": MATMUL_LAYOUTS, "bf16": ("nt",)}.get(dtype, ())
+        shapes = [(m, k, nn, layout) for m, k, nn in self.matmuls for layout in layouts]
+        times = timed([matmul_call(m, k, n, dtype, lay, self.pool) for m, k, n, lay in shapes], CPU, self.repeats, 2)
+        for (m, k, nn, layout), meas in zip(shapes, times):
             nb = (m * k + k * nn + m * nn) * (4 if dtype == "fp32" else 2)
-            rows.append(
-                dict(
-                    kind="op",
-                    name=f"matmul {dtype} {layout} {m}x{k}x{nn}",
-                    group="matmul",
-                    predicted=compute_time(2 * m * k * nn, nb, dtype, profile),
-                    measured=meas,
-                )
-            )
-    for name, numel, tensors in (
-        ("gelu", t_dp * h, 2),
-        ("add", t_dp * d, 3),
-        ("gelu", t_all * h // n, 2),
-        ("add", t_all * d, 3),
-    ):
-        if name == "add":
-            meas = time_pointwise(numel, "fp32", torch.device("cpu"), repeats, 2)
-        else:
-            nxt = rotating(lambda: torch.randn(numel), 2 * numel * 4, WORKING_SET_BYTES)
-            meas = _max_over_ranks(median_time(lambda: F.gelu(nxt()), torch.device("cpu"), repeats, 2))
-        rows.append(
-            dict(
-                kind="op",
-                name=f"{name} fp32 {numel}",
-                group="pointwise",
-                predicted=compute_time(0, numel * tensors * 4, "fp32", profile),
-                measured=meas,
-            )
-        )
+            self._add(f"matmul {dtype} {layout} {m}x{k}x{nn}", "matmul",
+                      ("compute", 2 * m * k * nn, nb, dtype, "matmul"), meas)
+
+    def _pointwise(self, kind: str, dtype: str) -> None:
+        sizes = self.pointwise.get(kind, ()) if dtype == "fp32" else ()
+        if not sizes:
+            return
+        times = timed([pointwise_call(kind, numel, dtype, self.pool) for numel in sizes], CPU, self.repeats, 2)
+        for numel, meas in zip(sizes, times):
+            self._add(f"{kind} {dtype} {numel}", "pointwise",
+                      ("compute", 0, pointwise_bytes_moved(kind, numel, dtype), dtype, kind), meas)
+
+    def _attention(self, dtype: str) -> None:
+        if dtype != "fp32":
+            return
+        hd = CFG.dim // CFG.n_heads
+        shapes = [(b, CFG.n_heads, CFG.max_seq_len, hd) for b in sorted({GLOBAL_BATCH // dist.get_world_size(),
+                                                                           GLOBAL_BATCH})]  # DP, TP (replicated)
+        calls = [c for shape in shapes for c in attention_calls(shape, dtype, CPU, WORKING_SET_BYTES // 4)]
+        times = timed(calls, CPU, self.repeats, 2)
+        for shape, fwd, bwd in zip(shapes, times[0::2], times[1::2]):
+            flops, nbytes = attention_flops(*shape), 4 * math.prod(shape) * 4
+            name = "x".join(map(str, shape))
+            self._add(f"attention forward {dtype} {name}", "attention",
+                      ("compute", flops, nbytes, dtype, "attention"), fwd)
+            self._add(f"attention backward {dtype} {name}", "attention",
+                      ("compute", ATTENTION_BACKWARD_FLOPS * flops, 2 * nbytes, dtype, "attention_backward"), bwd)
+
+    def rows(self, profile) -> list[dict]:
+        out = []
+        for t in self.timed:
+            how, *args = t["predict"]
+            pred = collective_time(args[0], args[1], 0, profile) if how == "collective" else compute_time(
+                *args[:3], profile, args[3])
+            kind = "collective" if how == "collective" else "op"
+            out.append(dict(kind=kind, name=t["name"], group=t["group"], predicted=pred, measured=t["measured"]))
+        return out
 
 
 def _loss(model, tokens):
@@ -180,92 +222,136 @@ def build(layout: str, mesh):
     return wrapped, model, opt, fwd, extra
 
 
-def _timed(fn, steps: int) -> float:
-    """Median seconds of ``fn`` after a barrier, the slowest rank's."""
-    times = []
+def measure_steps(mesh, steps: int) -> dict:
+    """Time one training step of the GPT under each layout, by phase, and record what its
+    prediction needs (the forward op inventory, the collectives, the parameters). The
+    layouts take turns step by step, so a change of the machine's load hits all alike."""
+    runs = {}
+    for layout in LAYOUTS:
+        wrapped, model, opt, fwd, extra = build(layout, mesh)
+        batch = GLOBAL_BATCH if layout == "TP" else GLOBAL_BATCH // dist.get_world_size()
+        g = torch.Generator().manual_seed(1 + (0 if layout == "TP" else dist.get_rank()))
+        tokens = torch.randint(0, CFG.vocab_size, (batch, CFG.max_seq_len), generator=g)
+        run = runs[layout] = _Run(wrapped, opt, tokens)
+        for _ in range(2):
+            run.step()
+        with OpRecorder() as rec:
+            run.forward_only()
+        params = [_numel_local(p) for p in model.parameters()]
+        run.inventory = dict(ops=rec.ops, fwd=fwd, extra=extra, params=params)
+    times: dict[str, list[list[float]]] = {layout: [] for layout in LAYOUTS}
     for _ in range(steps):
+        for layout in LAYOUTS:
+            times[layout].append(runs[layout].timed_step())
+    out = {}
+    for layout in LAYOUTS:
+        fwd, bwd, opt, total, no_grad = (_max_over_ranks(sorted(c)[len(c) // 2]) for c in zip(*times[layout]))
+        phases = dict(forward=fwd, backward=bwd, optimizer=opt, forward_no_grad=no_grad)
+        out[layout] = dict(runs[layout].inventory, measured=total, phases=phases)
+    return out
+
+
+def step_rows(measured: dict, profile) -> list[dict]:
+    """Each layout's step predicted from ``profile``, beside its measurement."""
+    rows = []
+    for layout, m in measured.items():
+        pred = step_time(m["ops"], profile, forward_comm=m["fwd"], backward_extra=m["extra"],
+                         optimizer_ops=adamw_ops(m["params"]))
+        rows.append(
+            dict(
+                kind="step",
+                name=f"GPT step {layout}",
+                group=layout,
+                predicted=pred.total,
+                measured=m["measured"],
+                breakdown=pred.to_dict(),
+                measured_phases=m["phases"],
+                forward_ops=len(m["ops"]),
+            )
+        )
+    return rows
+
+
+class _Run:
+    """One layout's model, optimizer and batch, timed phase by phase."""
+
+    def __init__(self, wrapped, opt, tokens):
+        self.wrapped, self.opt, self.tokens = wrapped, opt, tokens
+        self.inventory: dict = {}  # what the prediction needs (measure_steps)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        _loss(self.wrapped, self.tokens).backward()
+        self.opt.step()
+
+    def forward_only(self) -> None:
+        with torch.no_grad():
+            _loss(self.wrapped, self.tokens)
+
+    def timed_step(self) -> list[float]:
+        """Seconds of forward, backward, optimizer step, their sum, and a no_grad forward."""
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return _max_over_ranks(times[len(times) // 2])
+        self.opt.zero_grad(set_to_none=True)
+        loss = _loss(self.wrapped, self.tokens)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        t3 = time.perf_counter()
+        dist.barrier()
+        t4 = time.perf_counter()
+        self.forward_only()
+        return [t1 - t0, t2 - t1, t3 - t2, t3 - t0, time.perf_counter() - t4]
 
 
-def bench_step(layout: str, profile, mesh, steps: int) -> dict:
-    """Predict, then measure, one training step of the GPT under ``layout``."""
+def drift(profile, group, sweep: Sweep, repeats: int) -> dict:
+    """The fp32 matmul rate and (on more than one rank) the all-reduce fit, measured
+    again at the end of the run: how far the machine moved since the profile."""
+    shapes = [(m, k, n, layout) for m, k, n in sweep.matmul_shapes for layout in MATMUL_LAYOUTS]
+    pool = OperandPool(CPU)
+    times = timed([matmul_call(m, k, n, "fp32", lay, pool) for m, k, n, lay in shapes], CPU, repeats, 2)
+    fit = fit_linear([2 * m * k * n for m, k, n, _ in shapes], times)
+    out = {"matmul fp32 rate (GFLOP/s)": (profile.device.matmul["fp32"].rate / 1e9, 1e-9 / fit.slope)}
     n = dist.get_world_size()
-    wrapped, model, opt, fwd, extra = build(layout, mesh)
-    batch = GLOBAL_BATCH if layout == "TP" else GLOBAL_BATCH // n
-    g = torch.Generator().manual_seed(1 + (0 if layout == "TP" else dist.get_rank()))
-    tokens = torch.randint(0, CFG.vocab_size, (batch, CFG.max_seq_len), generator=g)
-
-    def one_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        _loss(wrapped, tokens).backward()
-        opt.step()
-
-    def forward_only() -> None:
-        with torch.no_grad():
-            _loss(wrapped, tokens)
-
-    for _ in range(2):
-        one_step()
-    with OpRecorder() as rec:
-        forward_only()
-    pred = step_time(
-        rec.ops,
-        profile,
-        forward_comm=fwd,
-        backward_extra=extra,
-        optimizer_ops=adamw_ops([_numel_local(p) for p in model.parameters()]),
-    )
-    measured = _timed(one_step, steps)
-    forward = _timed(forward_only, steps)
-    dist.barrier()
-    return dict(
-        kind="step",
-        name=f"GPT step {layout}",
-        group=layout,
-        predicted=pred.total,
-        measured=measured,
-        breakdown=pred.to_dict(),
-        forward_ops=len(rec.ops),
-        measured_forward=forward,
-    )
+    if n > 1:
+        times = timed([collective_call("all_reduce", group, b, CPU) for b in sweep.comm_bytes], CPU, repeats, 2,
+                      group=group)
+        fit = fit_linear(sweep.comm_bytes, times)
+        ar = profile.fit("all_reduce", 0)
+        factor = float(BUS_FACTOR["all_reduce"].subs(N, n))
+        out["all_reduce beta (MB/s)"] = (ar.beta_bytes_per_s / 1e6, factor / fit.slope / 1e6)
+        out["all_reduce alpha (us)"] = (ar.alpha_s * 1e6, fit.intercept * 1e6)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=7)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    with tempfile.TemporaryDirectory() as tmp:
-        profile, _, _ = profile_mesh(
-            None,
-            ("world",),
-            cache_dir=args.cache_dir or tmp,
-            force=args.cache_dir is None,
-            sweep=Sweep(),
-            progress=False,
-        )
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
-    rows: list = []
-    load = {"after profile": os.getloadavg()[0]}
-    bench_collectives(profile, mesh.get_group(0), rows, args.repeats)
-    bench_ops(profile, rows, args.repeats)
-    # The load on a shared machine drifts within minutes, so the steps are predicted from
-    # the same profile measured again just before them; the drift between the two
-    # profiles is reported as the machine's noise floor.
-    again = measure_profile(mesh, Sweep(), progress=False)
-    load["before steps"] = os.getloadavg()[0]
-    rows += [bench_step(layout, again, mesh, args.steps) for layout in ("DP", "TP", "ZeRO-3")]
-    load["after steps"] = os.getloadavg()[0]
+    started = time.perf_counter()
+    wall: dict[str, float] = {}
+
+    def lap(what: str) -> None:
+        wall[what] = time.perf_counter() - started - sum(v for k, v in wall.items() if not k.startswith("of which"))
+
+    held_out = HeldOut(mesh, args.repeats, args.steps)
+    load = {"start": os.getloadavg()[0]}
+    sweep = Sweep()
+    profile = measure_profile(mesh, sweep, progress=False, on_fit=held_out)
+    load.update(held_out.loads)
+    load["after profile"] = os.getloadavg()[0]
+    rows = held_out.rows(profile) + step_rows(held_out.measured_steps, profile)
+    lap("profile, held-out rows and steps")
+    wall["of which steps"] = held_out.steps_s
+    moved = drift(profile, mesh.get_group(0), sweep, args.repeats)
+    lap("drift")
     if dist.get_rank() == 0:
         Path(args.out).write_text(
             json.dumps(
@@ -273,8 +359,9 @@ def main() -> None:
                     "ranks": dist.get_world_size(),
                     "rows": rows,
                     "load": load,
+                    "wall_s_by_phase": wall,
                     "profile": profile.to_dict(),
-                    "profile_again": again.to_dict(),
+                    "drift": moved,
                 },
                 indent=1,
             )

@@ -5,7 +5,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
 
 - ``preset(name, mesh_shape)`` / ``h100(...)`` / ``a100(...)``, or a measured profile
   from ``profile_mesh(...)`` (under torchrun) or ``load_profile(path, ...)``;
-- ``compute_time(flops, bytes_moved, dtype, profile)``;
+- ``compute_time(flops, bytes_moved, dtype, profile, op)`` (``op``: the ATen op name or
+  kind, ``op_kind`` says which measured rate prices it) and ``backward_ops(op)``;
 - ``collective_time(collective, nbytes, axis, profile)``;
 - ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
   ``reshard_time(shape, itemsize, src, dst, profile)``;
@@ -29,6 +30,7 @@ from costmodels.comm import (
     short,
 )
 from costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
+from costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
 from costmodels.memory import (
     activation_bytes,
     bubble_fraction,
@@ -47,10 +49,11 @@ from costmodels.profile import (
     ProfileError,
     Rate,
 )
-from costmodels.step import Op, StepCost, adamw_ops, step_time
+from costmodels.step import StepCost, adamw_ops, backward_time, step_time
 
 __all__ = [
     "COLLECTIVES",
+    "POINTWISE_KINDS",
     "PRESETS",
     "AxisProfile",
     "CollectiveFit",
@@ -64,7 +67,9 @@ __all__ = [
     "a100",
     "activation_bytes",
     "adamw_ops",
+    "backward_ops",
     "backward_reshard_plan",
+    "backward_time",
     "bubble_fraction",
     "check_profile",
     "collective_time",
@@ -79,6 +84,7 @@ __all__ = [
     "matmul_time",
     "micro_batches_in_flight",
     "model_state_bytes",
+    "op_kind",
     "pipeline_time",
     "pointwise_time",
     "preset",

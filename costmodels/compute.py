@@ -1,8 +1,15 @@
 """Compute costs: FLOPs and bytes of an op, priced by a roofline on measured rates.
 
-``compute_time(flops, bytes_moved, dtype, profile)`` is ``formulas.COMPUTE_TIME``: the
-op is bound by the matmul rate or the memory bandwidth, whichever takes longer, and
-pays the fixed cost (launch, dispatch) measured for that kind of op.
+``compute_time(flops, bytes_moved, dtype, profile, op)`` is ``formulas.COMPUTE_TIME``:
+the op is bound by its FLOP rate or its byte rate, whichever takes longer, and pays
+the fixed cost (launch, dispatch) measured for that bound. Which rates, by the op's
+kind (``opkinds.op_kind``): a matmul's FLOPs at the matmul rate against memory
+bandwidth; fused attention's FLOPs at the measured attention rate against memory
+bandwidth; a pointwise op's bytes at its kind's measured rate (on a CPU a gelu moves
+bytes several times slower than an add; on a GPU both run at memory bandwidth),
+against the matmul rate for any FLOPs it counts. Unknown ops are priced as ``"memory"``.
+Where a byte rate keeps its measured points, the bytes are priced on the straight piece
+between the two measured sizes around them (``Rate.segment``).
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from typing import Sequence
 import torch
 
 from costmodels.formulas import compiled
-from costmodels.profile import DTYPES, HardwareProfile
+from costmodels.opkinds import op_kind
+from costmodels.profile import DTYPES, HardwareProfile, Rate
 
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -38,13 +46,28 @@ def _compute_fn():
     return compiled("compute")
 
 
+def rates(op: str, dtype: str, profile: HardwareProfile) -> tuple[Rate, Rate]:
+    """(FLOP rate, byte rate) that price ``op`` (an ATen op name or a kind) in ``dtype``."""
+    dev = profile.device
+    kind = op_kind(op)
+    if kind in ("attention", "attention_backward"):
+        direction = "forward" if kind == "attention" else "backward"
+        return dev.attention[direction][dtype], dev.bandwidth(dtype)
+    if kind in ("matmul", "view"):
+        return dev.matmul[dtype], dev.bandwidth(dtype)
+    return dev.matmul[dtype], dev.pointwise[kind][dtype]
+
+
 def compute_time(
-    flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile
+    flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile, op: str = ""
 ) -> float:
-    """Seconds for one op doing ``flops`` FLOPs and moving ``bytes_moved`` bytes."""
+    """Seconds for one op doing ``flops`` FLOPs and moving ``bytes_moved`` bytes. ``op``
+    is its ATen name (``"aten.gelu.default"``) or kind (``"gelu"``); "" prices it as a
+    bandwidth-bound ("memory") op, or a matmul where it has FLOPs."""
     d = dtype_name(dtype)
-    mm, pw = profile.device.matmul[d], profile.device.pointwise[d]
-    return _compute_fn()(flops, bytes_moved, mm.rate, pw.rate, mm.latency_s, pw.latency_s)
+    fr, br = rates(op, d, profile)
+    t_w, w = br.segment(bytes_moved)  # between measured sizes, their straight piece
+    return _compute_fn()(flops, bytes_moved, fr.rate, w, fr.latency_s, t_w)
 
 
 def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> int:
@@ -66,9 +89,14 @@ def matmul_time(
     m: int, k: int, n: int, dtype: torch.dtype | str, profile: HardwareProfile, batch: int = 1
 ) -> float:
     itemsize = ITEMSIZE[dtype_name(dtype)]
-    return compute_time(matmul_flops(m, k, n, batch), matmul_bytes(m, k, n, itemsize, batch), dtype, profile)
+    return compute_time(
+        matmul_flops(m, k, n, batch), matmul_bytes(m, k, n, itemsize, batch), dtype, profile, "matmul"
+    )
 
 
-def pointwise_time(numel: int, n_tensors: int, dtype: torch.dtype | str, profile: HardwareProfile) -> float:
-    """A pointwise op over ``numel`` elements touching ``n_tensors`` tensors (inputs + output)."""
-    return compute_time(0, numel * n_tensors * ITEMSIZE[dtype_name(dtype)], dtype, profile)
+def pointwise_time(
+    numel: int, n_tensors: int, dtype: torch.dtype | str, profile: HardwareProfile, op: str = "memory"
+) -> float:
+    """A pointwise op of kind or name ``op`` over ``numel`` elements touching ``n_tensors``
+    tensors of that size (inputs + output)."""
+    return compute_time(0, numel * n_tensors * ITEMSIZE[dtype_name(dtype)], dtype, profile, op)

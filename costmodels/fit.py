@@ -19,6 +19,7 @@ class LinearFit:
     slope: float  # b, seconds per unit of x
     median_rel_error: float  # median |t_fit - t| / t over the fitted points
     points: int
+    data: tuple[tuple[float, float], ...] = ()  # the (x, t) pairs fitted
 
     def __call__(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -48,5 +49,9 @@ def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearFit:
         )
     rel = np.abs(a + b * xs - ts) / ts
     return LinearFit(
-        intercept=float(a), slope=float(b), median_rel_error=float(np.median(rel)), points=int(xs.size)
+        intercept=float(a),
+        slope=float(b),
+        median_rel_error=float(np.median(rel)),
+        points=int(xs.size),
+        data=tuple(zip(xs.tolist(), ts.tolist())),
     )

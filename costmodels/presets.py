@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from costmodels.opkinds import POINTWISE_KINDS
 from costmodels.profile import AxisProfile, CollectiveFit, DeviceProfile, HardwareProfile, Rate
 
 GB = 1e9
@@ -43,6 +44,26 @@ RING_STEPS: dict[str, Callable[[int], int]] = {
     "all_to_all": lambda n: n - 1,
     "send_recv": lambda n: 1,
 }
+
+
+def bandwidth_bound(bandwidth: float) -> dict[str, dict[str, Rate]]:
+    """Pointwise rates of a GPU: every kind at the memory bandwidth. On datacenter GPUs
+    elementwise kernels, transcendental ones included (gelu, exp, tanh, softmax, norms),
+    are bandwidth-bound: an H100 SXM5 does 67 TFLOP/s of fp32 against 3.35 TB/s, about
+    80 FLOP per fp32 element moved, more than an erf or exp costs (unlike a CPU core,
+    where they are compute-bound)."""
+    return {k: {d: Rate(latency_s=OP_LATENCY_S, rate=bandwidth) for d in ("fp32", "bf16", "fp16")}
+            for k in POINTWISE_KINDS}
+
+
+# Fused attention's FLOP/s here count every score (torch.utils.flop_counter); the
+# FlashAttention papers count half of them under a causal mask, so for causal attention
+# these rates are up to 2x low and predict up to 2x the time.
+def attention_rates(half: float, fp32: float) -> dict[str, dict[str, Rate]]:
+    """Forward and backward attention rates: ``half`` for bf16 / fp16, ``fp32`` for fp32."""
+    rates = {"fp32": Rate(latency_s=OP_LATENCY_S, rate=fp32)}
+    rates |= {d: Rate(latency_s=OP_LATENCY_S, rate=half) for d in ("bf16", "fp16")}
+    return {"forward": dict(rates), "backward": dict(rates)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,13 +91,19 @@ def _h100_node() -> NodeSpec:
         # table reports bf16 only, so the bf16 measurement is used
         "fp16": Rate(latency_s=OP_LATENCY_S, rate=794.5 * TFLOPS),
     }
-    # no published achieved pointwise bandwidth adopted: datasheet 3.35 TB/s (upper bound)
-    pointwise = {d: Rate(latency_s=OP_LATENCY_S, rate=3350 * GB) for d in ("fp32", "bf16", "fp16")}
+    # no published achieved pointwise bandwidth adopted: datasheet 3.35 TB/s (upper bound),
+    # for every pointwise kind (bandwidth-bound on GPUs, see bandwidth_bound)
+    pointwise = bandwidth_bound(3350 * GB)
+    # FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, abstract): FP16 forward up to
+    # 740 TFLOP/s on H100 (75% utilisation); no backward figure adopted, the forward one
+    # is used (upper bound). fp32 has no flash kernel: the fp32 matmul peak (upper bound).
+    attention = attention_rates(740 * TFLOPS, 67 * TFLOPS)
     device = DeviceProfile(
         name="NVIDIA H100 80GB SXM5",
         memory_bytes=80 * 10**9,  # datasheet: 80 GB HBM3
         matmul=matmul,
         pointwise=pointwise,
+        attention=attention,
         peak_matmul_flops=peak,
         peak_memory_bandwidth=3350 * GB,  # datasheet: 3.35 TB/s
         peak_source="NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)",
@@ -115,13 +142,19 @@ def _a100_node() -> NodeSpec:
         # same tensor cores and datasheet rate as bf16; bf16 measurement used
         "fp16": Rate(latency_s=OP_LATENCY_S, rate=271.2 * TFLOPS),
     }
-    # no published achieved pointwise bandwidth adopted: datasheet 2,039 GB/s (upper bound)
-    pointwise = {d: Rate(latency_s=OP_LATENCY_S, rate=2039 * GB) for d in ("fp32", "bf16", "fp16")}
+    # no published achieved pointwise bandwidth adopted: datasheet 2,039 GB/s (upper bound),
+    # for every pointwise kind (bandwidth-bound on GPUs, see bandwidth_bound)
+    pointwise = bandwidth_bound(2039 * GB)
+    # FlashAttention-2 (Dao 2023, arXiv:2307.08691, abstract): 50-73% of the A100's
+    # theoretical maximum FLOP/s; the low end, 50% of 312 TFLOP/s, for both directions.
+    # fp32 has no flash kernel: the fp32 matmul peak (upper bound).
+    attention = attention_rates(0.5 * 312 * TFLOPS, 19.5 * TFLOPS)
     device = DeviceProfile(
         name="NVIDIA A100 80GB SXM4",
         memory_bytes=80 * 10**9,  # datasheet: 80 GB HBM2e
         matmul=matmul,
         pointwise=pointwise,
+        attention=attention,
         peak_matmul_flops=peak,
         peak_memory_bandwidth=2039 * GB,  # datasheet: 2,039 GB/s
         peak_source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM, dense)",

@@ -8,16 +8,26 @@ latency alpha and bandwidth beta of each collective on that axis, fitted to
 
 where X is the collective's buffer size in bytes and beta is the *bus* bandwidth in
 nccl-tests' sense (so published nccl-tests ``busbw`` figures drop straight in).
-Compute follows the same fixed-cost-plus-rate form: ``t = latency + amount / rate``.
+Compute follows the same fixed-cost-plus-rate form: ``t = latency + amount / rate``,
+with one rate per kind of op (``costmodels.opkinds``): matmuls and fused attention in
+FLOP/s, pointwise kinds in effective bytes/s.
+
+JSON is strict (no ``Infinity``): the bandwidth of an axis of size 1, where nothing
+moves and a collective is free, is infinite in memory and ``null`` on disk.
+Format version 2 added the per-kind pointwise and the attention rates; a version-1
+file is refused with a clear error, and the profile cache re-measures it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PROFILE_VERSION = 1
+from costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
+
+PROFILE_VERSION = 2
 
 DTYPES = ("fp32", "bf16", "fp16")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -32,11 +42,16 @@ class ProfileError(ValueError):
 class Rate:
     """``t = latency_s + amount / rate``: a fixed cost and a sustained rate.
 
-    ``rate`` is FLOP/s for matmuls and bytes/s for pointwise ops.
+    ``rate`` is FLOP/s for matmuls and attention, effective bytes/s for pointwise ops.
+    ``points``, where measured (pointwise kinds), are the (amount, seconds) pairs the fit
+    came from: between them the time is interpolated (``segment``), since a CPU moves
+    bytes faster while an op's tensors fit in its caches than when they stream from
+    memory, a curve no single line follows within 15%.
     """
 
     latency_s: float
     rate: float
+    points: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and self.latency_s >= 0):
@@ -44,7 +59,30 @@ class Rate:
                 f"autopar: a Rate needs rate > 0 and latency_s >= 0; found rate={self.rate}, "
                 f"latency_s={self.latency_s}. Re-measure with `autopar profile --force`."
             )
+        self.points = sorted([float(x), float(t)] for x, t in self.points)
+        if any(not (x > 0 and t > 0) for x, t in self.points):
+            raise ProfileError(
+                f"autopar: a Rate's measured points need positive amounts and times; found {self.points}. "
+                f"Re-measure with `autopar profile --force`."
+            )
 
+    def segment(self, amount: float) -> tuple[float, float]:
+        """(fixed cost, rate) of the straight piece that prices ``amount``: through the
+        measured points (made non-decreasing, from (0, latency_s)), and beyond the last
+        one at the fitted rate; without points, the fitted line itself. Continuous and
+        non-decreasing in ``amount``."""
+        if not self.points:
+            return self.latency_s, self.rate
+        x0, t0 = 0.0, self.latency_s
+        for x1, t1 in self.points:
+            t1 = max(t1, t0)
+            if amount <= x1:
+                if t1 == t0:
+                    return t0, math.inf
+                slope = (t1 - t0) / (x1 - x0)
+                return t0 - slope * x0, 1.0 / slope
+            x0, t0 = x1, t1
+        return t0 - x0 / self.rate, self.rate
 
 @dataclass(kw_only=True)
 class CollectiveFit:
@@ -61,6 +99,12 @@ class CollectiveFit:
                 f"alpha={self.alpha_s}, beta={self.beta_bytes_per_s}. Re-measure with "
                 f"`autopar profile --force`."
             )
+
+
+def _fit(d: dict) -> CollectiveFit:
+    """A CollectiveFit from JSON, where a null bandwidth means no link (an axis of size 1)."""
+    beta = d["beta_bytes_per_s"]
+    return CollectiveFit(**{**d, "beta_bytes_per_s": math.inf if beta is None else beta})
 
 
 @dataclass(kw_only=True)
@@ -88,19 +132,38 @@ class DeviceProfile:
     name: str
     memory_bytes: int
     matmul: dict[str, Rate]  # dtype -> achieved matmul (latency, FLOP/s)
-    pointwise: dict[str, Rate]  # dtype -> achieved pointwise (latency, bytes/s)
+    # pointwise kind (opkinds.POINTWISE_KINDS) -> dtype -> achieved (latency, effective
+    # bytes/s, every input and output counted once); "memory" is the memory bandwidth
+    pointwise: dict[str, dict[str, Rate]]
+    # "forward" / "backward" -> dtype -> fused attention (latency, FLOP/s as
+    # torch.utils.flop_counter counts them: the whole score matrix, causal or not)
+    attention: dict[str, dict[str, Rate]]
     peak_matmul_flops: dict[str, float]  # dtype -> datasheet peak (dense)
     peak_memory_bandwidth: float  # bytes/s, datasheet
     peak_source: str = ""
 
     def __post_init__(self) -> None:
-        for what, table in (("matmul", self.matmul), ("pointwise", self.pointwise)):
+        tables = [("matmul", self.matmul)]
+        for group, keys in (("pointwise", POINTWISE_KINDS), ("attention", ATTENTION_DIRECTIONS)):
+            have = getattr(self, group)
+            missing = [k for k in keys if k not in have]
+            if missing:
+                raise ProfileError(
+                    f"autopar: device {self.name!r} has no {group} rates for {missing}; expected all "
+                    f"of {list(keys)}. Re-measure with `autopar profile --force`."
+                )
+            tables += [(f"{group} {k}", have[k]) for k in keys]
+        for what, table in tables:
             missing = [d for d in DTYPES if d not in table]
             if missing:
                 raise ProfileError(
                     f"autopar: device {self.name!r} has no {what} rate for {missing}; "
                     f"expected all of {list(DTYPES)}. Re-measure with `autopar profile --force`."
                 )
+
+    def bandwidth(self, dtype: str) -> Rate:
+        """The memory-bound pointwise rate (an add): bytes/s and fixed cost."""
+        return self.pointwise["memory"][dtype]
 
 
 @dataclass(kw_only=True)
@@ -168,6 +231,10 @@ class HardwareProfile:
         d = asdict(self)
         d.pop("_axis_index")
         d["mesh_shape"] = list(self.mesh_shape)
+        for axis in d["axes"]:  # strict JSON has no Infinity: a size-1 axis has no link
+            for fit in axis["collectives"].values():
+                if fit["beta_bytes_per_s"] == math.inf:
+                    fit["beta_bytes_per_s"] = None
         return d
 
     @classmethod
@@ -180,11 +247,10 @@ class HardwareProfile:
                 )
             dev = dict(d["device"])
             dev["matmul"] = {k: Rate(**v) for k, v in dev["matmul"].items()}
-            dev["pointwise"] = {k: Rate(**v) for k, v in dev["pointwise"].items()}
+            for group in ("pointwise", "attention"):
+                dev[group] = {k: {t: Rate(**r) for t, r in v.items()} for k, v in dev[group].items()}
             axes = [
-                AxisProfile(
-                    **{**a, "collectives": {k: CollectiveFit(**v) for k, v in a["collectives"].items()}}
-                )
+                AxisProfile(**{**a, "collectives": {k: _fit(v) for k, v in a["collectives"].items()}})
                 for a in d["axes"]
             ]
             rest = {k: v for k, v in d.items() if k not in ("device", "axes", "mesh_shape")}
@@ -199,7 +265,7 @@ class HardwareProfile:
             ) from None
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> HardwareProfile:

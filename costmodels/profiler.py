@@ -2,14 +2,18 @@
 
 For each mesh axis, every collective runs on every group of that axis at once (as in
 training), over a sweep of message sizes; alpha and beta come from a least-squares fit
-of ``t = alpha + factor(N) X / beta``. Matmuls and pointwise ops run on all ranks at
-once too, so a profile of ranks sharing cores measures the rate each rank really gets.
+of ``t = alpha + factor(N) X / beta``. Matmuls, fused attention (forward and backward)
+and one representative op of every pointwise kind (``timing.POINTWISE_CALLS``: an add
+for the bandwidth-bound kind, gelu, gelu's backward, exp, tanh, silu, softmax, layer
+norm and its backward) run on all ranks at once too, so a profile of ranks sharing
+cores measures the rate each rank really gets.
 Times are per call medians on each rank, then the slowest rank's, so every rank builds
 the identical profile.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from costmodels.cache import cache_path, check_profile, machine_fingerprint
-from costmodels.fit import LinearFit, fit_linear
+from costmodels.fit import fit_linear
 from costmodels.formulas import BUS_FACTOR
 from costmodels.formulas import N as N_SYM
+from costmodels.opkinds import POINTWISE_KINDS
 from costmodels.profile import (
     COLLECTIVES,
     DTYPES,
@@ -35,12 +40,18 @@ from costmodels.profile import (
 )
 from costmodels.timing import (
     MATMUL_LAYOUTS,
-    TORCH_DTYPE,
     WORKING_SET_BYTES,
-    time_collective,
-    time_matmul,
-    time_pointwise,
+    OperandPool,
+    attention_calls,
+    attention_flops,
+    collective_call,
+    matmul_call,
+    pointwise_bytes_moved,
+    pointwise_call,
+    timed,
 )
+
+ATTENTION_BACKWARD_FLOPS = 2.5  # flop_counter's sdpa_backward_flop_count: 5 products vs 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +68,14 @@ class Sweep:
         (512, 256, 512),
         (512, 512, 512),
     )
-    pointwise_numel: tuple[int, ...] = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)
+    pointwise_numel: tuple[int, ...] = (1 << 10, 3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20)
+    # the other pointwise kinds (multiples of timing.ROW); bf16 / fp16 time the two ends.
+    # Between sizes a pointwise op is priced by interpolation (``Rate.segment``), so the
+    # sweep spans tensors in cache (12 Ki elements) to tensors streamed from memory (3 Mi).
+    kind_numel: tuple[int, ...] = (3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20)
+    # (batch, heads, seq, head_dim) of causal attention; bf16 / fp16 (slow on a CPU) time
+    # the first two
+    attention_shapes: tuple[tuple[int, int, int, int], ...] = ((1, 8, 128, 32), (4, 8, 128, 32), (2, 8, 256, 64))
     repeats: int = 5
     warmup: int = 2
     # bf16 / fp16 time fewer, smaller shapes (fp16 matmul on CPU runs at ~1 GFLOP/s)
@@ -78,6 +96,8 @@ class Sweep:
             matmul_shapes=tuple((n, n, n) for n in (512, 1024, 2048, 4096, 8192)),
             low_precision_shapes=tuple((n, n, n) for n in (1024, 2048, 4096, 8192)),
             pointwise_numel=tuple(1 << p for p in range(16, 29, 3)),
+            kind_numel=tuple(1 << p for p in range(18, 29, 5)),
+            attention_shapes=((4, 16, 1024, 128), (8, 16, 2048, 128), (8, 32, 4096, 128)),
             repeats=5,
             warmup=3,
             min_batch_s=0.02,
@@ -91,12 +111,19 @@ class Sweep:
             comm_bytes=(1 << 12, 1 << 18, 1 << 22),
             matmul_shapes=((32, 32, 32), (64, 64, 64), (128, 128, 128)),
             pointwise_numel=(1 << 10, 1 << 14, 1 << 17),
+            kind_numel=(1 << 10, 1 << 14),
+            attention_shapes=((1, 2, 32, 16), (1, 4, 64, 32)),
             repeats=3,
             warmup=1,
             min_batch_s=0.005,
             working_set_bytes=4 << 20,
             low_precision_shapes=((32, 32, 32), (64, 64, 64)),
         )
+
+
+def _ends(sizes: Sequence) -> tuple:
+    """The smallest and the largest of a sweep (what bf16 / fp16 time, to save time)."""
+    return tuple(sizes) if len(sizes) <= 2 else (sizes[0], sizes[-1])
 
 
 def _axis_link(group, device: torch.device) -> str:
@@ -114,7 +141,7 @@ def _device_info(device: torch.device) -> tuple[str, int]:
     return f"cpu ({local} ranks per host)", int(total // max(local, 1))
 
 
-def _peaks(dev_name: str, matmul: dict, pointwise: dict) -> dict:
+def _peaks(dev_name: str, matmul: dict, bandwidth: dict) -> dict:
     """Datasheet peaks for a device a preset knows (by name), else the measured rates."""
     from costmodels.presets import PRESETS
 
@@ -128,32 +155,139 @@ def _peaks(dev_name: str, matmul: dict, pointwise: dict) -> dict:
             )
     return dict(
         peak_matmul_flops={d: r.rate for d, r in matmul.items()},
-        peak_memory_bandwidth=max(r.rate for r in pointwise.values()),
+        peak_memory_bandwidth=max(r.rate for r in bandwidth.values()),
         peak_source="measured: no datasheet known for this device, the fitted rates stand in",
     )
 
 
-def _step(bar, label: str, value: float) -> float:
-    bar.set_postfix_str(label, refresh=False)
-    bar.update()
-    return value
+def _fit(sizes, times, every: int):
+    """A fit of times against sizes; with ``every`` > 1 (quantities timed together, e.g.
+    attention's forward and backward in turns), one fit per quantity: positions i::every."""
+    if every == 1:
+        return fit_linear(sizes, times)
+    return tuple(fit_linear(sizes[i::every], times[i::every]) for i in range(every))
 
 
-def _measure_and_fit(measure: Callable[[int], list[float]], sizes, repeats: int, what: str) -> LinearFit:
-    """Measure a sweep and fit it; on a noisy machine the times may not grow with size,
-    so a failed fit is measured once more with three times the repeats before giving up.
-    Every rank sees the same (all-reduced) times, so every rank takes the same branch."""
+def _measure_and_fit(measure: Callable[[int], list], sizes, repeats: int, what: str, every: int = 1):
+    """Measure a sweep and fit it (``_fit``); on a noisy machine the times may not grow
+    with size, so a failed fit is measured once more with three times the repeats before
+    giving up. Every rank sees the same (all-reduced) times, so every rank takes the same
+    branch."""
     try:
-        return fit_linear(sizes, measure(repeats))
+        return _fit(sizes, measure(repeats), every)
     except ValueError:
         try:
-            return fit_linear(sizes, measure(3 * repeats))
+            return _fit(sizes, measure(3 * repeats), every)
         except ValueError as e:
             raise ProfileError(f"{e} (while profiling {what}, measured twice)") from None
 
 
-def measure_profile(mesh, sweep: Sweep = Sweep(), *, progress: bool = True) -> HardwareProfile:
-    """Measure a profile of ``mesh`` (a DeviceMesh); every rank must call it."""
+class _Measure:
+    """One profiling run's state: where it runs, what it sweeps, its progress bar, and
+    the hook it notifies after each fit (see ``measure_profile``)."""
+
+    def __init__(self, device: torch.device, sweep: Sweep, bar, notify: Callable[[str, tuple], None]):
+        self.device, self.sweep, self.bar, self.notify = device, sweep, bar, notify
+        self.pool = OperandPool(device, sweep.working_set_bytes)
+        self.matmul: dict[str, Rate] = {}
+        self.pointwise: dict[str, dict[str, Rate]] = {kind: {} for kind in POINTWISE_KINDS}
+        self.attention: dict[str, dict[str, Rate]] = {"forward": {}, "backward": {}}
+
+    def _timed(self, label: str, calls: list, repeats: int, group=None) -> list[float]:
+        sw = self.sweep
+        times = timed(calls, self.device, repeats, sw.warmup, min_batch_s=sw.min_batch_s, group=group)
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(len(times))
+        return times
+
+    def axis(self, i: int, name: str, size: int, group) -> AxisProfile:
+        """Every collective on mesh axis ``i``, all its groups at once."""
+        sw, fits = self.sweep, {}
+        for kind in COLLECTIVES:
+            if size == 1:  # nothing to measure: a collective over one rank is free
+                fits[kind] = CollectiveFit(alpha_s=0.0, beta_bytes_per_s=math.inf, source="axis of size 1")
+                continue
+            fit = _measure_and_fit(
+                lambda repeats: self._timed(
+                    f"{name} {kind}", [collective_call(kind, group, b, self.device) for b in sw.comm_bytes],
+                    repeats, group,
+                ),
+                sw.comm_bytes,
+                sw.repeats,
+                f"{kind} on mesh axis {name!r}",
+            )
+            factor = float(BUS_FACTOR[kind].subs(N_SYM, size))
+            fits[kind] = CollectiveFit(
+                alpha_s=fit.intercept,
+                beta_bytes_per_s=factor / fit.slope,
+                source=f"fit over {fit.points} sizes {min(sw.comm_bytes)}-{max(sw.comm_bytes)} B, "
+                f"median residual {100 * fit.median_rel_error:.1f}%",
+            )
+            self.notify("collective", (i, kind))
+        return AxisProfile(name=name, size=size, link=_axis_link(group, self.device), collectives=fits)
+
+    def compute(self, dtype: str) -> None:
+        """Matmul, every pointwise kind and attention in ``dtype`` (one operand pool alive)."""
+        sw, pool = self.sweep, self.pool
+        shapes = [(m, k, n, lay) for m, k, n in (sw.matmul_shapes if dtype == "fp32" else sw.low_precision_shapes)
+                  for lay in MATMUL_LAYOUTS]
+        fit = _measure_and_fit(
+            lambda repeats: self._timed(
+                f"matmul {dtype}", [matmul_call(m, k, n, dtype, lay, pool) for m, k, n, lay in shapes], repeats
+            ),
+            [2 * m * k * n for m, k, n, _ in shapes],
+            sw.repeats,
+            f"{dtype} matmul",
+        )
+        self.matmul[dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
+        self.notify("matmul", (dtype,))
+        for kind in POINTWISE_KINDS:
+            sizes = sw.pointwise_numel if kind == "memory" else sw.kind_numel
+            sizes = sizes if dtype == "fp32" or kind == "memory" else _ends(sizes)
+            fit = _measure_and_fit(
+                lambda repeats: self._timed(
+                    f"{kind} {dtype}", [pointwise_call(kind, n, dtype, pool) for n in sizes], repeats
+                ),
+                [pointwise_bytes_moved(kind, n, dtype) for n in sizes],
+                sw.repeats,
+                f"{dtype} {kind}",
+            )
+            self.pointwise[kind][dtype] = Rate(
+                latency_s=fit.intercept, rate=1.0 / fit.slope, points=[list(p) for p in fit.data]
+            )
+            self.notify("pointwise", (kind, dtype))
+        pool.release(dtype)
+        shapes = sw.attention_shapes if dtype == "fp32" else sw.attention_shapes[:2]
+        flops = [attention_flops(*shape) for shape in shapes]
+        rotation = sw.working_set_bytes // 4  # compute-bound: a smaller rotation (its graphs hold memory)
+        fits = _measure_and_fit(
+            lambda repeats: self._timed(
+                f"attention {dtype}",
+                [c for shape in shapes for c in attention_calls(shape, dtype, self.device, rotation)],
+                repeats,
+            ),
+            [x for f in flops for x in (f, ATTENTION_BACKWARD_FLOPS * f)],
+            sw.repeats,
+            f"{dtype} attention",
+            every=2,
+        )
+        for direction, fit in zip(("forward", "backward"), fits):
+            self.attention[direction][dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
+        self.notify("attention", (dtype,))
+
+
+def measure_profile(
+    mesh, sweep: Sweep = Sweep(), *, progress: bool = True, on_fit: Callable[[str, tuple], None] | None = None
+) -> HardwareProfile:
+    """Measure a profile of ``mesh`` (a DeviceMesh); every rank must call it.
+
+    Order: fp32 compute, the collectives of every axis, then bf16 and fp16 compute, so
+    that what an fp32 training step uses is measured together. ``on_fit(what, key)``, if
+    given, is called on every rank right after each fit: ``("matmul", (dtype,))``,
+    ``("pointwise", (kind, dtype))``, ``("attention", (dtype,))``, ``("collective",
+    (axis, kind))``, and ``("collectives", ())`` once every axis is measured -- e.g. to
+    time other sizes of the same quantity, or a training step, while the machine is in
+    the state the fits saw (the accuracy benchmark)."""
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())
         if mesh.device_type == "cuda"
@@ -161,110 +295,32 @@ def measure_profile(mesh, sweep: Sweep = Sweep(), *, progress: bool = True) -> H
     )
     names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
     shape = tuple(mesh.shape)
-    lp = sweep.low_precision_shapes
     total = (
         sum(len(COLLECTIVES) * len(sweep.comm_bytes) for n in shape if n > 1)
-        + len(MATMUL_LAYOUTS) * (len(sweep.matmul_shapes) + 2 * len(lp))
+        + len(MATMUL_LAYOUTS) * (len(sweep.matmul_shapes) + 2 * len(sweep.low_precision_shapes))
         + len(DTYPES) * len(sweep.pointwise_numel)
+        + (len(POINTWISE_KINDS) - 1) * (len(sweep.kind_numel) + 2 * len(_ends(sweep.kind_numel)))
+        + 2 * (len(sweep.attention_shapes) + 2 * len(sweep.attention_shapes[:2]))
     )
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc="autopar profile", disable=not progress or dist.get_rank() != 0, leave=False)
-    axes = []
-    for i, (name, size) in enumerate(zip(names, shape)):
-        group = mesh.get_group(i)
-        fits = {}
-        for kind in COLLECTIVES:
-            if size == 1:  # nothing to measure: a collective over one rank is free
-                fits[kind] = CollectiveFit(
-                    alpha_s=0.0, beta_bytes_per_s=float("inf"), source="axis of size 1"
-                )
-                continue
-            fit = _measure_and_fit(
-                lambda repeats: [
-                    _step(
-                        bar,
-                        f"{name} {kind} {nbytes} B",
-                        time_collective(
-                            kind, group, nbytes, device, repeats, sweep.warmup, sweep.min_batch_s
-                        ),
-                    )
-                    for nbytes in sweep.comm_bytes
-                ],
-                sweep.comm_bytes,
-                sweep.repeats,
-                f"{kind} on mesh axis {name!r}",
-            )
-            factor = float(BUS_FACTOR[kind].subs(N_SYM, size))
-            fits[kind] = CollectiveFit(
-                alpha_s=fit.intercept,
-                beta_bytes_per_s=factor / fit.slope,
-                source=f"fit over {fit.points} sizes {min(sweep.comm_bytes)}-{max(sweep.comm_bytes)} B, "
-                f"median residual {100 * fit.median_rel_error:.1f}%",
-            )
-        axes.append(AxisProfile(name=name, size=size, link=_axis_link(group, device), collectives=fits))
-
-    matmul, pointwise = {}, {}
-    for dtype in DTYPES:
-        shapes = sweep.matmul_shapes if dtype == "fp32" else lp
-        fit = _measure_and_fit(
-            lambda repeats: [
-                _step(
-                    bar,
-                    f"matmul {dtype} {layout} {m}x{k}x{n}",
-                    time_matmul(
-                        m,
-                        k,
-                        n,
-                        dtype,
-                        device,
-                        repeats,
-                        sweep.warmup,
-                        sweep.min_batch_s,
-                        layout,
-                        sweep.working_set_bytes,
-                    ),
-                )
-                for m, k, n in shapes
-                for layout in MATMUL_LAYOUTS
-            ],
-            [2 * m * k * n for m, k, n in shapes for _ in MATMUL_LAYOUTS],
-            sweep.repeats,
-            f"{dtype} matmul",
-        )
-        matmul[dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
-        itemsize = torch.empty((), dtype=TORCH_DTYPE[dtype]).element_size()
-        fit = _measure_and_fit(
-            lambda repeats: [
-                _step(
-                    bar,
-                    f"pointwise {dtype} {numel}",
-                    time_pointwise(
-                        numel,
-                        dtype,
-                        device,
-                        repeats,
-                        sweep.warmup,
-                        sweep.min_batch_s,
-                        sweep.working_set_bytes,
-                    ),
-                )
-                for numel in sweep.pointwise_numel
-            ],
-            [3 * n * itemsize for n in sweep.pointwise_numel],
-            sweep.repeats,
-            f"{dtype} pointwise",
-        )
-        pointwise[dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
+    run = _Measure(device, sweep, bar, on_fit or (lambda what, key: None))
+    run.compute(DTYPES[0])
+    axes = [run.axis(i, name, size, mesh.get_group(i)) for i, (name, size) in enumerate(zip(names, shape))]
+    run.notify("collectives", ())
+    for dtype in DTYPES[1:]:
+        run.compute(dtype)
     bar.close()
 
     dev_name, mem = _device_info(device)
     device_profile = DeviceProfile(
         name=dev_name,
         memory_bytes=mem,
-        matmul=matmul,
-        pointwise=pointwise,
-        **_peaks(dev_name, matmul, pointwise),
+        matmul=run.matmul,
+        pointwise=run.pointwise,
+        attention=run.attention,
+        **_peaks(dev_name, run.matmul, run.pointwise["memory"]),
     )
     backend = dist.get_backend()
     return HardwareProfile(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from costmodels.profile import COLLECTIVES, HardwareProfile
 
 
@@ -26,19 +28,29 @@ def profile_table(profile: HardwareProfile) -> str:
             fit = ax.collectives[c]
             lines.append(
                 f"| {ax.name} | {ax.size} | {ax.link} | {c} | {fit.alpha_s * 1e6:.1f} | "
-                f"{_si(fit.beta_bytes_per_s, 'B/s')} |"
+                f"{_si(fit.beta_bytes_per_s, 'B/s') if math.isfinite(fit.beta_bytes_per_s) else '- (size-1 axis)'} |"
             )
+    dev = profile.device
     lines += [
         "",
-        "| dtype | matmul latency (us) | matmul rate | pointwise latency (us) | pointwise bandwidth |",
-        "| --- | --- | --- | --- | --- |",
+        "| dtype | matmul latency (us) | matmul rate | attention fwd / bwd rate |",
+        "| --- | --- | --- | --- |",
     ]
-    dev = profile.device
     for d in dev.matmul:
-        mm, pw = dev.matmul[d], dev.pointwise[d]
+        mm, att = dev.matmul[d], dev.attention
         lines.append(
-            f"| {d} | {mm.latency_s * 1e6:.1f} | {_si(mm.rate, 'FLOP/s')} | {pw.latency_s * 1e6:.1f} | "
-            f"{_si(pw.rate, 'B/s')} |"
+            f"| {d} | {mm.latency_s * 1e6:.1f} | {_si(mm.rate, 'FLOP/s')} | "
+            f"{_si(att['forward'][d].rate, 'FLOP/s')} / {_si(att['backward'][d].rate, 'FLOP/s')} |"
         )
+    lines += [
+        "",
+        "pointwise kinds (effective bandwidth, every input and output counted once; latency in us):",
+        "",
+        "| kind | " + " | ".join(dev.matmul) + " |",
+        "| --- |" + " --- |" * len(dev.matmul),
+    ]
+    for kind, table in dev.pointwise.items():
+        cells = [f"{_si(table[d].rate, 'B/s')}, {table[d].latency_s * 1e6:.1f}" for d in dev.matmul]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     lines.append(f"\ndevice memory: {_si(dev.memory_bytes, 'B')}")
     return "\n".join(lines)

@@ -1,17 +1,20 @@
-"""Timing primitives of the profiler: one collective, matmul or pointwise op, timed the
+"""Timing primitives of the profiler: closures that run one collective, matmul,
+pointwise op or attention on fresh operands (``collective_call``, ``matmul_call``,
+``pointwise_call``, ``attention_calls``), and ``timed``, which times a list of them the
 way the profile and the accuracy benchmark both time them.
 
-Every function here runs on every rank of an initialised process group, all ranks at
-once (as in training). Times are per call, the median over batches of back-to-back
-calls, and then the slowest rank's: an SPMD step waits for its slowest rank, so that is
-the rate a plan gets where ranks share a machine unevenly.
+``timed`` runs on every rank of an initialised process group, all ranks at once (as in
+training). Times are per call, the median over batches of back-to-back calls, the calls
+of a sweep taking turns, and then the slowest rank's: an SPMD step waits for its slowest
+rank, so that is the rate a plan gets where ranks share a machine unevenly.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,37 +33,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(
-    fn: Callable[[], object],
+def median_times(
+    calls: Sequence[Callable[[], object]],
     device: torch.device,
     repeats: int,
     warmup: int,
     *,
     min_batch_s: float = 0.02,
     group: dist.ProcessGroup | None = None,
-) -> float:
-    """Seconds per call of ``fn``: the median over ``repeats`` batches of back-to-back
-    calls, each batch long enough (``min_batch_s``) to span several scheduler time
-    slices, so ranks that share cores are timed at the rate they really get. With
-    ``group`` (a collective), every rank of the group runs the same batch length."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    calls = max(1, int(min_batch_s / max(time.perf_counter() - t0, 1e-7)))
-    if group is not None:
-        calls = int(_reduce(calls, dist.ReduceOp.MAX, device, group))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+) -> list[float]:
+    """Seconds per call of each of ``calls`` on this rank: the median over ``repeats``
+    batches of back-to-back calls, each batch long enough (``min_batch_s``) to span
+    several scheduler time slices, so ranks that share cores are timed at the rate they
+    really get. The calls take turns, batch by batch, so the points of one sweep see the
+    same load even where it drifts (a fit's latency and rate come from the same moments).
+    With ``group`` (collectives), every rank of the group runs the same batch lengths."""
+    counts = []
+    for fn in calls:
+        for _ in range(warmup):
             fn()
         _sync(device)
-        times.append((time.perf_counter() - t0) / calls)
-    times.sort()
-    return times[len(times) // 2]
+        once = math.inf
+        for _ in range(3):  # the fastest of three: one call that lost the core to another
+            t0 = time.perf_counter()  # process would make every batch a single call
+            fn()
+            _sync(device)
+            once = min(once, time.perf_counter() - t0)
+        counts.append(max(1, int(min_batch_s / max(once, 1e-7))))
+    if group is not None:
+        counts = [int(c) for c in _reduce(counts, dist.ReduceOp.MAX, device, group)]
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for fn, n, out in zip(calls, counts, times):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            out.append((time.perf_counter() - t0) / n)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int, **kw) -> float:
+    """``median_times`` of one call."""
+    return median_times([fn], device, repeats, warmup, **kw)[0]
+
+
+def timed(calls: Sequence[Callable[[], object]], device: torch.device, repeats: int, warmup: int, **kw) -> list[float]:
+    """``median_times`` of ``calls`` (in turns; ``kw``: its ``min_batch_s`` and ``group``),
+    each the slowest rank's: every rank gets the same numbers, the ones an SPMD step waits
+    for. Every rank must call it."""
+    return _reduce(median_times(calls, device, repeats, warmup, **kw), dist.ReduceOp.MAX, device)
 
 
 def collective_call(
@@ -99,44 +121,20 @@ def collective_call(
     raise ValueError(f"autopar: unknown collective {kind!r}; expected one of {list(COLLECTIVES)}.")
 
 
-def _reduce(value: float, op: dist.ReduceOp, device: torch.device, group=None) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _reduce(values: Sequence[float], op: dist.ReduceOp, device: torch.device, group=None) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=group)
-    return float(t.item())
+    return t.tolist()
 
 
-def time_collective(
-    kind: str, group, nbytes: int, device: torch.device, repeats: int, warmup: int, min_batch_s: float = 0.02
-) -> float:
-    """Seconds per call, the slowest rank's median (every rank gets the same number)."""
-    t = median_time(
-        collective_call(kind, group, nbytes, device),
-        device,
-        repeats,
-        warmup,
-        min_batch_s=min_batch_s,
-        group=group,
-    )
-    return _reduce(t, dist.ReduceOp.MAX, device)
-
-
-def matmul_operands(m: int, k: int, n: int, dtype: str, device: torch.device, layout: str = "nn"):
-    """An (m,k) and a (k,n) operand stored as ``layout`` says: "nn" both row-major, "nt"
-    the second transposed (nn.Linear's forward, x @ W.T), "tn" the first transposed
-    (a weight gradient, g.T @ x)."""
+def matmul_views(a: torch.Tensor, b: torch.Tensor, m: int, k: int, n: int, layout: str = "nn"):
+    """Flat buffers ``a`` (m*k elements) and ``b`` (k*n) as an (m,k) and a (k,n) operand
+    stored as ``layout`` says: "nn" both row-major, "nt" the second transposed
+    (nn.Linear's forward, x @ W.T), "tn" the first transposed (a weight gradient, g.T @ x)."""
     if layout not in MATMUL_LAYOUTS:
         raise ValueError(f"autopar: matmul layout must be one of {MATMUL_LAYOUTS}; found {layout!r}.")
-    dt = TORCH_DTYPE[dtype]
-    a = (
-        torch.randn(k, m, device=device, dtype=dt).t()
-        if layout == "tn"
-        else torch.randn(m, k, device=device, dtype=dt)
-    )
-    b = (
-        torch.randn(n, k, device=device, dtype=dt).t()
-        if layout == "nt"
-        else torch.randn(k, n, device=device, dtype=dt)
-    )
+    a = a.view(k, m).t() if layout == "tn" else a.view(m, k)
+    b = b.view(n, k).t() if layout == "nt" else b.view(k, n)
     return a, b
 
 
@@ -157,55 +155,115 @@ def rotating(make: Callable[[], object], set_bytes: int, working_set_bytes: int)
     return lambda: next(it)
 
 
-def time_matmul(
-    m: int,
-    k: int,
-    n: int,
-    dtype: str,
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    min_batch_s: float = 0.02,
-    layout: str = "nn",
-    working_set_bytes: int = WORKING_SET_BYTES,
-) -> float:
-    """Seconds per (m,k)@(k,n) matmul on cache-cold operands, the slowest rank's median."""
-    itemsize = TORCH_DTYPE[dtype].itemsize
-    nxt = rotating(
-        lambda: matmul_operands(m, k, n, dtype, device, layout),
-        (m * k + k * n + m * n) * itemsize,
-        working_set_bytes,
-    )
+class OperandPool:
+    """One buffer of random values per dtype, spanning the working set; operands are
+    slices of it at rotating offsets, so no call finds them cached, every point of a
+    sweep shares the one buffer, and no point pays for filling a working set of its own.
+    Outputs are allocated by the ops themselves, as in training."""
+
+    def __init__(self, device: torch.device, working_set_bytes: int = WORKING_SET_BYTES):
+        self.device, self.bytes = device, working_set_bytes
+        self.pools: dict[str, torch.Tensor] = {}
+
+    def sets(self, sizes: Sequence[int], dtype: str) -> list[list[torch.Tensor]]:
+        """Sets of disjoint flat operands of these sizes (elements), together spanning
+        the working set (at most ``MAX_COPIES`` sets)."""
+        per_set = sum(sizes)
+        if dtype not in self.pools or self.pools[dtype].numel() < per_set:
+            n = max(self.bytes // TORCH_DTYPE[dtype].itemsize, per_set)
+            self.pools[dtype] = torch.randn(n, device=self.device, dtype=TORCH_DTYPE[dtype])
+        pool = self.pools[dtype]
+        out = []
+        for s in range(min(MAX_COPIES, pool.numel() // per_set)):
+            offsets = itertools.accumulate(sizes, initial=s * per_set)
+            out.append([pool[o:o + size] for o, size in zip(offsets, sizes)])
+        return out
+
+    def release(self, dtype: str) -> None:
+        self.pools.pop(dtype, None)
+
+
+def matmul_call(m: int, k: int, n: int, dtype: str, layout: str, pool: OperandPool) -> Callable[[], object]:
+    """A closure running one (m,k)@(k,n) matmul in ``layout`` on the next cold operands."""
+    sets = itertools.cycle([matmul_views(a, b, m, k, n, layout) for a, b in pool.sets((m * k, k * n), dtype)])
 
     def call():
-        a, b = nxt()
+        a, b = next(sets)
         return torch.mm(a, b)
 
-    t = median_time(call, device, repeats, warmup, min_batch_s=min_batch_s)
-    return _reduce(t, dist.ReduceOp.MAX, device)
+    return call
 
 
-def time_pointwise(
-    numel: int,
-    dtype: str,
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    min_batch_s: float = 0.02,
-    working_set_bytes: int = WORKING_SET_BYTES,
-) -> float:
-    """Seconds per out-of-place add of two ``numel`` tensors (3 tensors moved), on
-    cache-cold operands, the slowest rank's median."""
-    dt = TORCH_DTYPE[dtype]
-    nxt = rotating(
-        lambda: (torch.randn(numel, device=device, dtype=dt), torch.randn(numel, device=device, dtype=dt)),
-        3 * numel * dt.itemsize,
-        working_set_bytes,
+# Rows of the softmax and norm kinds' timed tensors: a typical hidden size / vocabulary
+# shard; the sweep's sizes are multiples of it.
+ROW = 512
+
+
+def _layer_norm_backward(g, x):
+    w = torch.ones(ROW, dtype=x.dtype, device=x.device)
+    x2 = x.view(-1, ROW)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x2, (ROW,), w, w, 1e-5)
+    return lambda: torch.ops.aten.native_layer_norm_backward(
+        g.view(-1, ROW), x2, (ROW,), mean, rstd, w, w, (True, True, True)
     )
 
-    def call():
-        a, b = nxt()
-        return torch.add(a, b)
 
-    t = median_time(call, device, repeats, warmup, min_batch_s=min_batch_s)
-    return _reduce(t, dist.ReduceOp.MAX, device)
+# kind -> (number of operands, a call on operands of ``numel`` elements, tensors of that
+# size the op reads plus writes); costmodels.opkinds.POINTWISE_KINDS says which ops each
+# kind prices.
+POINTWISE_CALLS: dict[str, tuple[int, Callable, int]] = {
+    "memory": (2, lambda a, b: (lambda: torch.add(a, b)), 3),
+    "gelu": (1, lambda a: (lambda: torch.nn.functional.gelu(a)), 2),
+    "gelu_backward": (2, lambda g, a: (lambda: torch.ops.aten.gelu_backward(g, a)), 3),
+    "exp": (1, lambda a: (lambda: torch.exp(a)), 2),
+    "tanh": (1, lambda a: (lambda: torch.tanh(a)), 2),
+    "silu": (1, lambda a: (lambda: torch.nn.functional.silu(a)), 2),
+    "softmax": (1, lambda a: (lambda: torch.softmax(a.view(-1, ROW), -1)), 2),
+    "layer_norm": (1, lambda a: (lambda: torch.nn.functional.layer_norm(a.view(-1, ROW), (ROW,))), 2),
+    "layer_norm_backward": (2, _layer_norm_backward, 3),
+}
+
+
+def pointwise_call(kind: str, numel: int, dtype: str, pool: OperandPool) -> Callable[[], object]:
+    """A closure running one ``kind`` op on the next set of cache-cold operands."""
+    count, make, _ = POINTWISE_CALLS[kind]
+    calls = itertools.cycle([make(*ops) for ops in pool.sets((numel,) * count, dtype)])
+    return lambda: next(calls)()
+
+
+def pointwise_bytes_moved(kind: str, numel: int, dtype: str) -> int:
+    """Bytes the timed ``kind`` op moves, counted as the cost model counts an op's bytes."""
+    return POINTWISE_CALLS[kind][2] * numel * TORCH_DTYPE[dtype].itemsize
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Forward FLOPs of self-attention as torch.utils.flop_counter counts them: QK^T and
+    PV, 2 * 2 * B H S^2 D (the whole score matrix, causal or not)."""
+    return 4 * batch * heads * seq * seq * head_dim
+
+
+def attention_calls(
+    shape: tuple[int, int, int, int], dtype: str, device: torch.device, working_set_bytes: int
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """Closures running causal ``scaled_dot_product_attention`` on q, k, v of ``shape``
+    (batch, heads, seq, head_dim): its forward, and its backward alone (autograd.grad
+    over a kept graph, so autograd's dispatch is included), on rotating copies."""
+    dt = TORCH_DTYPE[dtype]
+
+    def make():
+        q, k, v = (torch.randn(shape, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return q, k, v, out, torch.randn_like(out)
+
+    nxt = rotating(make, 5 * math.prod(shape) * dt.itemsize, working_set_bytes)
+
+    def forward():
+        q, k, v, _, _ = nxt()
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def backward():
+        q, k, v, out, g = nxt()
+        return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+    return forward, backward

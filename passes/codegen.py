@@ -6,21 +6,27 @@ baked in for this rank's mesh coordinate). Where a producer's placement differs 
 what its consumer needs, a :class:`Reshard` node moves the value; ``print(gm.code)``
 shows each one by the collectives it performs.
 
-Gradients. A Reshard is DTensor's ``from_local -> redistribute -> to_local``, whose
-backward is the dual collective. What the consumer's local gradient *means* is declared
-per edge (``grad_placements``): a replicated input of an op whose output differs across
-an axis (it is split or partial there) receives only this device's contribution to its
-gradient — a Partial — which DTensor sums on the way back (Megatron's "f": identity
-forward, all-reduce backward). So a replicated parameter used by a batch-split op gets
-its gradient all-reduced over the data-parallel axis, a sharded one (ZeRO-3) gets it
-reduce-scattered, with no special case for either.
+Gradients. A Reshard's backward is the dual collective: a move on one mesh axis calls
+torch.distributed directly (``passes.collectives``), others are DTensor's ``from_local
+-> redistribute -> to_local``. What the consumer's local gradient *means* is declared
+per edge (``grad``): a replicated input of an op whose output differs across an axis
+(it is split or partial there) receives only this device's share of its gradient — a
+Partial — which is summed on the way back (Megatron's "f": identity forward,
+all-reduce backward). So a replicated parameter used by a batch-split op gets its
+gradient summed over the data-parallel axis, a sharded one (ZeRO-3) gets it
+reduce-scattered, with no special case for either. Shares are not summed where they
+arise when they can travel further up unreduced (``gradient_shares``): through ops
+replicated on that axis, to the parameters, where all of them are summed once per step
+(``RankProgram.grad_sync``, DDP's buckets). Parameters stored split and used whole are
+gathered a bucket per layer (``plan_buckets``, ``passes.buckets``), as FSDP does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, ContextManager, Sequence
 
 import torch
 from torch import fx, nn
@@ -28,21 +34,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from passes import rules
+from passes import buckets, rules
+from passes.buckets import Gather, GatherBucket
+from passes.collectives import Axis, AxisMove, grad_side
+from passes.layers import layer_path
 from passes.placements import Spec, spec_str
 from passes.strategies import StrategyGraph, tensor_inputs
 from passes.strategy import OpInfo, ShardingStrategy
 
 
-def gradient_spec(needed: Spec, outputs: Sequence[Spec]) -> Spec:
-    """Placement of the local gradient an op hands back for an input laid out as ``needed``."""
+def gradient_spec(needed: Spec, outputs: Sequence[Spec], shared: Collection[int] = ()) -> Spec:
+    """Placement of the local gradient an op hands back for an input laid out as ``needed``.
+
+    ``shared``: mesh axes on which the op's output gradient itself arrives as this
+    device's share (``gradient_shares``); an op replicated there hands back shares too.
+    """
     grad = []
     for axis, p in enumerate(needed):
         if isinstance(p, Shard):
             grad.append(p)
         elif isinstance(p, Partial):
             grad.append(Replicate())  # each part of a sum gets the whole gradient
-        elif all(isinstance(out[axis], Replicate) for out in outputs):
+        elif all(isinstance(out[axis], Replicate) for out in outputs) and axis not in shared:
             grad.append(Replicate())  # every device computed the same thing
         else:
             grad.append(Partial())  # this device's share of the gradient
@@ -78,8 +91,12 @@ class Reshard(nn.Module):
         self.mid = tuple(Replicate() if a in self.zero_axes else p for a, p in enumerate(dst))
         # only the first device's copy reaches the output there: its gradient is a share
         self.mid_grad = tuple(Partial() if a in self.zero_axes else g for a, g in enumerate(grad))
+        # one axis, one collective each way: torch.distributed directly (passes/collectives.py)
+        self.fast = AxisMove.plan(mesh, src, dst, grad) if mesh is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(x)
         d = DTensor.from_local(x, self.mesh, self.src, run_check=False)
         if self.mid != self.src:
             d = d.redistribute(self.mesh, self.mid)
@@ -123,6 +140,15 @@ class RankProgram:
     # parameter placeholder -> mesh axes over which its gradient comes out of backward as
     # this device's share, to be summed once per step for all parameters together
     grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    regathers: bool = False  # ZeRO-3 buckets freed after use: run the program inside ``saving()``
+
+    def saving(self, observe: Callable[[torch.Tensor, bool], None] | None = None) -> ContextManager:
+        """The context to run the program (forward) in: gathered weights that it frees are
+        saved for backward as references and gathered again (``passes.buckets``);
+        ``observe(tensor, is_weight)`` sees every tensor kept for backward."""
+        if self.regathers or observe is not None:
+            return buckets.saving(observe)
+        return contextlib.nullcontext()
 
 
 @dataclass
@@ -157,19 +183,24 @@ def lower(
     part: Part | None = None,
     batch_grad_sync: bool = True,
     storage: dict[str, Spec] | None = None,
+    reduce_outputs: bool = True,
 ) -> RankProgram:
     """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
 
-    A value moved to the same layout for several consumers is moved once and shared,
-    except the placeholders named in ``gather_per_use`` (ZeRO-3 parameters), which are
-    gathered again at each use so that no whole copy outlives its consumer. With a
-    ``part``, only that piece of the graph is built (a pipeline stage). ``mesh`` None:
-    a single device (a pipeline stage with no intra-op axes). ``batch_grad_sync``: a
-    replicated parameter whose every use leaves it as it is and sends back a share of
-    its gradient (data parallelism) has those shares summed once per step for all such
-    parameters together (``RankProgram.grad_sync``), as DDP's buckets do, instead of
-    one all-reduce per use. ``storage``: placeholders kept in another layout than their
-    strategy's (ZeRO-1/2 parameters: stored split, used whole); they are moved once.
+    A value moved to the same layout for several consumers is moved once and shared.
+    Parameters stored split and used whole — the placeholders named in
+    ``gather_per_use`` (ZeRO-3) and those in ``storage`` (ZeRO-1/2: kept in another
+    layout than their strategy's) — are gathered in buckets (``passes.buckets``), one per
+    segment of the graph (a repeated layer, or the stretch between layers): ZeRO-3 ones
+    freed after use and gathered again in backward, ZeRO-1/2 ones kept for backward.
+    With a ``part``, only that piece of the graph is built (a pipeline
+    stage). ``mesh`` None: a single device (a pipeline stage with no intra-op axes).
+    ``batch_grad_sync``: gradients that come back as this device's share on a
+    replicated axis (data parallelism) are passed up unreduced wherever every path
+    allows (``gradient_shares``) and summed once per step at the parameters, for all
+    of them together (``RankProgram.grad_sync``), as DDP's buckets do.
+    ``reduce_outputs`` False: outputs that are pending sums leave as they are (Partial in
+    ``output_specs``), for a caller that reduces them itself.
     """
     mesh_shape = tuple(mesh.shape) if mesh is not None else ()
     if mesh_shape != graph.mesh_shape:
@@ -178,11 +209,17 @@ def lower(
             f"found a device mesh of shape {mesh_shape}; build the strategy graph for this mesh"
         )
     ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()) if mesh is not None else ())
+    flow = Flow(graph, choice, part, storage or {}, reduce_outputs)
+    shared = gradient_shares(flow, batch_grad_sync)
+    grad_sync = {
+        v.name: axes for v in flow.order
+        if v.op == "placeholder" and v.name in graph.captured.params
+        and (axes := tuple(a for a in range(len(mesh_shape)) if (v, a) in shared))
+    }
+    bucket_of = plan_buckets(flow, shared, gather_per_use, storage or {}) if mesh is not None else {}
     out = fx.Graph()
     root = nn.Module()
     env: dict[fx.Node, fx.Node] = {}
-    specs: dict[fx.Node, tuple[Spec, ...]] = {}
-    input_specs: dict[str, Spec] = {}
     counter = iter(range(1 << 30))
 
     def add_module(prefix: str, module: nn.Module) -> str:
@@ -190,23 +227,25 @@ def lower(
         root.add_module(name, module)
         return name
 
-    storage = storage or {}
-
-    def stored(node: fx.Node) -> Spec:
-        return storage.get(node.name) or output_spec(graph, choice, node)
-
     moved: dict[tuple[fx.Node, Spec, Spec], fx.Node] = {}
-    grad_sync = _deferred_grad_sync(graph, choice, part, stored) if batch_grad_sync else {}
+    gathered: dict[tuple[fx.Node, tuple], fx.Node] = {}
 
-    def fetch(src: fx.Node, needed: Spec | None, grad: Spec | None) -> fx.Node:
-        have = specs[src][0]
+    def fetch(src: fx.Node, consumer: fx.Node | None, needed: Spec | None) -> fx.Node:
         node = env[src]
-        if needed is None or (needed == have and all(
-            not (isinstance(g, Partial) and isinstance(h, Replicate)) for g, h in zip(grad, have)
-        )):
+        if needed is None or src not in flow.spec:
             return node
-        if src.name in grad_sync and needed == have:
-            return node  # its gradient shares are summed after backward
+        have = flow.spec[src]
+        grad = flow.edge_grad(src, consumer, needed, shared)
+        if needed == have and grad == tuple(grad_side(p) for p in have):
+            return node
+        bucket = bucket_of.get((src, consumer))
+        if bucket is not None:
+            if (src, bucket.key) not in gathered:
+                call = out.call_module(add_module(bucket.prefix, bucket.module(mesh)),
+                                       tuple(env[p] for p in bucket.params))
+                for i, p in enumerate(bucket.params):
+                    gathered[(p, bucket.key)] = out.call_function(operator.getitem, (call, i))
+            return gathered[(src, bucket.key)]
         key = (src, needed, grad)
         if key in moved and src.name not in gather_per_use:
             return moved[key]
@@ -218,45 +257,27 @@ def lower(
     def emit(values: list[Any]) -> tuple[list[Any], list[Spec | None]]:
         outputs, output_specs = [], []
         for x in values:
-            if isinstance(x, fx.Node) and x in specs:
-                done = sent(specs[x][0])
-                outputs.append(fetch(x, done, done))
+            if isinstance(x, fx.Node) and x in flow.spec:
+                done = sent(flow.spec[x]) if reduce_outputs else flow.spec[x]
+                outputs.append(fetch(x, None, done))
                 output_specs.append(done)
             else:
                 outputs.append(env[x] if isinstance(x, fx.Node) else x)
                 output_specs.append(None)
         return outputs, output_specs
 
-    def receive(node: fx.Node, spec: Spec | None) -> None:
-        env[node] = out.placeholder(node.name)
-        env[node].meta = dict(node.meta)
-        if spec is not None:
-            specs[node] = (spec,)
-            input_specs[node.name] = spec
-
-    if part is not None:
-        for node in part.inputs:
-            spec = stored(node) if node in graph.nodes else None
-            receive(node, spec if node.op == "placeholder" or spec is None else sent(spec))
-
-    for node in graph.captured.graph.nodes:
-        if part is not None and node.op != "output" and node not in part.nodes:
-            continue
-        if node.op == "placeholder":
-            receive(node, stored(node) if node in graph.nodes else None)
+    for node in flow.order:
+        if node in flow.received:
+            env[node] = out.placeholder(node.name)
+            env[node].meta = dict(node.meta)
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             env[node] = out.call_function(operator.getitem, (env[producer], index))
-            if producer in specs:
-                specs[node] = (specs[producer][index],)
+            env[node].meta["autopar_node"] = node.name  # passes.recompute finds layers by it
         elif node.op == "call_function":
             ns = graph[node]
             strategy = ns.strategies[choice[node]]
-            sources = tensor_inputs(node)
-            local_inputs = [
-                fetch(src, need, None if need is None else gradient_spec(need, strategy.outputs))
-                for src, need in zip(sources, strategy.inputs)
-            ]
+            local_inputs = [fetch(src, node, need) for src, need in zip(tensor_inputs(node), strategy.inputs)]
             args, kwargs = ns.info.fill(local_inputs)
             rule = rules.rule_for(node.target)
             if strategy.kernel is not None:
@@ -266,7 +287,7 @@ def lower(
                 if rule is not None and rule.localize is not None:
                     args, kwargs = rule.localize(ns.info, strategy, args, kwargs, ctx)
                 env[node] = out.call_function(node.target, args, kwargs)
-            specs[node] = strategy.outputs
+            env[node].meta["autopar_node"] = node.name
         elif node.op == "output":
             if part is not None:
                 outputs, output_specs = emit(list(part.outputs))
@@ -279,42 +300,241 @@ def lower(
             raise ValueError(f"autopar: cannot lower a graph node of kind {node.op} ({node.name})")
     out.lint()
     gm = fx.GraphModule(root, out, class_name="RankProgram")
-    return RankProgram(gm, input_specs, output_specs, grad_sync)
+    input_specs = {n.name: flow.spec[n] for n in flow.order if n in flow.received and n in flow.spec}
+    regathers = any(not b.keep for b in bucket_of.values())
+    return RankProgram(gm, input_specs, output_specs, grad_sync, regathers)
 
 
-def _deferred_grad_sync(
-    graph: StrategyGraph, choice: dict[fx.Node, int], part: Part | None, stored
-) -> dict[str, tuple[int, ...]]:
-    """Parameters whose gradient can be summed after backward, and over which axes: every
-    use takes the parameter as stored, and on each replicated axis either every use or no
-    use sends back a share (mixing shares with whole gradients could not be summed)."""
-    result = {}
-    for node in graph.captured.nodes("placeholder"):
-        if node.name not in graph.captured.params or node not in graph.nodes:
+class Flow:
+    """The values of one program in order, each one's placement, and who reads it how."""
+
+    def __init__(self, graph: StrategyGraph, choice: dict[fx.Node, int], part: Part | None,
+                 storage: dict[str, Spec], reduce_outputs: bool = True):
+        self.graph, self.choice = graph, choice
+        captured = graph.captured
+        self.order: list[fx.Node] = []  # program order: received values first, then ops, the output last
+        self.received: set[fx.Node] = set()  # the program's placeholders
+        self.spec: dict[fx.Node, Spec] = {}  # placement of each tensor value
+        self.outputs: dict[fx.Node, tuple[Spec, ...]] = {}  # op -> placements of all its outputs
+        self.readers: dict[fx.Node, list[tuple[fx.Node | None, Spec | None]]] = {}  # None: read by the output
+        self.grad: dict[fx.Node, bool] = {}  # whether a gradient flows back into the value
+
+        def stored(node: fx.Node) -> Spec:
+            return storage.get(node.name) or output_spec(graph, choice, node)
+
+        def receive(node: fx.Node, spec: Spec | None) -> None:
+            self.order.append(node)
+            self.received.add(node)
+            if spec is not None:
+                self.spec[node] = spec
+            if node.op != "placeholder":  # a value made by an earlier stage
+                self.grad[node] = _floating(node)
+            elif node.name in captured.params:
+                self.grad[node] = True
+            else:  # user inputs (buffers are state: they take no gradient)
+                self.grad[node] = node.name in captured.user_inputs and _floating(node)
+
+        if part is not None:
+            for node in part.inputs:
+                spec = stored(node) if node in graph.nodes else None
+                receive(node, spec if node.op == "placeholder" or spec is None else sent(spec))
+        for node in captured.graph.nodes:
+            if part is not None and node.op != "output" and node not in part.nodes:
+                continue
+            if node.op == "placeholder":
+                receive(node, stored(node) if node in graph.nodes else None)
+                continue
+            self.order.append(node)
+            if node.op == "call_function" and node.target is operator.getitem:
+                producer, index = node.args
+                if producer in self.outputs:
+                    self.spec[node] = self.outputs[producer][index]
+                self.grad[node] = self.grad.get(producer, False) and _floating(node)
+            elif node.op == "call_function":
+                strategy = graph[node].strategies[choice[node]]
+                self.outputs[node] = strategy.outputs
+                self.spec[node] = strategy.outputs[0]
+                sources = tensor_inputs(node)
+                for src, need in zip(sources, strategy.inputs):
+                    self.readers.setdefault(src, []).append((node, need))
+                self.grad[node] = _floating(node) and any(self.grad.get(src, False) for src in sources)
+            elif node.op == "output":
+                values = part.outputs if part is not None else pytree.tree_leaves(node.args[0])
+                for x in values:
+                    if isinstance(x, fx.Node) and x in self.spec:
+                        spec = sent(self.spec[x]) if reduce_outputs else self.spec[x]
+                        self.readers.setdefault(x, []).append((None, spec))
+
+    def edge_grad(self, src: fx.Node, consumer: fx.Node | None, needed: Spec,
+                  shared: set[tuple[fx.Node, int]]) -> Spec:
+        """How the gradient for ``src`` comes back along this edge, before moving: the
+        consumer's local gradient, except on axes where ``src`` takes shares unreduced."""
+        if not self.grad.get(src, False):
+            return tuple(grad_side(p) for p in self.spec[src])  # no gradient: nothing to move back
+        if consumer is None:
+            return tuple(grad_side(p) for p in needed)
+        mine = {a for a in range(len(needed)) if (consumer, a) in shared}
+        grad = gradient_spec(needed, self.outputs[consumer], mine)
+        return tuple(Replicate() if (src, a) in shared else g for a, g in enumerate(grad))
+
+    def share_edge(self, consumer: fx.Node | None, needed: Spec | None, axis: int,
+                   shared: set[tuple[fx.Node, int]]) -> bool | None:
+        """Whether a reader hands back a share on ``axis`` (None: it hands back no gradient)."""
+        if consumer is not None and not self.grad[consumer]:
+            return None
+        if consumer is None or needed is None or not isinstance(needed[axis], Replicate):
+            return False
+        return (consumer, axis) in shared or any(not isinstance(o[axis], Replicate) for o in self.outputs[consumer])
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals)
+
+
+def gradient_shares(flow: Flow, batch_grad_sync: bool = True) -> set[tuple[fx.Node, int]]:
+    """(value, mesh axis) pairs whose gradient comes back as this device's share, unreduced.
+
+    On an axis where a value is replicated but a reader's output differs (a batch split,
+    a column-parallel layer), the reader hands back only this device's share of the
+    gradient. Rather than all-reducing it there, a share may pass up the graph: through
+    an op replicated on that axis (backward is linear in the output gradient, so shares
+    in give shares out) to parameters, where they are summed once per step
+    (``RankProgram.grad_sync``), or to values that take no gradient at all. A value
+    takes shares on an axis when every reader hands back one and it can pass them on
+    without a reduction anywhere; the largest such set is found by removing pairs that
+    break these conditions until none does.
+    """
+    captured = flow.graph.captured
+    mesh_shape = flow.graph.mesh_shape
+
+    def kind(v: fx.Node, axis: int) -> str | None:
+        if not flow.grad.get(v, False) or v not in flow.spec or not isinstance(flow.spec[v][axis], Replicate):
+            return None
+        if mesh_shape[axis] == 1:
+            return None
+        if v.op == "placeholder" and v.name in captured.params and v in flow.received:
+            return "sum" if batch_grad_sync else None
+        if v in flow.outputs and v not in flow.received and len(flow.outputs[v]) == 1:
+            strategy = flow.graph[v].strategies[flow.choice[v]]
+            if all(need is None or isinstance(need[axis], Replicate) for need in strategy.inputs):
+                return "pass"
+        return None
+
+    kinds = {(v, a): k for v in flow.order for a in range(len(mesh_shape)) if (k := kind(v, a))}
+    shared = set(kinds)
+
+    def holds(v: fx.Node, axis: int) -> bool:
+        edges = [flow.share_edge(c, need, axis, shared) for c, need in flow.readers.get(v, [])]
+        edges = [e for e in edges if e is not None]
+        if not all(edges) or (kinds[(v, axis)] == "sum" and not edges):
+            return False
+        if kinds[(v, axis)] == "pass":  # each input takes the shares, or gathers (reduce-scatters them)
+            return all((src, axis) in shared or isinstance(flow.spec[src][axis], Shard)
+                       for src in tensor_inputs(v) if flow.grad.get(src, False))
+        return True
+
+    work = list(shared)
+    while work:
+        v, axis = work.pop()
+        if (v, axis) in shared and not holds(v, axis):
+            shared.discard((v, axis))
+            # its inputs now get a whole gradient from it; its readers can no longer pass to it
+            work += [(u, axis) for u in v.all_input_nodes if (u, axis) in shared]
+            work += [(c, axis) for c, _ in flow.readers.get(v, []) if c is not None and (c, axis) in shared]
+    return shared
+
+
+@dataclass
+class Bucket:
+    """Parameters gathered together (``passes.buckets``): over ``axes``, gradients reduced
+    back where ``reduce`` says, freed after use unless ``keep``."""
+
+    key: tuple
+    axes: tuple[int, ...]
+    reduce: tuple[bool, ...]
+    keep: bool
+    params: list[fx.Node] = field(default_factory=list)
+    specs: list[Spec] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return "gather_bucket" + "".join(str(a) for a in self.axes)
+
+    def module(self, mesh: DeviceMesh) -> GatherBucket:
+        steps = [Gather(a, Axis.of(mesh, a), tuple(spec[a].dim for spec in self.specs), r)
+                 for a, r in zip(self.axes, self.reduce)]
+        return GatherBucket([p.name for p in self.params], steps, self.keep)
+
+
+def plan_buckets(flow: Flow, shared: set[tuple[fx.Node, int]], per_use: frozenset[str],
+                 storage: dict[str, Spec]) -> dict[tuple[fx.Node, fx.Node], Bucket]:
+    """(parameter, reader) -> the bucket that gathers the parameter for that reader.
+
+    A read qualifies when it only gathers: axes on which the parameter is split are
+    made whole (innermost first, one all-gather each), the others stay as they are, and
+    the gradient comes back as shares (reduce-scattered) or whole (sliced) there. Reads
+    are bucketed by the segment of the graph the reader is in, so that backward reduces
+    each segment's gradients as soon as they are complete; ZeRO-1/2 buckets are kept
+    for backward, ZeRO-3 ones freed and gathered again.
+    """
+    params = flow.graph.captured.params
+    segment = segments(flow)
+    buckets: dict[tuple, Bucket] = {}
+    chosen: dict[tuple[fx.Node, fx.Node], Bucket] = {}
+    for v in flow.order:
+        if v.name not in params or (v.name not in per_use and v.name not in storage) or v not in flow.spec:
             continue
-        have = stored(node)
-        uses = [u for u in node.users if u in graph.nodes and (part is None or u in part.nodes)]
-        grads = []
-        for user in uses:
-            strategy = graph[user].strategies[choice[user]]
-            for src, need in zip(tensor_inputs(user), strategy.inputs):
-                if src is node:
-                    if need != have:
-                        grads = None
-                        break
-                    grads.append(gradient_spec(need, strategy.outputs))
-            if grads is None:
-                break
-        if not grads:
+        have = flow.spec[v]
+        for consumer, need in flow.readers.get(v, []):
+            if consumer is None or need is None:
+                continue
+            grad = flow.edge_grad(v, consumer, need, shared)
+            axes = _gathered_axes(have, need, grad)
+            if axes is None:
+                continue
+            reduce = tuple(isinstance(grad[a], Partial) for a in axes)
+            keep = v.name not in per_use
+            key = (segment[consumer], axes, reduce, v.meta["val"].dtype, keep)
+            bucket = buckets.setdefault(key, Bucket(key, axes, reduce, keep))
+            if v not in bucket.params:
+                bucket.params.append(v)
+                bucket.specs.append(have)
+            chosen[(v, consumer)] = bucket
+    return chosen
+
+
+def _gathered_axes(have: Spec, need: Spec, grad: Spec) -> tuple[int, ...] | None:
+    axes = []
+    for a, (h, n, g) in enumerate(zip(have, need, grad)):
+        if h == n:
+            if g != grad_side(h):
+                return None
+        elif isinstance(h, Shard) and isinstance(n, Replicate) and (
+            isinstance(g, Replicate) or (isinstance(g, Partial) and g.reduce_op == "sum")
+        ):
+            # a finer split of the same dim on an inner axis that stays would reorder pieces
+            if any(isinstance(p, Shard) and p.dim == h.dim for p in need[a + 1 :]):
+                return None
+            axes.append(a)
+        else:
+            return None
+    return tuple(axes) or None
+
+
+def segments(flow: Flow) -> dict[fx.Node, tuple]:
+    """Op -> its segment: the repeated layer it is in, or the stretch between layers."""
+    params = flow.graph.captured.params
+    out, current, between = {}, ("between", 0), 0
+    for node in flow.order:
+        if node.op != "call_function":
             continue
-        axes = []
-        for axis, p in enumerate(have):
-            shares = {isinstance(g[axis], Partial) for g in grads}
-            if isinstance(p, Replicate) and shares == {True}:
-                axes.append(axis)
-            elif isinstance(p, Replicate) and len(shares) > 1:
-                axes = None
-                break
-        if axes:
-            result[node.name] = tuple(axes)
-    return result
+        where = layer_path(node, params)
+        if where is not None:
+            current = ("layer", *where)
+        elif current[0] == "layer":
+            between += 1
+            current = ("between", between)
+        out[node] = current
+    return out

@@ -47,6 +47,7 @@ from torch import fx
 from torch.distributed.tensor import Replicate
 
 import costmodels
+from passes.saved import VIEWS, kept_for_backward
 from costmodels.formulas import BYTES_PER_PARAM
 from passes.codegen import gradient_spec
 from passes.layers import find_layers
@@ -60,12 +61,7 @@ BACKWARD_FACTOR = 2.0  # backward does twice the forward FLOPs (Kaplan et al. 20
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
            "aten.matmul.default", "aten.baddbmm.default"}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
-# Ops whose output aliases their input: no compute, nothing new saved for backward.
-VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
-         "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.expand.default",
-         "aten.slice.Tensor", "aten.select.int", "aten.t.default", "aten.alias.default",
-         "aten.detach.default", "aten.contiguous.default", "aten._unsafe_view.default",
-         "aten.flatten.using_ints", "aten.unflatten.int", "aten.split.Tensor", "aten.chunk.default"}
+# Ops whose output aliases their input (no compute, nothing new saved): passes.saved.VIEWS
 
 
 @dataclass
@@ -84,7 +80,7 @@ class Costs:
     edge_inputs: list[tuple[fx.Node, fx.Node, int]]  # per problem edge: (producer, consumer, position)
     layer_of: dict[fx.Node, int] = field(default_factory=dict)  # node -> layer number, in graph order
     precision: str = "fp32"
-    recompute: bool = False
+    recompute: frozenset[int] = frozenset()  # layers recomputed in backward
     pricer: object = None  # the price caches, to rebuild cheaply (e.g. with recomputation)
 
     def assignment(self, choice: dict[fx.Node, int], zero: dict[fx.Node, int] | None = None) -> list[int]:
@@ -207,7 +203,7 @@ class _Pricer:
             flops = 2.0 * math.prod(outs[0]) * ins[0][-1]
         elif name in ATTENTION and len(ins) >= 2:
             flops = 4.0 * math.prod(ins[0]) * ins[1][-2]  # QK^T and PV: 2 * 2 * B H Sq Sk D
-        t = costmodels.compute_time(flops, moved, _dtype(info.outputs[0]), self.profile)
+        t = costmodels.compute_time(flops, moved, _dtype(info.outputs[0]), self.profile, name)
         if not on_grad_path:
             return t, 0.0
         saved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs))
@@ -221,8 +217,8 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
     numel = math.prod(local_shape(meta.shape, spec, mesh))
     replicated = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
     shards = math.prod(mesh[a] for a in replicated)
-    if level and shards == 1:
-        return math.inf, 0.0, 0.0  # nothing to shard over: the same as level 0
+    if level and shards == 1:  # nothing to shard over: level 0's memory, and never chosen
+        return math.inf, 0.0, costmodels.model_state_bytes(numel, 0, 1, precision)
     shards = shards if level else 1
     # level 1 runs as level 2 (passes/plan.py: gradients come back reduce-scattered)
     memory = costmodels.model_state_bytes(numel, 2 if level == 1 else level, shards, precision)
@@ -249,12 +245,13 @@ def state_breakdown(numel: float, level: int, shards: int, precision: str) -> di
 
 
 def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, memory_limit: float | None = None,
-                tie_layers: bool = True, follow_operands: bool = True, recompute: bool = False,
+                tie_layers: bool = True, follow_operands: bool = True, recompute: bool | Iterable[int] = False,
                 pricer: "_Pricer | None" = None) -> Costs:
     """The SolveProblem of ``graph`` on ``profile`` (see the module docstring).
 
-    ``recompute``: every repeated layer keeps only the activations that leave it and runs
-    its forward again in backward (activation checkpointing per layer).
+    ``recompute``: the repeated layers (True: all; or their numbers) that keep only the
+    activations that leave them and run their forward again in backward (activation
+    checkpointing per layer).
     """
     if tuple(profile.mesh_shape) != graph.mesh_shape:
         raise ValueError(
@@ -268,6 +265,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     compute, state, activation, comm = [], [], [], []
+    kept = kept_for_backward(graph.captured.graph.nodes, grad_nodes)  # outputs some backward reads
     followers: list[Follower] = []
     for node in nodes:
         ns = graph.nodes[node]
@@ -285,7 +283,8 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             compute.append(zeros); comm.append(zeros)
         else:
             t, saved = pricer.op(ns, node in grad_nodes)
-            compute.append(t); activation.append(saved); state.append(zeros); comm.append(zeros)
+            compute.append(t); state.append(zeros); comm.append(zeros)
+            activation.append(saved if node in kept else zeros)
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
@@ -322,9 +321,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
     ties = [group for group in ties if len(group) > 1]
-    if recompute:
+    recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
+    if recomputed:
         for node in nodes:
-            if node in layer_of and node.op != "placeholder" and node in grad_nodes:
+            if layer_of.get(node) in recomputed and node.op != "placeholder" and node in grad_nodes:
                 v = index[node]
                 compute[v] = compute[v] * (2.0 + BACKWARD_FACTOR) / (1.0 + BACKWARD_FACTOR)
                 if all(layer_of.get(u) == layer_of[node] for u in node.users):
@@ -336,7 +336,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         node_names=[n.name for n in nodes] + [f"zero[{n.name}]" for n in zero_node],
     )
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, edge_inputs,
-                 layer_of, precision, recompute, pricer)
+                 layer_of, precision, frozenset(recomputed), pricer)
 
 
 def _follow_operand(graph: StrategyGraph, node: fx.Node, time: np.ndarray, cache: dict):

@@ -14,8 +14,20 @@ MS = 1e3
 GB = 1e9
 
 
-def _ms(t: float) -> str:
-    return "inf" if not math.isfinite(t) else f"{t * MS:.4g} ms"
+def duration(t: float) -> str:
+    """A duration in the unit that reads best: 12.3 us, 57.48 ms, 41.64 s."""
+    if not math.isfinite(t):
+        return "inf"
+    if abs(t) >= 1:
+        return f"{t:.4g} s"
+    if abs(t) >= 1e-3 or t == 0:
+        return f"{t * MS:.4g} ms"
+    return f"{t * 1e6:.4g} us"
+
+
+def _bytes(b: float) -> str:
+    """A size in GB (1e9 bytes, as device memory is quoted), or MB below one GB."""
+    return f"{b / GB:.3g} GB" if abs(b) >= GB / 10 or b == 0 else f"{b / 1e6:.3g} MB"
 
 
 def layer_rows(plan) -> list[tuple[str, float, float, float]]:
@@ -61,10 +73,10 @@ def explain(plan) -> str:
     p = plan.predicted
     lines = [
         f"plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
-        f"predicted step {_ms(p.step_time)} = compute {_ms(p.compute)} + communication {_ms(p.communication)}"
-        f" + bubble {_ms(p.bubble)}",
-        "predicted memory per device: " + ", ".join(f"{k} {p.memory[k] / GB:.3g} GB" for k in _kinds(p.memory))
-        + f" (total {sum(p.memory.values()) / GB:.3g} GB)",
+        f"predicted step {duration(p.step_time)} = compute {duration(p.compute)} + communication {duration(p.communication)}"
+        f" + bubble {duration(p.bubble)}",
+        "predicted memory per device: " + ", ".join(f"{k} {_bytes(p.memory[k])}" for k in _kinds(p.memory))
+        + f" (total {_bytes(sum(p.memory.values()))})",
     ]
     if plan.pipeline:
         pl = plan.pipeline
@@ -92,19 +104,19 @@ def explain(plan) -> str:
             label = f"layer {first}" if first == last else f"layers {first}-{last}"
             shown = ", ".join(f"{k} {v}" for k, v in sig[:6]) + (", ..." if len(sig) > 6 else "")
             r = group[0]
-            lines.append(f"{label:<16} {_ms(r[1]):>12} {_ms(r[2]):>12} {r[3] / GB:>8.3g}GB  {shown}"
+            lines.append(f"{label:<16} {duration(r[1]):>12} {duration(r[2]):>12} {_bytes(r[3]):>10}  {shown}"
                          + (" (each)" if len(group) > 1 else ""))
         for r in rows:
             if r[0] == "other":
-                lines.append(f"{'other':<16} {_ms(r[1]):>12} {_ms(r[2]):>12} {r[3] / GB:>8.3g}GB")
+                lines.append(f"{'other':<16} {duration(r[1]):>12} {duration(r[2]):>12} {_bytes(r[3]):>10}")
     lines += ["", "why:"]
     lines += [f"  {r}" for r in plan.reasons]
     if plan.candidates:
         best = min(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))
         ratio = p.step_time / best[1] if best[1] > 0 else math.nan
-        lines.append(f"  best manual layout: {best[0]} at {_ms(best[1])}; auto / best = {ratio:.3f}")
+        lines.append(f"  best manual layout: {best[0]} at {duration(best[1])}; auto / best = {ratio:.3f}")
         lines.append("  manual layouts that fit: " + ", ".join(
-            f"{k} {_ms(v)}" for k, v in sorted(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))))
+            f"{k} {duration(v)}" for k, v in sorted(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))))
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -136,8 +148,8 @@ def diff(a, b) -> str:
         out.append(f"{len(missing)} nodes are in only one plan (different model or inputs)")
     ta, tb = a.predicted.step_time, b.predicted.step_time
     if ta != tb:
-        out.append(f"predicted step: {_ms(ta)} -> {_ms(tb)} ({(tb / ta if ta else math.inf):.3f}x)")
+        out.append(f"predicted step: {duration(ta)} -> {duration(tb)} ({(tb / ta if ta else math.inf):.3f}x)")
     ma, mb = sum(a.predicted.memory.values()), sum(b.predicted.memory.values())
     if ma != mb:
-        out.append(f"predicted memory: {ma / GB:.3g} GB -> {mb / GB:.3g} GB per device")
+        out.append(f"predicted memory: {_bytes(ma)} -> {_bytes(mb)} per device")
     return "\n".join(out) if out else "plans are identical"

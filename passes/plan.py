@@ -165,6 +165,12 @@ def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
     choice = {}
     for node, ns in graph.nodes.items():
         wanted = plan.strategies.get(node.name)
+        if wanted is None and plan.model == "WithLoss":
+            raise ValueError(
+                "autopar: this plan was made for the model and its loss together (autopar.plan(..., "
+                f"loss_fn=...)), found the model alone (no strategy for {node.name}); to train with it, "
+                "plan without loss_fn (autopar.compile lays the loss out itself)"
+            )
         if wanted is None:
             raise ValueError(
                 f"autopar: the plan has no strategy for node {node.name}; it was made for another "

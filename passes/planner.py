@@ -36,6 +36,7 @@ from passes.solve import SolveOptions, SolveProblem, SolveResult, plan_costs, so
 from passes.solve.heuristics import chain_relaxation_plan
 from passes.solve.shrink import shrink_problem
 from passes.strategies import StrategyGraph, tensor_inputs
+from passes.explain import duration
 
 GB = 1e9
 
@@ -54,6 +55,9 @@ class Hint:
     zero: dict[fx.Node, int] = field(default_factory=dict)
     fixed: dict[fx.Node, tuple] = field(default_factory=dict)
     keep_axes: tuple[int, ...] = ()  # mesh axes on which parameters are used where they lie (Megatron)
+    # mesh axes that split the data: ops reading a parameter use it whole there (gathered,
+    # under FSDP) and split their work (else a tiny model "wins" by replicating everything)
+    data_axes: tuple[int, ...] = ()
 
 
 def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
@@ -82,13 +86,15 @@ def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
             keep = np.full(len(node_time[costs.index[node]]), np.inf)
             keep[allowed] = 0.0
             node_time[costs.index[node]] = node_time[costs.index[node]] + keep
-    if hint.keep_axes:  # a tensor-parallel layout computes with its weights where they lie
+    if hint.keep_axes or hint.data_axes:  # how the layout computes with its weights
         for src, dst, position in costs.edge_inputs:
             if src.name not in graph.captured.params:
                 continue
             want = hint.fixed.get(src, tuple(Replicate() for _ in graph.mesh_shape))
-            forbid = np.array([0.0 if s.inputs[position] is None or all(
-                s.inputs[position][a] == want[a] for a in hint.keep_axes) else np.inf
+            forbid = np.array([0.0 if s.inputs[position] is None or (
+                all(s.inputs[position][a] == want[a] for a in hint.keep_axes)
+                and all(isinstance(s.inputs[position][a], Replicate)
+                        and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
                 for s in graph.nodes[dst].strategies])
             combined = node_time[costs.index[dst]] + forbid
             if np.isfinite(combined).any():  # an op with no such strategy moves the weight after all
@@ -279,12 +285,46 @@ def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hin
                             recompute=True, pricer=solved.costs.pricer)
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
-        solved = retry
+        solved = fewest_recomputed(retry, memory_limit)
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     if solved.costs.recompute:
-        plan.recompute = [f"layer {k}" for k in sorted(set(solved.costs.layer_of.values()))]
-        plan.reasons.append("activations do not fit: every repeated layer is recomputed in backward")
+        layers = sorted(set(solved.costs.layer_of.values()))
+        plan.recompute = [f"layer {k}" for k in sorted(solved.costs.recompute)]
+        plan.reasons.append(f"activations do not fit: {len(plan.recompute)} of {len(layers)} repeated layers "
+                            "are recomputed in backward (the fewest that fit)")
     return plan, solved
+
+
+def fewest_recomputed(solved: Solved, memory_limit: float | None) -> Solved:
+    """The same layout with as few layers recomputed as fit in memory.
+
+    ``solved`` recomputes every repeated layer. The layers are alike (tied), so each one
+    recomputed saves the same bytes and costs the same time: the number needed follows
+    from the layout's memory with none and with all recomputed, checked by re-costing.
+    """
+    costs, assignment = solved.costs, solved.result.assignment
+    layers = sorted(set(costs.layer_of.values()))
+    if not layers or memory_limit is None:
+        return solved
+
+    def memory(recompute) -> tuple[Costs, float]:
+        c = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=recompute,
+                        pricer=costs.pricer)
+        return c, float(plan_costs(c.problem, assignment).node_memory.sum())
+
+    _, none = memory(())
+    every = float(plan_costs(costs.problem, assignment).node_memory.sum())
+    per_layer = (none - every) / len(layers)
+    if per_layer <= 0:
+        return solved
+    k = max(0, min(len(layers), math.ceil((none - memory_limit) / per_layer)))
+    while k < len(layers):
+        fewer, used = memory(layers[:k])
+        if used <= memory_limit * (1 + 1e-9):
+            fewer.problem.hints = costs.problem.hints
+            return Solved(fewer, solved.result, solved.hint_times, solved.hints)
+        k += 1
+    return solved
 
 
 def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
@@ -323,20 +363,24 @@ def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
 
 def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
                   time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
-                  axis_names: Sequence[str] | None = None) -> Plan:
-    """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins."""
+                  axis_names: Sequence[str] | None = None, progress=None) -> Plan:
+    """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins.
+    ``progress(phase, done, total)``, if given, is called as each of the ``total`` search steps starts."""
     from passes.planner_pipeline import pipeline_plan
     from passes.strategies import build_strategy_graph
 
     started = time.perf_counter()
+    report = progress or (lambda phase, done, total: None)
     profile = _profile(hardware, shape, axis_names)
     limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
-    graph = build_strategy_graph(captured, shape)
     options = factorisations(shape) if pipeline and isinstance(hardware, str) and layout is None else []
+    report("strategies", 0, 1 + len(options))
+    graph = build_strategy_graph(captured, shape)
     best, error, tried, candidates = None, None, {}, {}
     for k, (p, intra) in enumerate([(1, shape)] + options):
         remaining = time_limit_s - (time.perf_counter() - started)
         where = "no pipeline" if p == 1 else f"pp{p}x{'x'.join(map(str, intra))}"
+        report(where, k, 1 + len(options))
         if k and remaining <= 0.02 * time_limit_s:
             tried[where] = "not tried: out of time"
             continue
@@ -345,7 +389,7 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
             try:
                 candidate, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
                                              layout=layout, axis_names=axis_names)
-                why = f"{candidate.predicted.step_time * 1e3:.4g} ms"
+                why = duration(candidate.predicted.step_time)
             except PlanningError as exc:
                 candidate, error, why = None, exc, str(exc)
         else:
@@ -362,4 +406,6 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
     best.candidates = candidates
     best.solver["planning_seconds"] = time.perf_counter() - started
+    best.solver["memory_limit"] = limit
+    report("done", 1 + len(options), 1 + len(options))
     return best

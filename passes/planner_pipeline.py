@@ -35,6 +35,7 @@ from passes.costing import BACKWARD_FACTOR, Costs, state_breakdown
 from passes.placements import local_shape
 from passes.solve.pipeline_search import LayerCosts, search_pipeline
 from passes.strategy import TensorMeta
+from passes.explain import duration
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 
@@ -167,7 +168,7 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: str, hint_
     out.reasons = [r for r in plan.reasons if r.startswith("layer ")] + out.reasons
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
-    return out, f"{out.predicted.step_time * 1e3:.4g} ms ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
+    return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
 
 
 def _microbatches(costs: Costs, assignment) -> list[int]:
@@ -236,6 +237,6 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     plan.param_layers = param_layers(costs)
     plan.reasons.append(
         f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {SCHEDULE_NAMES[option.schedule]}"
-        f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {bubble * 1e3:.3g} ms of {option.step_time * 1e3:.4g} ms"
+        f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {duration(bubble)} of {duration(option.step_time)}"
         + ("; every layer recomputed in backward to fit memory" if recompute else ""))
     return plan

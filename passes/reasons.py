@@ -17,6 +17,7 @@ import costmodels
 from passes.codegen import gradient_spec
 from passes.costing import Costs, requires_grad
 from passes.strategy import TensorMeta
+from passes.explain import duration
 
 
 def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int, grad_nodes=None) -> dict[str, float]:
@@ -104,8 +105,8 @@ def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, S
         theirs = layer_collectives(costs, other, layer, grad_nodes)
         if theirs == mine:
             continue
-        out.append(f"layer {layer}: {_describe(mine)} = {sum(mine.values()) * 1e3:.3g} ms/layer here; the best "
-                   f"other layout, {name}, runs {_describe(theirs)} = {sum(theirs.values()) * 1e3:.3g} ms/layer")
+        out.append(f"layer {layer}: {_describe(mine)} = {duration(sum(mine.values()))}/layer here; the best "
+                   f"other layout, {name}, runs {_describe(theirs)} = {duration(sum(theirs.values()))}/layer")
         break
     return out
 
@@ -120,4 +121,4 @@ def _describe(collectives: dict[str, float], top: int = 3) -> str:
     if not collectives:
         return "no collectives"
     parts = sorted(collectives.items(), key=lambda kv: -kv[1])[:top]
-    return " + ".join(f"{k} {v * 1e3:.3g} ms" for k, v in parts)
+    return " + ".join(f"{k} {duration(v)}" for k, v in parts)

@@ -1,12 +1,14 @@
 """The profiler and `autopar profile`: cache reuse, bad caches, bad arguments, and one
 2-rank gloo smoke run under torchrun."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from autopar.cli import main
@@ -19,6 +21,9 @@ TINY = Sweep(
     matmul_shapes=((16, 16, 16), (96, 96, 96)),
     low_precision_shapes=((16, 16, 16), (64, 64, 64)),
     pointwise_numel=(1 << 8, 1 << 17),
+    kind_numel=(1 << 10, 1 << 16),
+    attention_shapes=((1, 2, 32, 16), (2, 4, 128, 32)),
+    working_set_bytes=4 << 20,
     repeats=3,
     warmup=2,
     min_batch_s=0.001,
@@ -27,10 +32,16 @@ TINY = Sweep(
 
 @pytest.fixture
 def one_rank(tmp_path):
+    """One gloo rank with one intra-op thread, as torchrun runs each rank: on a shared
+    2-core machine, intra-op threads left spinning after a parallel op take the core
+    from the next timed op (milliseconds instead of microseconds) and break the fits."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     dist.destroy_process_group()
 
 
@@ -46,6 +57,12 @@ def test_profile_is_cached_reused_and_remeasured_when_bad(one_rank, tmp_path, ca
     path.write_text("{oops")
     _, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
     assert measured and "must be JSON" in capsys.readouterr().out
+    # a profile written by an older autopar (format version 1) is re-measured
+    old = p1.to_dict()
+    old["version"] = 1
+    path.write_text(json.dumps(old))
+    _, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
+    assert measured and "format version 1" in capsys.readouterr().out
     # a profile of another machine under this key is re-measured too
     other = HardwareProfile.load(path)
     other.machine = "another-host|cpu"

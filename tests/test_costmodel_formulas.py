@@ -7,7 +7,8 @@ import sympy as sp
 
 from costmodels import formulas
 from costmodels.comm import collective_time
-from costmodels.compute import compute_time, matmul_flops, matmul_time
+from costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
+from costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
 from costmodels.profile import (
     COLLECTIVES,
     AxisProfile,
@@ -16,6 +17,12 @@ from costmodels.profile import (
     HardwareProfile,
     Rate,
 )
+
+
+# Made-up pointwise rates (bytes/s) per kind: the bandwidth-bound add at 1e11, the
+# transcendental kinds slower, as on a CPU core.
+KIND_RATES = {"memory": 1e11, "gelu": 1e10, "gelu_backward": 5e9, "exp": 2e10, "tanh": 1e10, "silu": 2e10,
+              "softmax": 2e10, "layer_norm": 4e10, "layer_norm_backward": 3e10}
 
 
 def make_profile(mesh=(4,), alpha=1e-5, beta=1e9, links=None) -> HardwareProfile:
@@ -37,7 +44,10 @@ def make_profile(mesh=(4,), alpha=1e-5, beta=1e9, links=None) -> HardwareProfile
         name="made-up",
         memory_bytes=10**10,
         matmul={d: Rate(latency_s=1e-6, rate=1e12) for d in ("fp32", "bf16", "fp16")},
-        pointwise={d: Rate(latency_s=2e-6, rate=1e11) for d in ("fp32", "bf16", "fp16")},
+        pointwise={k: {d: Rate(latency_s=2e-6, rate=r) for d in ("fp32", "bf16", "fp16")}
+                   for k, r in KIND_RATES.items()},
+        attention={w: {d: Rate(latency_s=3e-6, rate=5e11 if w == "forward" else 4e11)
+                       for d in ("fp32", "bf16", "fp16")} for w in ("forward", "backward")},
         peak_matmul_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12},
         peak_memory_bandwidth=1e11,
     )
@@ -83,6 +93,100 @@ def test_compute_roofline_picks_the_binding_bound():
     # a view (no FLOPs, no bytes) still pays a fixed cost
     assert compute_time(0, 0, "bf16", p) == pytest.approx(2e-6)
     assert matmul_time(64, 64, 64, "fp32", p) < matmul_time(128, 128, 128, "fp32", p)
+
+
+@pytest.mark.parametrize(
+    "op, kind",
+    [
+        ("aten.gelu.default", "gelu"),
+        ("aten.erf.default", "gelu"),
+        ("aten.gelu_backward.default", "gelu_backward"),
+        ("aten.exp.default", "exp"),
+        ("aten.tanh.default", "tanh"),
+        ("aten.silu.default", "silu"),
+        ("aten.sigmoid.default", "silu"),
+        ("aten._softmax.default", "softmax"),
+        ("aten._log_softmax.default", "softmax"),
+        ("aten.native_layer_norm.default", "layer_norm"),
+        ("aten.native_layer_norm_backward.default", "layer_norm_backward"),
+        ("aten.add.Tensor", "memory"),
+        ("aten.mul_.Tensor", "memory"),
+        ("aten.some_new_op.default", "memory"),
+        ("", "memory"),
+        ("aten.addmm.default", "matmul"),
+        ("aten._scaled_dot_product_flash_attention_for_cpu.default", "attention"),
+        ("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", "attention_backward"),
+        ("aten.view.default", "view"),
+        ("gelu", "gelu"),
+    ],
+)
+def test_op_kinds(op, kind):
+    assert op_kind(op) == kind
+
+
+@pytest.mark.parametrize("kind", POINTWISE_KINDS)
+def test_pointwise_ops_are_priced_at_their_kinds_rate(kind):
+    p = make_profile()
+    # 1 Mi elements, 2 fp32 tensors (input and output): 8 MiB at the kind's rate
+    assert pointwise_time(1 << 20, 2, "fp32", p, kind) == pytest.approx(2e-6 + 8 * 2**20 / KIND_RATES[kind])
+
+
+def test_measured_points_are_interpolated_and_priced_continuously():
+    # an add measured at 3 sizes: fast while its tensors fit in cache, slower beyond
+    p = make_profile()
+    p.device.pointwise["memory"]["fp32"] = Rate(
+        latency_s=2e-6, rate=1e10, points=[[1e4, 3e-6], [1e6, 3e-5], [1e7, 1e-3]]
+    )
+    at = lambda b: compute_time(0, b, "fp32", p, "aten.add.Tensor")  # noqa: E731
+    assert at(1e6) == pytest.approx(3e-5)  # a measured size: its measured time
+    assert at(5.5e6) == pytest.approx((3e-5 + 1e-3) / 2)  # halfway between two: halfway
+    assert at(5e3) == pytest.approx(2.5e-6)  # below the first: from the fixed cost up
+    assert at(2e7) == pytest.approx(1e-3 + 1e7 / 1e10)  # beyond the last: the fitted rate
+    sizes = [10 ** (k / 4) for k in range(12, 32)]
+    times = [at(b) for b in sizes]
+    assert times == sorted(times)  # a larger op never costs less
+    # a noisy point below its neighbour does not make a larger op cheaper either
+    p.device.pointwise["memory"]["fp32"] = Rate(latency_s=2e-6, rate=1e10, points=[[1e4, 5e-6], [1e5, 4e-6]])
+    assert at(1e5) == pytest.approx(5e-6) and at(5e4) == pytest.approx(5e-6)
+
+
+def test_a_gelu_costs_more_than_an_add_of_the_same_bytes_on_a_cpu_profile():
+    p = make_profile()
+    nbytes = 3 * 4 * (1 << 20)
+    gelu = compute_time(0, nbytes, "fp32", p, "aten.gelu.default")
+    add = compute_time(0, nbytes, "fp32", p, "aten.add.Tensor")
+    assert gelu == pytest.approx(2e-6 + nbytes / 1e10) and add == pytest.approx(2e-6 + nbytes / 1e11)
+    assert gelu > add
+    assert compute_time(0, nbytes, "fp32", p) == add  # no name: the bandwidth-bound kind
+
+
+def test_attention_is_priced_at_its_measured_rate():
+    p = make_profile()
+    f = 4 * 8 * 8 * 128 * 128 * 32  # flop_counter's count for (8, 8, 128, 32)
+    fwd = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert compute_time(f, 1e6, "fp32", p, fwd) == pytest.approx(3e-6 + f / 5e11)
+    assert compute_time(2.5 * f, 2e6, "fp32", p, "attention_backward") == pytest.approx(3e-6 + 2.5 * f / 4e11)
+
+
+def test_backward_ops_by_hand():
+    mm = Op(2e9, 1e6, "fp32", "aten.mm.default")
+    assert backward_ops(mm) == [Op(2e9, 1e6, "fp32", "matmul")] * 2
+    # with a bias: its gradient, a sum over the rows of the output's gradient
+    addmm = Op(2e9, 1e6, "fp32", "aten.addmm.default", out_bytes=4e5)
+    assert backward_ops(addmm) == [Op(2e9, 1e6, "fp32", "matmul")] * 2 + [Op(0, 4e5, "fp32", "memory")]
+    gelu = Op(0, 8e6, "bf16", "aten.gelu.default")
+    assert backward_ops(gelu) == [Op(0, 12e6, "bf16", "gelu_backward")]
+    assert backward_ops(Op(0, 12e6, "fp32", "aten.add.Tensor")) == []
+    assert backward_ops(Op(0, 0, "fp32", "aten.view.default")) == []
+    assert backward_ops(Op(0, 12e6, "fp32", "aten.mul.Tensor")) == [Op(0, 12e6, "fp32", "memory")] * 2
+    assert backward_ops(Op(0, 8e6, "fp32", "aten.mul.Scalar")) == [Op(0, 8e6, "fp32", "memory")]
+    att = Op(1e9, 4e6, "fp32", "aten._scaled_dot_product_flash_attention_for_cpu.default")
+    assert backward_ops(att) == [Op(2.5e9, 8e6, "fp32", "attention_backward")]
+    ln = Op(0, 2e6, "fp32", "aten.native_layer_norm.default")
+    assert backward_ops(ln) == [Op(0, 3e6, "fp32", "layer_norm_backward")]
+    # not in the table: twice the op itself (Kaplan et al.'s approximation)
+    odd = Op(10.0, 4e6, "fp32", "aten.some_new_op.default")
+    assert backward_ops(odd) == [odd, odd]
 
 
 def test_unknown_dtype_is_a_clear_error():

@@ -1,10 +1,21 @@
 """HardwareProfile JSON, presets, and the errors a bad profile gets."""
 
 import json
+import math
 
 import pytest
 
-from costmodels import HardwareProfile, ProfileError, a100, check_profile, h100, load_profile, preset
+from costmodels import (
+    POINTWISE_KINDS,
+    HardwareProfile,
+    ProfileError,
+    Rate,
+    a100,
+    check_profile,
+    h100,
+    load_profile,
+    preset,
+)
 from costmodels.presets import axis_links
 
 
@@ -14,6 +25,42 @@ def test_json_round_trip_is_exact(tmp_path):
     assert q == p and q.to_json() == p.to_json()
     p.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == p
+
+
+def test_a_size_one_axis_writes_strict_json_and_round_trips(tmp_path):
+    # a measured profile gives an axis of size 1 an infinite bandwidth (nothing moves)
+    p = h100((1, 4), axis_names=("pp", "tp"))
+    for fit in p.axes[0].collectives.values():
+        fit.alpha_s, fit.beta_bytes_per_s, fit.source = 0.0, math.inf, "axis of size 1"
+    text = p.to_json()
+
+    def no_constants(name):
+        raise AssertionError(f"not strict JSON: {name}")
+
+    d = json.loads(text, parse_constant=no_constants)
+    assert d["axes"][0]["collectives"]["all_reduce"]["beta_bytes_per_s"] is None
+    q = HardwareProfile.from_json(text)
+    assert q == p and q.to_json() == text
+    assert q.axes[0].collectives["all_gather"].beta_bytes_per_s == math.inf
+    p.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json") == p
+
+
+def test_measured_points_round_trip_and_are_checked():
+    p = h100((2,))
+    p.device.pointwise["gelu"]["fp32"] = Rate(latency_s=1e-6, rate=5e9, points=[[4e6, 1e-3], [4e4, 2e-5]])
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p and q.device.pointwise["gelu"]["fp32"].points == [[4e4, 2e-5], [4e6, 1e-3]]  # sorted
+    with pytest.raises(ProfileError, match="positive amounts and times"):
+        Rate(latency_s=0.0, rate=1.0, points=[[1.0, -1.0]])
+
+
+def test_gpu_presets_price_every_pointwise_kind_at_memory_bandwidth():
+    dev = h100((8,)).device
+    assert set(dev.pointwise) == set(POINTWISE_KINDS)
+    assert {r.rate for kind in dev.pointwise.values() for r in kind.values()} == {3350e9}
+    assert dev.attention["forward"]["bf16"].rate == 740e12
+    assert a100((8,)).device.attention["backward"]["bf16"].rate == 0.5 * 312e12
 
 
 @pytest.mark.parametrize(
@@ -83,8 +130,9 @@ def test_missing_file(tmp_path):
     [
         ("{not json", "must be JSON"),
         ("[1, 2]", "must be a JSON object"),
-        ('{"version": 1}', "must hold machine"),
+        ('{"version": 2}', "must hold machine"),
         ('{"version": 99}', "format version 99"),
+        ('{"version": 1, "machine": "m"}', "format version 1; this autopar reads version 2"),
     ],
 )
 def test_corrupt_profiles_are_clear_errors(tmp_path, text, match):
@@ -106,6 +154,14 @@ def test_inconsistent_profiles_are_rejected():
     d = json.loads(h100((2,)).to_json())
     d["axes"][0]["collectives"]["all_reduce"]["beta_bytes_per_s"] = -1
     with pytest.raises(ProfileError, match="beta > 0"):
+        HardwareProfile.from_dict(d)
+    d = json.loads(h100((2,)).to_json())
+    d["device"]["pointwise"].pop("gelu")
+    with pytest.raises(ProfileError, match="no pointwise rates for \\['gelu'\\]"):
+        HardwareProfile.from_dict(d)
+    d = json.loads(h100((2,)).to_json())
+    d["device"]["attention"]["backward"].pop("fp16")
+    with pytest.raises(ProfileError, match="no attention backward rate for \\['fp16'\\]"):
         HardwareProfile.from_dict(d)
 
 

@@ -35,6 +35,20 @@ def test_step_time_by_hand():
     }
 
 
+def test_backward_is_priced_op_by_op():
+    p = make_profile((4,))
+    mm, gelu, add = Op(2e9, 1e6, "fp32", "aten.mm.default"), Op(0, 8e6, "fp32", "aten.gelu.default"), Op(
+        0, 12e6, "fp32", "aten.add.Tensor"
+    )
+    cost = step_time([mm, gelu, add], p)
+    t_mm = 1e-6 + 2e9 / 1e12
+    assert cost.forward == pytest.approx(t_mm + (2e-6 + 8e6 / 1e10) + (2e-6 + 12e6 / 1e11))
+    # two matmuls; one gelu_backward moving 1.5x the bytes at its own rate; nothing for the add
+    assert cost.backward == pytest.approx(2 * t_mm + 2e-6 + 12e6 / 5e9)
+    # the uniform approximation on request
+    assert step_time([mm, gelu, add], p, backward_factor=2.0).backward == pytest.approx(2 * cost.forward)
+
+
 def test_duals():
     steps = [Step(c, 0, 8) for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")]
     assert [s.collective for s in dual_steps(steps)] == [
@@ -48,7 +62,7 @@ def test_duals():
 
 def test_adamw_ops_touch_20_parameter_sizes_per_element():
     ops = adamw_ops([10, 30], "bf16")
-    assert len(ops) == 2 * len(ADAMW_OPS)
+    assert len(ops) == 2 * len(ADAMW_OPS) == 20  # 8 updates, the step count and its .item()
     assert sum(o.bytes for o in ops) == 20 * 40 * 2
 
 

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from costmodels.timing import MAX_COPIES, matmul_operands, median_time, rotating
+from costmodels.timing import (
+    MAX_COPIES,
+    POINTWISE_CALLS,
+    OperandPool,
+    matmul_views,
+    median_time,
+    median_times,
+    pointwise_call,
+    rotating,
+)
 
 
 def test_rotating_spans_the_working_set():
@@ -16,16 +25,49 @@ def test_rotating_spans_the_working_set():
     assert len(made) == MAX_COPIES
 
 
-def test_matmul_operands_layouts():
+def test_matmul_views_layouts():
     for layout in ("nn", "nt", "tn"):
-        a, b = matmul_operands(8, 4, 6, "fp32", torch.device("cpu"), layout)
+        a, b = matmul_views(torch.zeros(32), torch.zeros(24), 8, 4, 6, layout)
         assert a.shape == (8, 4) and b.shape == (4, 6)
         assert a.is_contiguous() == (layout != "tn") and b.is_contiguous() == (layout != "nt")
     with pytest.raises(ValueError, match="autopar: matmul layout must be one of"):
-        matmul_operands(2, 2, 2, "fp32", torch.device("cpu"), "tt")
+        matmul_views(torch.zeros(4), torch.zeros(4), 2, 2, 2, "tt")
 
 
 def test_median_time_is_per_call():
     calls = []
     t = median_time(lambda: calls.append(1), torch.device("cpu"), repeats=3, warmup=1, min_batch_s=0.001)
     assert 0 < t < 0.001 and len(calls) > 3
+
+
+def test_median_times_take_turns_batch_by_batch():
+    order = []
+    times = median_times(
+        [lambda: order.append("a"), lambda: order.append("b")], torch.device("cpu"), repeats=3, warmup=0,
+        min_batch_s=0.0,
+    )
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert order[-6:] == ["a", "b"] * 3  # one call per batch (min_batch_s=0), a and b in turns
+
+
+def test_operand_pool_slices_one_buffer_into_disjoint_sets():
+    pool = OperandPool(torch.device("cpu"), working_set_bytes=4096 * 4)
+    sets = pool.sets((100, 200), "fp32")
+    assert len(sets) == 4096 // 300
+    assert all(a.numel() == 100 and b.numel() == 200 for a, b in sets)
+    starts = sorted(t.storage_offset() for s in sets for t in s)
+    assert starts == sorted(set(starts))  # disjoint
+    buffer = pool.pools["fp32"].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == buffer for s in sets for t in s)  # one buffer
+    big = pool.sets((5000,), "fp32")  # larger than the working set: one set, the pool grows
+    assert len(big) == 1 and big[0][0].numel() == 5000
+    pool.release("fp32")
+    assert "fp32" not in pool.pools
+
+
+def test_every_pointwise_kind_runs_in_every_dtype():
+    pool = OperandPool(torch.device("cpu"), working_set_bytes=1 << 16)
+    for kind in POINTWISE_CALLS:
+        for dtype in ("fp32", "bf16", "fp16"):
+            out = pointwise_call(kind, 1024, dtype, pool)()
+            assert isinstance(out, (torch.Tensor, tuple))

@@ -177,3 +177,74 @@ def test_plan_with_the_loss():
     plan = autopar.plan(model, (2,), (x,), loss_fn=F.cross_entropy, target=target, time_limit_s=10, pipeline=False)
     assert any("cross_entropy_loss" in name for name in plan.strategies)
     assert plan.predicted.step_time > 0
+
+
+def test_only_as_many_layers_recomputed_as_memory_demands():
+    """Activations of an 8-layer GPT squeezed to 70% / 40% / 10%: the planner recomputes
+    the fewest layers that fit (more for a tighter limit), each costing time."""
+    cfg = GPTConfig(vocab_size=1024, max_seq_len=1024, dim=512, n_heads=8, n_layers=8)
+    from autopar.models import GPT
+
+    model = meta(lambda: GPT(cfg))
+    x = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = plan(model, (8,), (x,), hardware=slow_axis(8), time_limit_s=LIMIT, pipeline=False)
+        m = free.predicted.memory
+        state = m["parameters"] + m["gradients"] + m["optimizer"]
+        squeezed = [plan(model, (8,), (x,), hardware=slow_axis(8), time_limit_s=LIMIT, pipeline=False,
+                         memory_limit=state + f * m["activations"]) for f in (0.7, 0.4)]
+    assert free.recompute == []
+    counts = [len(p.recompute) for p in squeezed]
+    assert 0 < counts[0] < counts[1] < cfg.n_layers, counts
+    for f, p in zip((0.7, 0.4), squeezed):
+        assert sum(p.predicted.memory.values()) <= (state + f * m["activations"]) * (1 + 1e-9)
+    times = [free.predicted.step_time] + [p.predicted.step_time for p in squeezed]
+    assert times == sorted(times) and times[0] < times[-1]
+    assert f"{counts[0]} of {cfg.n_layers} repeated layers are recomputed" in squeezed[0].explain()
+
+
+def test_zero3_when_parameters_do_not_fit_otherwise():
+    """Data parallel on a slow axis, given only the memory of FSDP (+5%): replicated or
+    ZeRO-1/2 weights do not fit, Megatron's replicated activations do not either, so every
+    weight goes to ZeRO-3 — and only then (the unconstrained plan keeps them whole)."""
+    model = meta(lambda: WideMLP(dim=4096, hidden=4096, n_layers=4))
+    x = torch.zeros(64, 256, 4096, device="meta")
+    kwargs = dict(hardware=slow_axis(8), time_limit_s=LIMIT, pipeline=False)
+    free = plan(model, (8,), (x,), **kwargs)
+    fsdp = plan(model, (8,), (x,), layout="fsdp", **kwargs)
+    limit = 1.05 * sum(fsdp.predicted.memory.values())
+    tight = plan(model, (8,), (x,), memory_limit=limit, **kwargs)
+    weights = [fqn for fqn in free.zero if fqn.endswith("weight")]
+    assert all(free.zero[w] < 3 for w in weights)
+    assert sum(free.predicted.memory.values()) > limit
+    assert all(tight.zero[w] == 3 for w in weights), tight.zero
+    assert sum(tight.predicted.memory.values()) <= limit * (1 + 1e-9)
+    assert tight.recompute == []  # sharding the weights was enough
+
+
+def test_one_device_that_cannot_hold_the_model_is_an_error():
+    """On one device ZeRO has nothing to shard over: it must not look like a way to fit."""
+    model = meta(lambda: WideMLP(dim=1024, hidden=4096, n_layers=2))
+    x = torch.zeros(8, 128, 1024, device="meta")
+    with pytest.raises(PlanningError, match=r"^autopar: no plan fits in 0.1 GB per device.*about 3\+ devices"):
+        plan(model, (1,), (x,), time_limit_s=LIMIT, memory_limit=1e8, pipeline=False)
+
+
+def test_an_op_without_a_rule_is_named_once():
+    """Every pipeline option lists strategies again; the user hears of the op once."""
+
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return torch.logcumsumexp(self.linear(x), 1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p = plan(Cumulative(), (2, 2), (torch.randn(8, 16, 64),), time_limit_s=LIMIT)
+    named = [w for w in seen if "aten.logcumsumexp" in str(w.message)]
+    assert len(named) == 1 and str(named[0].message).startswith("autopar: no sharding rule")
+    assert p.strategies  # and it still plans, the op replicated

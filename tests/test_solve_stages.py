@@ -1,6 +1,7 @@
 """Pipeline stage cuts against brute force over every cut, and the step-time formulas."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -110,3 +111,13 @@ def test_search_accepts_a_table_of_layer_costs():
     # (M + P - 1) * slowest: P=3, M=2 -> 4 * (2 layers * 0.5) = 4.0; P=1, M=2 -> 2 * 3 = 6.0.
     assert (result.best.num_stages, result.best.num_microbatches) == (3, 2)
     assert result.best.step_time == pytest.approx(4.0)
+
+
+def test_interleaved_needs_whole_rounds_of_micro_batches():
+    """torch interleaves in rounds of P micro-batches; other counts are not offered."""
+
+    costs = LayerCosts(time=[1.0] * 8, static_memory=[1.0] * 8, activation_memory=[0.1] * 8)
+    odd = evaluate_pipeline(costs, 4, 6, "interleaved_1f1b", 2)
+    assert odd.step_time == math.inf and "multiples of 4" in odd.rejected
+    assert math.isfinite(evaluate_pipeline(costs, 4, 8, "interleaved_1f1b", 2).step_time)
+    assert math.isfinite(evaluate_pipeline(costs, 4, 6, "1f1b").step_time)

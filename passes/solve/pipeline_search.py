@@ -88,6 +88,11 @@ def evaluate_pipeline(
     if num_stages * v > num_layers:
         option.rejected = f"{num_stages * v} stages for {num_layers} layers"
         return option
+    if schedule == "interleaved_1f1b" and num_microbatches % num_stages:
+        # torch runs interleaving in rounds of P micro-batches (and refuses some other counts);
+        # the step-time formula is exact only for whole rounds
+        option.rejected = f"interleaved 1F1B needs micro-batches in multiples of {num_stages} stages"
+        return option
     in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, v)
     chunk_limit = None if memory_limit is None else memory_limit / v
     cut = cut_stages(

@@ -107,6 +107,14 @@ def layout_choice(graph, captured, layout: str, mesh_shape):
     if layout.startswith("random"):
         rng = random.Random(int(layout.removeprefix("random") or 0))
         return {n: rng.randrange(len(ns.strategies)) for n, ns in graph.nodes.items()}
+    if layout == "zero3":  # DP's ops, parameters stored split on dim 0 over every axis: FSDP as written by hand
+        choice = layout_choice(graph, captured, "dp", mesh_shape)
+        split = (Shard(0),) * len(mesh_shape)
+        for node, ns in graph.nodes.items():
+            outputs = [s.output for s in ns.strategies]
+            if node.name in captured.params and split in outputs:
+                choice[node] = outputs.index(split)
+        return choice
     n_axes = len(mesh_shape)
     fixed = {}
     for node in graph.nodes:
@@ -133,7 +141,7 @@ def layout_plan(model, inputs, layout: str, mesh_shape):
         captured = capture(model, inputs)
     graph = build_strategy_graph(captured, mesh_shape)
     plan = plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
-    if layout == "fsdp":  # sharded storage, gathered at each use
+    if layout in ("fsdp", "zero3"):  # sharded storage, gathered at each use
         plan.zero = {fqn: 3 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
     if layout == "zero2":  # the same storage, gathered once per step
         plan.zero = {fqn: 2 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
@@ -202,6 +210,26 @@ def run_case(spec: str) -> dict:
     }
 
 
+def recompute_case(spec: str) -> dict:
+    """recompute:<mesh>:<model>:<layout>: the layout (from autopar.layouts) with layer 0
+    recomputed in backward, as a plan that must recompute some layers to fit would say."""
+    from passes.recompute import Recomputed
+
+    _, mesh_text, model_name, layout = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    tokens = batches[0][0]
+    plan = planned(model, mesh, tokens, layout)
+    plan.recompute = ["layer 0"]
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    wrapped = [m.layer for m in pm.gm.modules() if isinstance(m, Recomputed)]
+    assert wrapped == [0], f"expected layer 0 under checkpointing, found {wrapped}"
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses}
+
+
 def error_cases(nproc: int) -> dict:
     """Bad input on a real mesh: each must be a clear autopar: error, raised on every rank."""
     model, loss_fn, batches = MODELS["gpt"]()
@@ -256,6 +284,31 @@ def resume_case(spec: str) -> dict:
         shutil.rmtree(path[0], ignore_errors=True)
     return {"case": spec, "uninterrupted": uninterrupted, "resumed": resumed,
             "loss_err": max(abs(a - b) for a, b in zip(uninterrupted, resumed))}
+
+
+def freed_case(spec: str) -> dict:
+    """freed:<mesh>:<model>: ZeRO-3 frees gathered weights after use and gathers them again
+    in backward. The same ops run as DP and as ZeRO-3 (``zero3``); the bytes autograd keeps
+    for backward (``measure_memory``) must be the same but for a small part of the whole
+    parameters (with the gathered weights kept, the difference would be all of them), and
+    ZeRO-3 must train like one process."""
+    _, mesh_text, model_name = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape)
+    model, loss_fn, batches = MODELS[model_name]()
+    tokens, target = batches[0]
+    kept = {}
+    for layout in ("dp", "zero3"):
+        pm = autopar.compile(copy.deepcopy(model), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw,
+                             plan=layout_plan(model, (tokens,), layout, mesh_shape))
+        kept[layout] = pm.measure_memory((tokens,), target)
+    reference = copy.deepcopy(model)
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw,
+                         plan=layout_plan(model, (tokens,), "zero3", mesh_shape))
+    buckets = sum(1 for m in pm.gm.modules() if type(m).__name__ == "GatherBucket")
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "memory": kept,
+            "param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()), "buckets": buckets}
 
 
 def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, chunks: int):
@@ -334,6 +387,10 @@ def main(cases: list[str]) -> None:
                 result = pipeline_case(spec)
             elif spec.startswith("resume:"):
                 result = resume_case(spec)
+            elif spec.startswith("recompute:"):
+                result = recompute_case(spec)
+            elif spec.startswith("freed:"):
+                result = freed_case(spec)
             else:
                 result = run_case(spec)
         except Exception as exc:  # reported, then the launch ends: other ranks may be stuck

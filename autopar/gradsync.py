@@ -1,0 +1,151 @@
+"""Data-parallel gradient shares summed in buckets, while backward runs, as DDP does.
+
+A parameter replicated on a mesh axis over which the batch is split gets only this
+device's share of its gradient (``RankProgram.grad_sync`` names the axes). The shares
+of all such parameters are summed in flat buckets, one all-reduce each: with
+``overlap``, a bucket's all-reduce starts (asynchronously) as soon as backward has
+produced all of its gradients (``register_post_accumulate_grad_hook``), so the
+communication runs while the rest of backward computes; buckets are launched strictly
+in order, so every rank issues the same collectives in the same order. Bucket sizes
+are DDP's defaults: a small first bucket that starts early, then 25 MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP's first bucket: 1 MiB
+BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+
+
+@dataclass(frozen=True, eq=False)
+class Rider:
+    """Another tensor summed in place over ``axes`` along with the gradients (the loss, an
+    input check); ``castable``: it may travel in a float32 or float64 bucket."""
+
+    tensor: torch.Tensor
+    axes: tuple[int, ...]
+    castable: bool = False
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[int, ...]
+    dtype: torch.dtype
+    params: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    ready: int = 0
+
+
+class GradientSync:
+    """Sum the gradient shares of ``grad_sync``'s parameters (placeholder -> axes).
+
+    ``order``: the parameters in the order backward produces their gradients (the
+    reverse of their first use). Call :meth:`begin` before backward and :meth:`finish`
+    after it; without ``overlap`` everything is summed in :meth:`finish`.
+    """
+
+    def __init__(self, grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor],
+                 order: Sequence[str], mesh: DeviceMesh, overlap: bool = True):
+        self.mesh = mesh
+        self.buckets: list[_Bucket] = []
+        self._index: dict[int, int] = {}  # id(parameter) -> its bucket
+        open_buckets: dict[tuple, _Bucket] = {}
+        for name in order:
+            if name not in grad_sync:
+                continue
+            p = params[name]
+            key = (grad_sync[name], p.dtype)
+            bucket = open_buckets.get(key)
+            size = p.numel() * p.element_size()
+            cap = FIRST_BUCKET_BYTES if len(self.buckets) <= 1 else BUCKET_BYTES
+            if bucket is None or (bucket.params and bucket.nbytes + size > cap):
+                bucket = open_buckets[key] = _Bucket(*key)
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            bucket.nbytes += size
+            self._index[id(p)] = len(self.buckets) - 1
+            if overlap and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._ready)
+        self._active = False
+        self._next = 0
+        self._riders: list[Rider] = []
+        self._inflight: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor], tuple[int, ...]]] = []
+
+    def begin(self, riders: Sequence[Rider] = ()) -> None:
+        """Before backward. ``riders`` are summed with the first bucket over the same axes,
+        or, where no bucket sums over those axes, on their own, starting now."""
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._next = 0
+        self._inflight = []
+        self._riders = []
+        for r in riders:
+            if any(b.axes == r.axes and self._carries(b, r) for b in self.buckets):
+                self._riders.append(r)
+            elif r.axes:
+                self._start([r.tensor], r.axes)
+        self._active = True
+
+    @staticmethod
+    def _carries(bucket: _Bucket, r: Rider) -> bool:
+        return r.tensor.dtype == bucket.dtype or (r.castable and bucket.dtype in (torch.float32, torch.float64))
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self._active:
+            return
+        self.buckets[self._index[id(p)]].ready += 1
+        while self._next < len(self.buckets) and self._complete(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    @staticmethod
+    def _complete(bucket: _Bucket) -> bool:
+        return bucket.ready == len(bucket.params)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        tensors = [p.grad for p in bucket.params if p.grad is not None]
+        riding = [r for r in self._riders if r.axes == bucket.axes and self._carries(bucket, r)]
+        self._riders = [r for r in self._riders if r not in riding]
+        self._start(tensors + [r.tensor for r in riding], bucket.axes)
+
+    def _start(self, tensors: list[torch.Tensor], axes: tuple[int, ...]) -> None:
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).to(tensors[0].dtype) for t in tensors])
+        # one axis: asynchronous now; several: summed axis after axis in finish()
+        work = dist.all_reduce(flat, group=self.mesh.get_group(axes[0]), async_op=True) if len(axes) == 1 else None
+        self._inflight.append((work, flat, tensors, axes))
+
+    def finish(self, riders: Sequence[Rider] = ()) -> None:
+        """After backward: start what has not started, wait, and write the sums back
+        (``riders``: when :meth:`begin` was not called)."""
+        if not self._active:
+            self.begin(riders)
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for r in self._riders:
+            self._start([r.tensor], r.axes)
+        for work, flat, tensors, axes in self._inflight:
+            if work is not None:
+                work.wait()
+            else:
+                for axis in axes:
+                    dist.all_reduce(flat, group=self.mesh.get_group(axis))
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self._inflight, self._riders, self._active = [], [], False
+
+
+def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh,
+                   riders: Sequence[Rider] = ()) -> None:
+    """Sum the gradient shares now (after backward), in buckets, ``riders`` alongside."""
+    GradientSync(grad_sync, params, list(grad_sync), mesh, overlap=False).finish(riders)

@@ -1,0 +1,121 @@
+"""Memory per rank, measured while training, against the plan's prediction.
+
+    python benchmarks/memory_vs_predicted.py            # launches 4 gloo ranks itself
+
+For the small GPT of ``runtime_vs_manual.py`` on 4 ranks: DP, ZeRO-1, ZeRO-2, ZeRO-3
+(the same layouts as that benchmark: DP's ops, parameters stored split on dim 0), Megatron
+TP, and the automatic plan (``autopar.plan`` with the H100 preset, no pipeline). Each
+layout's prediction is ``plan.predicted.memory`` from the planner's own cost model
+(``passes.costing``, ``passes.planner.predict``; bytes per device by kind).
+
+There is no allocator to ask on CPU, so each kind is measured as what it is, per rank,
+by ``ParallelModule.measure_memory`` on the step after a warm-up step, and the table
+gives the largest over the ranks:
+
+- parameters: bytes of the parameter shards and buffers the rank holds, plus the
+  gathered whole copies it keeps for backward (ZeRO-1/2 keep the copies that backward
+  reads; ZeRO-3 frees its copies after use and gathers again in backward, so keeps none);
+- gradients: bytes of the shards' ``.grad`` after the step (they live until the next
+  step's ``zero_grad``);
+- optimizer: bytes of the optimizer's state tensors (AdamW's two moments; the 0-d step
+  counters are left out);
+- activations: bytes of the distinct storages autograd keeps for backward, collected
+  at the end of forward (``saved_tensors_hooks``), leaving out the parameters' own
+  storages (a weight saved by a matmul is not an activation) and the gathered copies
+  counted above. The loss's are included; the plans here are of the model alone, and
+  the predictor counts its logits instead.
+
+Transient buffers (a bucket's flat all-gather, a gradient bucket in flight, the one
+ZeRO-3 bucket gathered at a time) are not measured, and not predicted either.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import autopar  # noqa: E402
+from costmodels.presets import preset  # noqa: E402
+from passes.capture import capture  # noqa: E402
+from passes.costing import build_costs  # noqa: E402
+from passes.plan import Plan, choice_from_plan  # noqa: E402
+from passes.planner import predict, storage_specs, zero_levels  # noqa: E402
+from passes.strategies import build_strategy_graph  # noqa: E402
+from runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for  # noqa: E402
+
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "auto")
+TOLERANCE = 0.15
+
+
+def costed(model, tokens, layout: str, n: int) -> Plan:
+    """The layout's plan with the planner's prediction (ZeRO-1/2: DP's ops, the optimizer
+    state and gradients sharded, parameters stored split as the planner stores them)."""
+    plan = plan_for(model, tokens, "dp" if layout in ("zero1", "zero2") else layout, n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(model, (tokens,))
+    graph = build_strategy_graph(cap, (n,))
+    costs = build_costs(graph, preset("h100", (n,)))  # memory does not depend on the hardware
+    level = {"zero1": 1, "zero2": 2}.get(layout, 0)
+    zero = {node: level for node in graph.nodes if node.name in cap.params}
+    assignment = costs.assignment(choice_from_plan(graph, plan), zero)
+    plan.predicted = predict(costs, assignment)
+    plan.zero = zero_levels(costs, assignment)
+    plan.params = storage_specs(costs, assignment)
+    plan.kind = layout
+    return plan
+
+
+def auto_plan(model, tokens, n: int) -> Plan:
+    text = [autopar.plan(model, (n,), (tokens,), hardware="h100", pipeline=False).to_json()
+            if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text)
+    return Plan.from_json(text[0])
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    base, tokens, target = gpt_and_batch()
+    rows = []
+    for layout in LAYOUTS:
+        plan = auto_plan(base, tokens, n) if layout == "auto" else costed(base, tokens, layout, n)
+        pm = autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+        pm.train_step((tokens,), target)  # warm-up: the loss program and the optimizer state exist after it
+        mine = pm.measure_memory((tokens,), target)
+        peak = torch.tensor([mine[k] for k in KINDS], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        rows.append((layout if layout != "auto" else f"auto ({plan.kind}, ZeRO {sorted(set(plan.zero.values()))})",
+                     plan.predicted.memory, dict(zip(KINDS, peak.tolist()))))
+    if dist.get_rank() == 0:
+        print(f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
+              f"{n} gloo ranks; MiB per rank (largest over ranks); ! where measured is off by more than "
+              f"{TOLERANCE:.0%}")
+        print("| layout | kind | predicted | measured | measured / predicted |")
+        print("| --- | --- | --- | --- | --- |")
+        for layout, predicted, measured in rows:
+            for kind in (*KINDS, "total"):
+                p = sum(predicted.values()) if kind == "total" else predicted.get(kind, 0.0)
+                m = sum(measured.values()) if kind == "total" else measured[kind]
+                ratio = m / p if p else float("inf") if m else 1.0
+                flag = " !" if abs(ratio - 1) > TOLERANCE else ""
+                print(f"| {layout} | {kind} | {p / 2**20:.2f} | {m / 2**20:.2f} | {ratio:.2f}{flag} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main() if "RANK" in os.environ else launch(__file__))

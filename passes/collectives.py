@@ -1,0 +1,139 @@
+"""One-axis placement moves as direct torch.distributed collectives, differentiable.
+
+Most resharding edges change a single mesh axis: an all-gather (``S(d) -> R``), an
+all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), a local slice (``R -> S(d)``)
+or a zeroing of all but one part (``R -> P``); a gradient-only edge (``R -> R`` whose
+consumer hands back a share) all-reduces in backward alone. DTensor's
+``redistribute`` runs the same collectives but spends more Python time per call than
+a small tensor's collective takes, so :class:`AxisMove` calls them directly on the
+axis's process group. Backward is the same vocabulary in the other direction: the
+consumer's local gradient, laid out as the edge declares (``grad``), is moved to the
+producer's layout, where a Partial is read as Replicate (every part of a sum gets the
+whole gradient) — DTensor's rule. So ``P -> R`` is Megatron's "g" (all-reduce forward,
+identity backward) and ``R -> R`` with a shared gradient is its "f".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from passes.placements import Spec
+
+
+def _sum(p: Placement) -> bool:
+    return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+def movable(a: Placement, b: Placement) -> bool:
+    """Whether one axis's move from ``a`` to ``b`` is a single collective (or none) here."""
+    if a == b:
+        return isinstance(a, (Shard, Replicate)) or _sum(a)
+    if isinstance(b, Replicate):
+        return isinstance(a, Shard) or _sum(a)
+    if isinstance(b, Shard):
+        return isinstance(a, Replicate) or _sum(a)
+    return isinstance(a, Replicate) and _sum(b)  # zero all parts but the first
+
+
+def grad_side(p: Placement) -> Placement:
+    """How a gradient arriving for a value laid out as ``p`` is laid out (a Partial's parts
+    each get the whole gradient)."""
+    return Replicate() if isinstance(p, Partial) else p
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as this rank sees it: its process group, size and our index on it."""
+
+    group: dist.ProcessGroup
+    size: int
+    index: int
+
+    @staticmethod
+    def of(mesh: DeviceMesh, axis: int) -> "Axis":
+        return Axis(mesh.get_group(axis), mesh.shape[axis], mesh.get_coordinate()[axis])
+
+
+def gather(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """The whole of ``x`` along ``dim`` from every rank of the axis (rank order)."""
+    x = x.contiguous()
+    out = x.new_empty(axis.size * x.numel())
+    dist.all_gather_single(out, x.view(-1), group=axis.group)
+    out = out.view(axis.size, *x.shape)
+    return out.movedim(0, dim).flatten(dim, dim + 1) if dim else out.flatten(0, 1)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """This rank's piece along ``dim`` of the sum of ``x`` over the axis."""
+    pieces = x.unflatten(dim, (axis.size, x.shape[dim] // axis.size)).movedim(dim, 0).contiguous()
+    out = x.new_empty(pieces.shape[1:])
+    dist.reduce_scatter_single(out.view(-1), pieces.view(-1), group=axis.group)
+    return out
+
+
+def all_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=axis.group)
+    return out
+
+
+def move(x: torch.Tensor, a: Placement, b: Placement, axis: Axis) -> torch.Tensor:
+    """``x`` laid out as ``a`` on one axis, laid out as ``b`` (see :func:`movable`)."""
+    if a == b:
+        return x
+    if isinstance(b, Replicate):
+        return gather(x, a.dim, axis) if isinstance(a, Shard) else all_reduce(x, axis)
+    if isinstance(b, Shard):
+        if isinstance(a, Replicate):
+            return x.chunk(axis.size, b.dim)[axis.index]
+        return reduce_scatter(x, b.dim, axis)
+    return x if axis.index == 0 else torch.zeros_like(x)  # R -> P: one copy keeps the value
+
+
+class _Move(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, step: "AxisMove") -> torch.Tensor:
+        ctx.step = step
+        return move(x, step.src, step.dst, step.axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        step = ctx.step
+        return move(grad, step.grad, grad_side(step.src), step.axis), None
+
+
+@dataclass(frozen=True)
+class AxisMove:
+    """A placement change on one mesh axis, with the gradient's layout declared (``grad``);
+    every other axis is left as it is."""
+
+    axis_number: int
+    axis: Axis
+    src: Placement
+    dst: Placement
+    grad: Placement
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _Move.apply(x, self)
+
+    @staticmethod
+    def plan(mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec) -> "AxisMove | None":
+        """The move when ``src -> dst`` (and the gradient back) touches one axis and each
+        direction is a single collective; None otherwise (DTensor handles those)."""
+        active = [a for a, (s, d, g) in enumerate(zip(src, dst, grad)) if s != d or g != grad_side(s)]
+        if len(active) != 1:
+            return None
+        a = active[0]
+        s, d, g = src[a], dst[a], grad[a]
+        if not (movable(s, d) and movable(g, grad_side(s))):
+            return None
+        dims = {p.dim for p in (s, d, g) if isinstance(p, Shard)}
+        # another axis splitting the same tensor dim more finely changes the piece order
+        if any(isinstance(p, Shard) and p.dim in dims for spec in (src, dst) for p in spec[a + 1:]):
+            return None
+        return AxisMove(a, Axis.of(mesh, a), s, d, g)

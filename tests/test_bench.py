@@ -1,0 +1,94 @@
+"""``autopar.bench``: the quick run end to end (one 4-rank gloo launch, tens of seconds),
+and the names it accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar import bench
+from autopar.bench_report import COLUMNS, SUMMARY_COLUMNS
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return bench.run(quick=True, out_dir=str(out), progress=False), out
+
+
+def _header(lines: list[str], first: str) -> list[str]:
+    line = next(line for line in lines if line.startswith(f"| {first} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_quick_run_writes_table_results_and_charts(quick_run):
+    table, out = quick_run
+    assert table == out / "table.md" and table.is_file()
+    lines = table.read_text().splitlines()
+    assert _header(lines, "model") == list(SUMMARY_COLUMNS)
+    assert list(COLUMNS) in [_header([line], "model") for line in lines if line.startswith("| model |")]
+    for name in ("step_gloo-4.png", "memory_gloo-4.png", "step_h100-8.png", "predicted_vs_measured.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["mesh"] for r in rows} == {"gloo-4", "h100-8"}
+
+
+def test_quick_run_auto_is_never_predicted_slower_than_a_manual_layout(quick_run):
+    _, out = quick_run
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    for mesh in ("gloo-4", "h100-8"):
+        auto = next(r for r in rows if r["mesh"] == mesh and r["layout"] == "auto")
+        assert auto["vs_best_manual_predicted"] <= 1.0 + 1e-9, auto
+    table = (out / "table.md").read_text().splitlines()
+    summary = [dict(zip(SUMMARY_COLUMNS, (c.strip() for c in line.strip("|").split("|"))))
+               for line in table if line.startswith("| wide-mlp |")][:2]
+    assert [float(s["auto ÷ best manual (pred)"]) <= 1.0 for s in summary] == [True, True]
+
+
+def test_quick_run_measures_every_gloo_plan(quick_run):
+    _, out = quick_run
+    rows = [r for r in json.loads((out / "results.json").read_text())["rows"] if r["mesh"] == "gloo-4"]
+    assert {r["layout"] for r in rows} == {"auto", *bench.QUICK_LAYOUTS}
+    for r in rows:  # a failure would be a row with its reason: here every plan must run
+        assert r["status"] == "measured", r
+        assert r["measured_step"] > 0 and r["measured_memory_total"] > 0
+        assert r["measured_memory"]["parameters"] > 0 and r["measured_memory"]["activations"] > 0
+        assert r["reshards"] >= 0
+    losses = [r["first_loss"] for r in rows]  # same weights, same batch: the same first loss
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+
+
+def test_names_are_checked():
+    assert set(bench.MODELS) == {"gpt2", "llama", "moe", "big-vocab", "wide-mlp"}
+    assert {"gloo-4", "gloo-8", "h100-8", "h100-64", "h100-512"} <= set(bench.MESHES)
+    with pytest.raises(ValueError, match="autopar: unknown benchmark model 'bert'.*gpt2, llama"):
+        bench.run(["bert"], ["gloo-4"])
+    with pytest.raises(ValueError, match="autopar: unknown benchmark mesh 'tpu-8'.*gloo-4"):
+        bench.run(["gpt2"], ["tpu-8"])
+
+
+def test_layout_plans_share_costs_and_match_autopar_plan():
+    """bench.layout_plans costs every layout on one cost table: the same plans as
+    autopar.plan(..., layout=name), which builds them one at a time."""
+    import warnings
+
+    import costmodels
+    import autopar
+    from autopar.bench_models import build
+    from autopar.runtime import WithLoss
+    from passes.capture import capture
+
+    work = build("wide-mlp", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(WithLoss(work.model, work.loss_fn), (*work.inputs, work.target))
+    profile = costmodels.preset("h100", (2, 2), ("dp", "tp"))
+    shared = bench.layout_plans(captured, profile, ("dp", "fsdp", "tp+dp"), ("dp", "tp"))
+    for name, (plan, seconds, error) in shared.items():
+        alone = autopar.plan(work.model, (2, 2), work.inputs, hardware="h100", loss_fn=work.loss_fn,
+                             target=work.target, layout=name, axis_names=("dp", "tp"))
+        assert error is None and seconds >= 0
+        assert plan.strategies == alone.strategies and plan.zero == alone.zero
+        assert plan.predicted.step_time == pytest.approx(alone.predicted.step_time, rel=1e-9)
+        assert plan.predicted.memory == pytest.approx(alone.predicted.memory, rel=1e-9)

@@ -1,0 +1,74 @@
+"""Where codegen sums gradient shares and how it buckets gathered parameters (no devices:
+``Flow``, ``gradient_shares`` and ``plan_buckets`` are functions of the graph and choice)."""
+
+import warnings
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.models import GPT, GPTConfig
+from passes.capture import capture
+from passes.codegen import Flow, gradient_shares, plan_buckets
+from passes.propagate import choose_by_propagation
+from passes.strategies import build_strategy_graph
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(model, (torch.randint(0, 64, (8, 8)),))
+    return cap, build_strategy_graph(cap, (2,))
+
+
+def by_name(graph, name):
+    return next(n for n in graph.nodes if n.name == name)
+
+
+def test_data_parallel_shares_travel_to_every_parameter(gpt):
+    cap, graph = gpt
+    choice = choose_by_propagation(graph, {by_name(graph, "tokens"): (Shard(0),)})
+    shared = gradient_shares(Flow(graph, choice, None, {}))
+    params = {n for n in graph.nodes if n.name in cap.params}
+    assert {(p, 0) for p in params} <= shared  # all summed once per step, none on the way
+    # the position embedding is replicated (its indices are): its share passes through it
+    assert (by_name(graph, "embedding_1"), 0) in shared
+
+
+def test_megatron_all_reduces_where_column_parallel_layers_read(gpt):
+    cap, graph = gpt
+    fixed = {}
+    for node in graph.nodes:
+        fqn = cap.params.get(node.name, "")
+        if any(k in fqn for k in (".q.", ".k.", ".v.", ".up.")):
+            fixed[node] = (Shard(0),)
+        elif fqn.endswith((".o.weight", ".down.weight")):
+            fixed[node] = (Shard(1),)
+    choice = choose_by_propagation(graph, fixed)
+    shared = gradient_shares(Flow(graph, choice, None, {}))
+    # the layer norm's output feeds column-parallel linears and the residual stream does
+    # not: its share is summed right there (Megatron's "f"), not passed up
+    ln = by_name(graph, "layer_norm")
+    assert all(isinstance(p, Replicate) for p in graph[ln].strategies[choice[ln]].output)
+    assert (ln, 0) not in shared
+    assert (by_name(graph, "p_blocks_0_ln1_weight"), 0) not in shared
+
+
+def test_zero3_gathers_a_bucket_per_layer_and_stretch(gpt):
+    cap, graph = gpt
+    choice = choose_by_propagation(graph, {by_name(graph, "tokens"): (Shard(0),)})
+    for node, ns in graph.nodes.items():
+        if node.name in cap.params and node.meta["val"].shape[0] % 2 == 0:
+            choice[node] = [s.output for s in ns.strategies].index((Shard(0),))
+    flow = Flow(graph, choice, None, {})
+    per_use = frozenset(n.name for n in graph.nodes if n.name in cap.params)
+    buckets = {id(b): b for b in plan_buckets(flow, gradient_shares(flow), per_use, {}).values()}
+    names = sorted(sorted(p.name for p in b.params) for b in buckets.values())
+    assert len(names) == 4  # embeddings, block 0, block 1, final norm and head
+    assert ["p_head_weight", "p_ln_f_bias", "p_ln_f_weight"] in names
+    assert all(b.reduce == (True,) and not b.keep for b in buckets.values())
+    block0 = next(x for x in names if "p_blocks_0_attn_q_weight" in x)
+    assert len(block0) == 16 and all(x.startswith("p_blocks_0_") for x in block0)
