@@ -1,7 +1,7 @@
 """Auto versus manual layouts, predicted and measured, in one command (``autopar bench``).
 
     from autopar import bench
-    table = bench.run()                          # every model, every mesh (10-15 minutes here)
+    table = bench.run()                          # every model, every mesh (17-22 minutes here, shared)
     table = bench.run(["gpt2"], ["gloo-4"])      # a subset
     table = bench.run(quick=True)                # a tiny subset, well under a minute
 

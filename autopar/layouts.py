@@ -148,7 +148,8 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
     roles = axis_roles(name, len(graph.mesh_shape))
     keep = tuple(a for a, role in enumerate(roles) if role == "tp")
     data = tuple(a for a, role in enumerate(roles) if role == "dp" and graph.mesh_shape[a] > 1)
-    return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data)
+    return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
+                everything_whole=name == "replicated")
 
 
 def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:

@@ -58,6 +58,7 @@ class Hint:
     # mesh axes that split the data: ops reading a parameter use it whole there (gathered,
     # under FSDP) and split their work (else a tiny model "wins" by replicating everything)
     data_axes: tuple[int, ...] = ()
+    everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
 
 
 def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
@@ -99,6 +100,15 @@ def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
             combined = node_time[costs.index[dst]] + forbid
             if np.isfinite(combined).any():  # an op with no such strategy moves the weight after all
                 node_time[costs.index[dst]] = combined
+    if hint.everything_whole:
+        for node, ns in graph.nodes.items():
+            if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
+                continue
+            whole = np.array([0.0 if all(p is None or all(isinstance(q, Replicate) for q in p)
+                                         for p in (*s.inputs, *s.outputs)) else np.inf for s in ns.strategies])
+            combined = node_time[costs.index[node]] + whole
+            if np.isfinite(combined).any():
+                node_time[costs.index[node]] = combined
     edges = problem.edges
     restricted = SolveProblem(node_time=node_time, node_memory=problem.node_memory, edges=edges,
                               ties=problem.ties, followers=problem.followers)
