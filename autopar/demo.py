@@ -88,7 +88,7 @@ def worker() -> None:
         return Plan.from_json(text[0])
 
     started = time.perf_counter()
-    auto = on_rank0(lambda: autopar.plan(model, mesh, (tokens,), hardware=profile, time_limit_s=20))
+    auto = on_rank0(lambda: autopar.plan(model, mesh, (tokens,), hardware=profile, time_limit_s=10))
     planned_in = time.perf_counter() - started
     n_params = sum(p.numel() for p in model.parameters())
     say(f"== The plan for a small GPT ({n_params:,} parameters, batch {BATCH}x{SEQ}) on 2x2 gloo ranks "
@@ -156,7 +156,7 @@ def plan_70b() -> None:
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (8, 8), (tokens,), hardware="h100", time_limit_s=40)
+        plan = autopar.plan(model, (8, 8), (tokens,), hardware="h100", time_limit_s=20)
     print(f"planned in {time.perf_counter() - started:.1f} s on this {os.cpu_count()}-core machine\n")
     print(plan.explain())
 
