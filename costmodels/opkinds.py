@@ -124,7 +124,7 @@ _UNARY = {  # y = f(x): the backward op reads dy and x (or y), writes dx: 3 tens
     "_fused_rms_norm": "layer_norm_backward",
     "rms_norm": "layer_norm_backward",
 }
-BACKWARD: dict[str, tuple[tuple[str, float, float], ...]] = {
+BACKWARD: dict[str, tuple[tuple, ...]] = {  # (kind, x FLOPs, x bytes[, x output bytes]) per op
     **dict.fromkeys(_MATMUL, _TWO_MATMULS),
     **dict.fromkeys(("addmm", "baddbmm", "addmv"), _TWO_MATMULS_AND_BIAS),
     # flop_counter's sdpa_backward_flop_count: 5 batched products (scores recomputed, dV,
