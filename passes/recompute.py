@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
@@ -104,16 +103,3 @@ def recompute_layers(gm: fx.GraphModule, layer_of: dict[str, int], layers: set[i
     split.recompile()
     return split
 
-
-def saved_tensor_bytes(fn, *args: Any) -> tuple[Any, int]:
-    """Run ``fn(*args)`` and count the bytes autograd saves for backward (each storage once)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, sum(seen.values())

@@ -60,9 +60,10 @@ def _probe(target, flat: list, spec) -> tuple[set[int], bool] | None:
         else:
             args.append(a)
     kept: list[torch.Tensor] = []
+    call_args, call_kwargs = pytree.tree_unflatten(args, spec)
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-            out = target(*pytree.tree_unflatten(args, spec)[0], **pytree.tree_unflatten(args, spec)[1])
+            out = target(*call_args, **call_kwargs)
     except Exception:  # noqa: BLE001 - an op meta tensors cannot run: assume the worst
         return None
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]

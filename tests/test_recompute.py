@@ -1,6 +1,7 @@
 """Recomputed layers run under checkpointing: same outputs and gradients, fewer bytes saved."""
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -9,8 +10,22 @@ from autopar.models import GPT, GPTConfig
 from passes.capture import capture
 from passes.codegen import lower
 from passes.layers import find_layers
-from passes.recompute import Recomputed, layers_to_recompute, recompute_layers, saved_tensor_bytes
+from passes.recompute import Recomputed, layers_to_recompute, recompute_layers
 from passes.strategies import build_strategy_graph
+
+
+def saved_tensor_bytes(fn, *args: Any) -> tuple[Any, int]:
+    """Run ``fn(*args)`` and count the bytes autograd saves for backward (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(seen.values())
 
 
 @pytest.fixture(scope="module")
