@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from dataclasses import dataclass

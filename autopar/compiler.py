@@ -51,10 +51,12 @@ def compile(  # noqa: A001  (the public name users expect)
     return ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
 
 
-def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardware: Any = None) -> Plan:
+def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardware: Any = None,
+              **options: Any) -> Plan:
     """Plan on rank 0 and give every rank the same plan (planning under a time limit need
     not give the same answer twice). ``hardware`` None: this machine's profile, measured
-    on this mesh once and cached (``autopar profile``)."""
+    on this mesh once and cached (``autopar profile``); ``options`` go to ``autopar.plan``
+    (``time_limit_s``, ``layout``, ...)."""
     if hardware is None:
         from costmodels.profiler import profile_mesh
 
@@ -63,7 +65,7 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     if dist.get_rank() == 0:
         from autopar.planning import plan as make_plan
 
-        text[0] = make_plan(model, mesh, example_inputs, hardware=hardware).to_json()
+        text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
     dist.broadcast_object_list(text, src=0)
     return Plan.from_json(text[0])
 

@@ -64,7 +64,7 @@ def worker() -> None:
 
     import autopar
     from costmodels.profiler import Sweep, profile_mesh
-    from passes.plan import Plan
+    from autopar.compiler import plan_once
 
     dist.init_process_group("gloo")
     logging.disable(logging.WARNING)  # torch's notes on gloo's missing all_to_all and DTensor's hops
@@ -82,13 +82,8 @@ def worker() -> None:
     batches = _batches()
     tokens = batches[0][0]
 
-    def on_rank0(make):  # plan once, give every rank the same plan
-        text = [make().to_json() if rank == 0 else None]
-        dist.broadcast_object_list(text, src=0)
-        return Plan.from_json(text[0])
-
     started = time.perf_counter()
-    auto = on_rank0(lambda: autopar.plan(model, mesh, (tokens,), hardware=profile, time_limit_s=10))
+    auto = plan_once(model, mesh, (tokens,), profile, time_limit_s=10)
     planned_in = time.perf_counter() - started
     n_params = sum(p.numel() for p in model.parameters())
     say(f"== The plan for a small GPT ({n_params:,} parameters, batch {BATCH}x{SEQ}) on 2x2 gloo ranks "
@@ -103,7 +98,7 @@ def worker() -> None:
     manual = [name for name, _ in sorted(auto.candidates.items(), key=lambda kv: kv[1])
               if name in ("dp", "fsdp", "tp+dp", "tp")][:3]
     plans = {"auto": auto}
-    plans.update({name: on_rank0(lambda: autopar.plan(_small_gpt(), mesh, (tokens,), hardware=profile, layout=name))
+    plans.update({name: plan_once(_small_gpt(), mesh, (tokens,), profile, layout=name)
                   for name in manual})
     modules = {name: autopar.compile(_small_gpt(), mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=p)
                for name, p in plans.items()}

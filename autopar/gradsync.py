@@ -8,19 +8,45 @@ produced all of its gradients (``register_post_accumulate_grad_hook``), so the
 communication runs while the rest of backward computes; buckets are launched strictly
 in order, so every rank issues the same collectives in the same order. Bucket sizes
 are DDP's defaults: a small first bucket that starts early, then 25 MiB.
+
+Shares summed over several mesh axes (data parallel over a 2-D mesh) are summed in one
+all-reduce over the ranks of those axes together (:func:`axes_group`: the whole world,
+or DeviceMesh's flattened sub-mesh), bucketed and overlapped like one axis. Where no
+such group can be had (an unnamed mesh that does not span the world; pipeline stages,
+whose axes differ from stage to stage, so that not every rank could join in making one)
+they are summed axis after axis after backward.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 
 FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP's first bucket: 1 MiB
 BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+
+
+def axes_group(mesh: DeviceMesh, axes: tuple[int, ...], create: bool = True) -> dist.ProcessGroup | None:
+    """One process group over the ranks that differ from this one only on ``axes``: the
+    axis's own group for one axis, the whole world when those axes span it, else the
+    mesh's flattened sub-mesh (named meshes only). Flattening creates the groups once, by
+    the root mesh, a collective of every rank in the world: only with ``create``, and only
+    where every rank asks for the same axes at the same point. None where there is no such
+    group (the caller sums axis after axis)."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    if math.prod(mesh.shape[a] for a in axes) == dist.get_world_size():
+        return dist.group.WORLD
+    names = mesh.mesh_dim_names
+    if not names or not create:
+        return None
+    return mesh[tuple(names[a] for a in axes)]._flatten().get_group()
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,12 +73,16 @@ class GradientSync:
 
     ``order``: the parameters in the order backward produces their gradients (the
     reverse of their first use). Call :meth:`begin` before backward and :meth:`finish`
-    after it; without ``overlap`` everything is summed in :meth:`finish`.
+    after it; without ``overlap`` everything is summed in :meth:`finish`. ``flatten``:
+    sums over several axes may use a flattened group made for them (:func:`axes_group`;
+    every rank must then build its GradientSync at the same point with the same axes, as
+    the ranks of one SPMD program do); without it, only groups that exist already.
     """
 
     def __init__(self, grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor],
-                 order: Sequence[str], mesh: DeviceMesh, overlap: bool = True):
+                 order: Sequence[str], mesh: DeviceMesh, overlap: bool = True, flatten: bool = True):
         self.mesh = mesh
+        self._flatten = flatten
         self.buckets: list[_Bucket] = []
         self._index: dict[int, int] = {}  # id(parameter) -> its bucket
         open_buckets: dict[tuple, _Bucket] = {}
@@ -72,10 +102,15 @@ class GradientSync:
             self._index[id(p)] = len(self.buckets) - 1
             if overlap and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._ready)
+        # the group of every set of axes summed over, made now: on every rank, in the same order
+        self._groups = {axes: axes_group(mesh, axes, flatten) for axes in dict.fromkeys([b.axes for b in self.buckets])}
         self._active = False
         self._next = 0
         self._riders: list[Rider] = []
-        self._inflight: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor], tuple[int, ...]]] = []
+        # per buffer in flight: its all-reduce (None: summed in finish), the buffer, the
+        # parameters whose gradients it holds, the riders' tensors, the axes
+        self._inflight: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor], list[torch.Tensor],
+                                   tuple[int, ...]]] = []
 
     def begin(self, riders: Sequence[Rider] = ()) -> None:
         """Before backward. ``riders`` are summed with the first bucket over the same axes,
@@ -89,7 +124,7 @@ class GradientSync:
             if any(b.axes == r.axes and self._carries(b, r) for b in self.buckets):
                 self._riders.append(r)
             elif r.axes:
-                self._start([r.tensor], r.axes)
+                self._start([], [r.tensor], r.axes)
         self._active = True
 
     @staticmethod
@@ -109,43 +144,52 @@ class GradientSync:
         return bucket.ready == len(bucket.params)
 
     def _launch(self, bucket: _Bucket) -> None:
-        tensors = [p.grad for p in bucket.params if p.grad is not None]
+        params = [p for p in bucket.params if p.grad is not None]
         riding = [r for r in self._riders if r.axes == bucket.axes and self._carries(bucket, r)]
         self._riders = [r for r in self._riders if r not in riding]
-        self._start(tensors + [r.tensor for r in riding], bucket.axes)
+        self._start(params, [r.tensor for r in riding], bucket.axes)
 
-    def _start(self, tensors: list[torch.Tensor], axes: tuple[int, ...]) -> None:
+    def _start(self, params: list[torch.Tensor], others: list[torch.Tensor], axes: tuple[int, ...]) -> None:
+        """Start summing the gradients of ``params`` and the tensors ``others`` in one buffer."""
+        tensors = [p.grad for p in params] + others
         if not tensors:
             return
-        flat = torch.cat([t.reshape(-1).to(tensors[0].dtype) for t in tensors])
-        # one axis: asynchronous now; several: summed axis after axis in finish()
-        work = dist.all_reduce(flat, group=self.mesh.get_group(axes[0]), async_op=True) if len(axes) == 1 else None
-        self._inflight.append((work, flat, tensors, axes))
+        dtype = tensors[0].dtype
+        flat = torch.cat([t.reshape(-1) if t.dtype == dtype else t.reshape(-1).to(dtype) for t in tensors])
+        if axes not in self._groups:
+            self._groups[axes] = axes_group(self.mesh, axes, self._flatten)
+        group = self._groups[axes]
+        # one group over the axes: asynchronous now; none: summed axis after axis in finish()
+        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+        self._inflight.append((work, flat, params, others, axes))
 
     def finish(self, riders: Sequence[Rider] = ()) -> None:
         """After backward: start what has not started, wait, and write the sums back
-        (``riders``: when :meth:`begin` was not called)."""
+        (``riders``: when :meth:`begin` was not called). The summed gradients are views of
+        the bucket (no copy back, as DDP's ``gradient_as_bucket_view``); riders are
+        written in place."""
         if not self._active:
             self.begin(riders)
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
         for r in self._riders:
-            self._start([r.tensor], r.axes)
-        for work, flat, tensors, axes in self._inflight:
+            self._start([], [r.tensor], r.axes)
+        for work, flat, params, others, axes in self._inflight:
             if work is not None:
                 work.wait()
             else:
                 for axis in axes:
                     dist.all_reduce(flat, group=self.mesh.get_group(axis))
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            sums = _unflatten_dense_tensors(flat, [p.grad for p in params] + others)
+            for p, summed in zip(params, sums):
+                p.grad = summed
+            if others:
+                torch._foreach_copy_(others, list(sums[len(params):]))
         self._inflight, self._riders, self._active = [], [], False
 
-
 def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh,
-                   riders: Sequence[Rider] = ()) -> None:
-    """Sum the gradient shares now (after backward), in buckets, ``riders`` alongside."""
-    GradientSync(grad_sync, params, list(grad_sync), mesh, overlap=False).finish(riders)
+                   riders: Sequence[Rider] = (), flatten: bool = True) -> None:
+    """Sum the gradient shares now (after backward), in buckets, ``riders`` alongside
+    (``flatten``: as :class:`GradientSync` says)."""
+    GradientSync(grad_sync, params, list(grad_sync), mesh, overlap=False, flatten=flatten).finish(riders)

@@ -17,10 +17,11 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import Partial
 from torch.utils import _pytree as pytree
 
-from autopar.gradsync import sync_gradients
-from autopar.runtime import build_loss_program, whole
+from autopar.gradsync import Rider, sync_gradients
+from autopar.runtime import build_loss_program, mesh_device, whole
 from passes.capture import Captured
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import Part, RankProgram, lower
@@ -125,6 +126,8 @@ class PipelineModule(nn.Module):
         self.intra = mesh[intra_names] if intra_names else None
         self.pp_group = mesh.get_group(pp.axis)
         self.pp_rank = mesh.get_coordinate()[pp.axis]
+        # the stages' activations travel on the mesh's device (nccl: this rank's GPU)
+        self.device = mesh_device(mesh)
         n_stages = pp.stages * pp.chunks_per_rank
         choice = choice_from_plan(graph, plan)
         parts = stage_parts(captured, pp.stage_of, n_stages)
@@ -149,7 +152,7 @@ class PipelineModule(nn.Module):
                     continue
                 spec = program.input_specs.get(node.name)
                 local = values[node.name].detach()
-                local = (local_slice(local, spec, intra_shape, coord) if spec else local).clone()
+                local = (local_slice(local, spec, intra_shape, coord) if spec else local).to(self.device, copy=True)
                 if node.name in captured.params:
                     local = nn.Parameter(local, requires_grad=values[node.name].requires_grad)
                     own.append(local)
@@ -160,7 +163,7 @@ class PipelineModule(nn.Module):
             module = _Stage(program, state, own)
             self.stage_state.append(named)
             self.programs.append(program)
-            self.stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=self.pp_group))
+            self.stages.append(PipelineStage(module, index, n_stages, self.device, group=self.pp_group))
         self.optimizer = optimizer(list(self.params))
         self._loss = None
         self.schedule = None
@@ -171,24 +174,31 @@ class PipelineModule(nn.Module):
         if last is not None:
             out_specs = last.output_specs
             out_metas = [n.meta["val"] for n in self.parts[-1].outputs]
+            # a data-parallel loss stays this rank's share of the sum (backward from a share is
+            # backward from the sum); the shares are summed once per step, with the gradients
             self._loss = build_loss_program(self.loss_fn, self.captured.out_spec, out_metas, out_specs,
-                                            target_micro, self.intra)
+                                            target_micro, self.intra, reduce_output=False)
         schedule_cls = SCHEDULES[pp.schedule]
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule_cls(stage_arg, pp.micro_batches, loss_fn=self._micro_loss)
 
     def _micro_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss: this rank's share of it where the loss is a pending sum."""
         program, cap = self._loss
         outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         values = dict(zip(cap.user_inputs, [*outs, target]))
         flat = pytree.tree_leaves(program.gm(*[values[n] for n in cap.placeholders]))
-        index = cap.user_outputs[0]
-        spec = program.output_specs[index]
-        return whole(flat[index], spec, self.intra) if self.intra is not None else flat[index]
+        return flat[cap.user_outputs[0]]
+
+    def _loss_axes(self) -> tuple[int, ...]:
+        """The intra-op axes over which the loss is a pending sum (its shares' axes)."""
+        program, cap = self._loss
+        spec = program.output_specs[cap.user_outputs[0]] or ()
+        return tuple(a for a, p in enumerate(spec) if isinstance(p, Partial))
 
     def _micro_batched(self, x: torch.Tensor, spec) -> torch.Tensor:
         """This rank's shard of each micro-batch, stacked so the schedule's chunking finds them."""
-        pieces = x.chunk(self.plan.pipeline.micro_batches)
+        pieces = x.to(self.device).chunk(self.plan.pipeline.micro_batches)
         if self.intra is None or spec is None:
             return torch.cat(pieces)
         return torch.cat([local_slice(p, spec, self.intra.shape, self.intra.get_coordinate()) for p in pieces])
@@ -213,11 +223,17 @@ class PipelineModule(nn.Module):
             self.schedule.step(*args, **kwargs)
         else:
             self.schedule.step(**kwargs)
+        if losses:
+            total = torch.stack(losses).mean().detach()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.intra is not None:
             for program, named in zip(self.programs, self.stage_state):
-                sync_gradients(program.grad_sync, named, self.intra)
+                # the last stage's loss shares are summed along with its gradients
+                riders = [Rider(total, self._loss_axes())] if losses and program is self.programs[-1] else []
+                # stages differ in their axes: no group is made for them (flatten=False)
+                sync_gradients(program.grad_sync, named, self.intra, riders, flatten=False)
         self.optimizer.step()
-        total = torch.stack(losses).mean().detach() if losses else torch.zeros((), dtype=torch.float64)
         total = total.to(torch.float64)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it
         return total

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.gradsync import GradientSync, Rider, sync_gradients
 from passes.capture import Captured, capture
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import RankProgram, lower
-from passes.placements import Spec, fits, local_shape, local_slice, parse_spec, spec_str
+from passes.placements import Spec, fits, is_partial, local_shape, local_slice, parse_spec, shard_offset, spec_str
 from passes.plan import Plan, choice_from_plan
 from passes.propagate import choose_by_propagation, reshard_bytes
 from passes.strategies import StrategyGraph, build_strategy_graph, tensor_inputs
@@ -58,6 +59,11 @@ class ParallelModule(nn.Module):
         self.input_shapes = {
             n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs
         }
+        # this rank's cut of each whole input, worked out once (a step only compares shapes and narrows)
+        self._cuts = {name: Cut.of(shape, self.program.input_specs[name], tuple(mesh.shape), self.coord)
+                      for name, shape in self.input_shapes.items()}
+        self._target_cuts: dict[tuple[int, ...], Cut] = {}  # target shape -> its cut (the loss laid out)
+        self.device = mesh_device(mesh)  # shards live where the mesh's collectives run (nccl: this GPU)
         self.local: dict[str, torch.Tensor] = {}
         self.shards = nn.ParameterList()
         self.shard_names: list[str] = []  # qualified parameter name per entry of ``shards``
@@ -65,12 +71,12 @@ class ParallelModule(nn.Module):
             spec = self.program.input_specs.get(name)
             local = value.detach() if spec is None else local_slice(value.detach(), spec, mesh.shape, self.coord)
             if name in captured.params:
-                param = nn.Parameter(local.clone(), requires_grad=value.requires_grad)
+                param = nn.Parameter(local.to(self.device, copy=True), requires_grad=value.requires_grad)
                 self.shards.append(param)
                 self.shard_names.append(captured.params[name])
                 self.local[name] = param
             else:
-                self.local[name] = local.clone()
+                self.local[name] = local.to(self.device, copy=True)
         self.optimizer = optimizer(list(self.shards)) if optimizer is not None else None
         self.grads = GradientSync(self.program.grad_sync, self.local, backward_order(self.program.gm), mesh)
         self._loss_program: RankProgram | None = None
@@ -94,17 +100,16 @@ class ParallelModule(nn.Module):
             )
         values = {}
         for i, (name, value) in enumerate(zip(names, flat)):
-            spec = self.program.input_specs[name]
-            whole_shape = self.input_shapes[name]
-            expected = local_shape(whole_shape, spec, self.mesh.shape) if local else whole_shape
-            if tuple(value.shape) != tuple(expected):
+            cut = self._cuts[name]
+            expected = cut.local if local else cut.whole
+            if value.shape != expected:
                 raise ValueError(
-                    f"autopar: expected input {i} of shape {tuple(expected)} "
+                    f"autopar: expected input {i} of shape {expected} "
                     f"({'this rank' + chr(39) + 's shard' if local else 'the whole batch, as at compile time'}), "
                     f"found {tuple(value.shape)}; the plan is made for the example inputs' shapes — "
                     "re-compile for other shapes"
                 )
-            values[name] = value if local else local_slice(value, spec, self.mesh.shape, self.coord)
+            values[name] = (value if local else cut.take(value)).to(self.device)
         return values
 
     def _run_model(self, inputs: tuple, local: bool, observe: Callable | None = None) -> list[torch.Tensor]:
@@ -197,7 +202,7 @@ class ParallelModule(nn.Module):
     def _check(self, inputs: tuple, target: torch.Tensor, local: bool) -> "SameInputs | None":
         if not self.check_inputs or local:
             return None
-        return SameInputs((*inputs, target), self.mesh)
+        return SameInputs((*inputs, target), self.mesh, self.coord)
 
     def _local_loss(self, inputs: tuple, target: torch.Tensor, local: bool,
                     observe: Callable | None) -> tuple[torch.Tensor, Spec]:
@@ -234,13 +239,17 @@ class ParallelModule(nn.Module):
         return node.meta["val"]
 
     def _local_target(self, program: RankProgram, cap: Captured, target: torch.Tensor, local: bool) -> torch.Tensor:
-        spec = program.input_specs[cap.user_inputs[-1]]
-        if not fits(target.shape, spec, self.mesh.shape):
-            raise ValueError(
-                f"autopar: target of shape {tuple(target.shape)} cannot be split as {spec_str(spec)} "
-                f"on mesh {tuple(self.mesh.shape)}; give a target shaped as at the first step"
-            )
-        return target if local else local_slice(target, spec, self.mesh.shape, self.coord)
+        shape = tuple(target.shape)
+        cut = self._target_cuts.get(shape)
+        if cut is None:
+            spec = program.input_specs[cap.user_inputs[-1]]
+            if not fits(shape, spec, self.mesh.shape):
+                raise ValueError(
+                    f"autopar: target of shape {shape} cannot be split as {spec_str(spec)} "
+                    f"on mesh {tuple(self.mesh.shape)}; give a target shaped as at the first step"
+                )
+            cut = self._target_cuts[shape] = Cut.of(shape, spec, tuple(self.mesh.shape), self.coord)
+        return target if local else cut.take(target)
 
     def target_spec(self) -> Spec | None:
         if self._loss_program is None:
@@ -344,10 +353,43 @@ def backward_order(gm: fx.GraphModule) -> list[str]:
     return list(reversed(first_use))
 
 
+@dataclass(frozen=True)
+class Cut:
+    """One rank's shard of a whole tensor of one shape: the shape it has whole and here,
+    and the ``narrow`` calls that take it (``local_slice``, worked out once)."""
+
+    whole: tuple[int, ...]
+    local: tuple[int, ...]
+    narrows: tuple[tuple[int, int, int], ...]  # (dim, start, length)
+
+    @staticmethod
+    def of(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> Cut:
+        if is_partial(spec):
+            raise ValueError(f"autopar: cannot cut a whole tensor into a Partial ({spec_str(spec)}); "
+                             "expected Shard/Replicate")
+        narrows = []
+        for dim in sorted({p.dim for p in spec if isinstance(p, Shard)}):
+            start, stop = shard_offset(shape, spec, mesh_shape, coord, dim)
+            narrows.append((dim, start, stop - start))
+        return Cut(tuple(shape), local_shape(shape, spec, mesh_shape), tuple(narrows))
+
+    def take(self, value: torch.Tensor) -> torch.Tensor:
+        for dim, start, length in self.narrows:
+            value = value.narrow(dim, start, length)
+        return value
+
+
 def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
     if all(isinstance(p, Replicate) for p in spec):
         return local
     return DTensor.from_local(local, mesh, spec, run_check=False).full_tensor()
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's collectives run on: this rank's GPU under nccl, else the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 class SameInputs:
@@ -355,17 +397,18 @@ class SameInputs:
     written in this rank's row of a table that is summed over the mesh (``rider``: it
     rides along with the gradients' all-reduce); every row must then be the same."""
 
-    def __init__(self, tensors: tuple, mesh: DeviceMesh):
-        flat = [t for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
-        sums = torch.tensor([float(t.double().sum()) + float(t.double().abs().sum()) for t in flat],
-                            dtype=torch.float64)
+    def __init__(self, tensors: tuple, mesh: DeviceMesh, coord: Sequence[int] | None = None):
+        flat = [t.double() for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+        sums = torch.stack([d.sum() + d.abs().sum() for d in flat])
         high = sums.float().double()  # two float32 parts: exact enough to ride in a float32 bucket
-        self.table = torch.zeros(mesh.size(), 2, len(flat), dtype=torch.float64)
+        shape = tuple(mesh.shape)
+        self.table = torch.zeros(math.prod(shape), 2, len(flat), dtype=torch.float64, device=sums.device)
         row = 0
-        for size, index in zip(mesh.shape, mesh.get_coordinate()):
+        for size, index in zip(shape, coord if coord is not None else mesh.get_coordinate()):
             row = row * size + index
-        self.table[row] = torch.stack([high, sums - high])
-        self.rider = Rider(self.table, tuple(range(mesh.ndim)), castable=True)
+        self.table[row, 0] = high
+        self.table[row, 1] = sums - high
+        self.rider = Rider(self.table, tuple(range(len(shape))), castable=True)
 
     def confirm(self) -> None:
         differs = (self.table != self.table[0]).flatten(0, 1).any(dim=0)

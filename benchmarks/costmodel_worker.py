@@ -6,13 +6,17 @@ On N gloo ranks: measure a fresh profile (1-D mesh) and, right after each of its
 time the same quantity where the fit did not: (1) every collective at message sizes
 between the fitted ones, (2) matmuls, pointwise kinds and attention at the benchmark
 GPT's shapes. A shared machine's load drifts within minutes, so each held-out row is
-timed seconds after its fit, not minutes. Then (3) a whole training step of that GPT
-under DP (DDP), TP (parallelize_module, Megatron MLP) and ZeRO-3 (FSDP2 fully_shard),
-the three layouts in turns, step by step, so that all see the same load; each is
-predicted from the profile (measured just before) and timed by phase. Last, the fp32
-matmul and all-reduce fits are measured again: their drift over the run is the noise
-floor. Rank 0 writes the rows (predicted and measured seconds), the profile, the
-drift and the load average along the way as JSON.
+timed seconds after its fit, not minutes. Then (3) a whole training step of that GPT,
+right after the collectives and fp32 compute are fitted: autopar's own compiled step
+(``autopar.compile``) of its DP, Megatron TP and ZeRO-3 plans (``autopar.plan(...,
+layout=)``, planned against the profile just measured, predicted by the planner's own
+cost tables: ``plan.predicted``), and the same three layouts written by hand with
+torch's tools (DDP; parallelize_module on the MLPs; FSDP2 fully_shard), predicted by
+``costmodels.step_time`` from their op inventory; the six take turns, step by step, so
+that all see the same load. Last, the fp32 matmul and all-reduce fits are measured
+again: their drift over the run is the noise floor. Rank 0 writes the rows (predicted
+and measured seconds), the profile, the drift and the load average along the way as
+JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from costmodel_ops import OpRecorder  # noqa: E402
 
+import autopar  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
+from passes.plan import Plan  # noqa: E402
 from costmodels import collective_time, compute_time  # noqa: E402
 from costmodels.comm import Step  # noqa: E402
 from costmodels.fit import fit_linear  # noqa: E402
@@ -57,6 +63,8 @@ from costmodels.timing import (  # noqa: E402
 CFG = GPTConfig(vocab_size=256, max_seq_len=128, dim=256, n_heads=8, n_layers=2)
 GLOBAL_BATCH = 16
 LAYOUTS = ("DP", "TP", "ZeRO-3")
+# autopar's layouts (autopar.layouts) of the same three: label -> layout name
+COMPILED = {"DP": "dp", "TP": "tp", "ZeRO-3": "fsdp"}
 # between the profiler's fitted sizes (4 KiB .. 4 MiB, powers of 4): none was fitted
 HELD_OUT_BYTES = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # DDP's bucket caps (torch/nn/parallel/distributed.py): first bucket 1 MiB, then 25 MiB
@@ -74,8 +82,9 @@ class HeldOut:
     """``measure_profile``'s ``on_fit`` hook: right after a fit, time the same quantity at
     sizes the fit did not use; ``rows(profile)`` then predicts them from the profile."""
 
-    def __init__(self, mesh, repeats: int, steps: int):
+    def __init__(self, mesh, repeats: int, steps: int, collective_repeats: int):
         self.mesh, self.group, self.repeats, self.steps = mesh, mesh.get_group(0), repeats, steps
+        self.collective_repeats = collective_repeats
         self.measured_steps: dict = {}
         self.loads: dict[str, float] = {}
         self.steps_s = 0.0
@@ -100,12 +109,13 @@ class HeldOut:
     def __call__(self, what: str, key: tuple) -> None:
         getattr(self, f"_{what}")(*key)
 
-    def _collectives(self) -> None:
-        """fp32 compute and every collective are fitted: time the training steps now."""
+    def _fp32(self, profile) -> None:
+        """Every collective and fp32 compute are fitted: plan, compile and time the training
+        steps now (``profile``: what is measured so far, enough for an fp32 model)."""
         self.pool.release("fp32")
         self.loads["before steps"] = os.getloadavg()[0]
         started = time.perf_counter()
-        self.measured_steps = measure_steps(self.mesh, self.steps)
+        self.measured_steps = measure_steps(self.mesh, self.steps, profile)
         self.loads["after steps"] = os.getloadavg()[0]
         self.steps_s = time.perf_counter() - started
 
@@ -115,7 +125,9 @@ class HeldOut:
     def _collective(self, axis: int, kind: str) -> None:
         n = dist.get_world_size()
         calls = [collective_call(kind, self.group, nbytes, CPU) for nbytes in HELD_OUT_BYTES]
-        times = timed(calls, CPU, self.repeats, 2, group=self.group)
+        # more batches than the fit took: under time sharing one collective's time moves
+        # with the scheduler; the median of many is the held-out value
+        times = timed(calls, CPU, self.collective_repeats, 2, group=self.group)
         for nbytes, meas in zip(HELD_OUT_BYTES, times):
             actual = max(n, nbytes // 4 // n * n) * 4  # the buffer collective_call builds
             self._add(f"{kind} {actual} B", kind, ("collective", kind, actual), meas)
@@ -149,19 +161,20 @@ class HeldOut:
         calls = [c for shape in shapes for c in attention_calls(shape, dtype, CPU, WORKING_SET_BYTES // 4)]
         times = timed(calls, CPU, self.repeats, 2)
         for shape, fwd, bwd in zip(shapes, times[0::2], times[1::2]):
-            flops, nbytes = attention_flops(*shape), 4 * math.prod(shape) * 4
+            flops, nbytes, heads = attention_flops(*shape), 4 * math.prod(shape) * 4, shape[0] * shape[1]
             name = "x".join(map(str, shape))
             self._add(f"attention forward {dtype} {name}", "attention",
-                      ("compute", flops, nbytes, dtype, "attention"), fwd)
+                      ("compute", flops, nbytes, dtype, "attention", heads), fwd)
             self._add(f"attention backward {dtype} {name}", "attention",
-                      ("compute", ATTENTION_BACKWARD_FLOPS * flops, 2 * nbytes, dtype, "attention_backward"), bwd)
+                      ("compute", ATTENTION_BACKWARD_FLOPS * flops, 2 * nbytes, dtype, "attention_backward", heads),
+                      bwd)
 
     def rows(self, profile) -> list[dict]:
         out = []
         for t in self.timed:
             how, *args = t["predict"]
             pred = collective_time(args[0], args[1], 0, profile) if how == "collective" else compute_time(
-                *args[:3], profile, args[3])
+                *args[:3], profile, *args[3:])
             kind = "collective" if how == "collective" else "op"
             out.append(dict(kind=kind, name=t["name"], group=t["group"], predicted=pred, measured=t["measured"]))
         return out
@@ -179,6 +192,137 @@ def _numel_local(p) -> int:
 def _padded_shard_bytes(params, n: int) -> int:
     """FSDP2 pads each parameter's dim 0 to a multiple of N before sharding it."""
     return sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * 4 for p in params)
+
+
+def _loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def build_compiled(label: str, mesh, profile):
+    """autopar's plan of layout ``COMPILED[label]`` for the GPT, planned on rank 0 against
+    ``profile`` (the planner's own cost tables price it), and the compiled module. The
+    batch is the whole one, the same on every rank; the input check (a small all-reduce
+    per step that the plan does not price) is off, as the hand-written side has none."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.max_seq_len), generator=gen)
+    text = [None]
+    if dist.get_rank() == 0:
+        text[0] = autopar.plan(model, mesh, (tokens,), hardware=profile, layout=COMPILED[label]).to_json()
+    dist.broadcast_object_list(text, src=0)
+    plan = Plan.from_json(text[0])
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=plan, check_inputs=False)
+    return pm, plan, tokens
+
+
+def loss_prediction(pm, profile) -> float:
+    """The compiled step's loss program priced by the planner's own cost tables (the plan
+    covers the model alone; the runtime lays the loss out from the model's output
+    placements, ``autopar.runtime.build_loss_program``): its forward, its backward (the
+    model's outputs carry the gradient back) and its collectives, as the runtime lays it."""
+    from autopar.runtime import _best_target_layout
+    from passes.costing import build_costs
+    from passes.solve import plan_costs
+    from passes.strategies import build_strategy_graph
+
+    cap = pm._loss_captured
+    graph = build_strategy_graph(cap, tuple(pm.mesh.shape))
+    placeholders = {n.name: n for n in cap.nodes("placeholder")}
+    out_specs = [pm.program.output_specs[i] for i in pm.captured.user_outputs]
+    fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
+    choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
+    costs = build_costs(graph, profile, grad_inputs=cap.user_inputs[:-1])
+    return float(plan_costs(costs.problem, costs.assignment(choice)).total_time)
+
+
+class CollectiveClock:
+    """Seconds this thread spends blocked in the torch.distributed collectives autopar's
+    runtime calls (``passes.collectives``, ``passes.buckets``, ``autopar.gradsync``), while
+    active: each call timed, and an asynchronous one's ``wait()``; and each call's kind and
+    buffer X (``formulas.COLLECTIVE_BUFFER``) in ``calls``. The module functions are wrapped
+    for the duration of a ``with`` block and restored after."""
+
+    # function -> (kind, which argument is X: the tensor reduced, the gathered output, the
+    # scattered input, the sent buffer)
+    NAMES = {"all_reduce": ("all_reduce", 0), "all_gather_single": ("all_gather", 0),
+             "all_gather_into_tensor": ("all_gather", 0), "reduce_scatter_single": ("reduce_scatter", 1),
+             "reduce_scatter_tensor": ("reduce_scatter", 1), "all_to_all_single": ("all_to_all", 1),
+             "broadcast": ("broadcast", 0)}
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls: list[tuple[str, int]] = []
+
+    def __enter__(self) -> "CollectiveClock":
+        self._saved = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._timed(fn, *self.NAMES[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    def _timed(self, fn, kind: str, position: int):
+        clock = self
+
+        class _Work:
+            def __init__(self, work):
+                self._work = work
+
+            def wait(self, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return self._work.wait(*args, **kwargs)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+                x = args[position]
+                clock.calls.append((kind, x.numel() * x.element_size()))
+            return _Work(out) if kwargs.get("async_op") and out is not None else out
+
+        return call
+
+
+class _CompiledRun:
+    """autopar's compiled step of one layout, timed whole, with its blocked collective time."""
+
+    def __init__(self, pm, plan, tokens):
+        self.pm, self.plan, self.tokens = pm, plan, tokens
+        self.inventory: dict = {}
+
+    def step(self) -> None:
+        self.pm.train_step((self.tokens,), self.tokens)
+
+    def record(self) -> None:
+        """One step's ops (forward, backward, optimizer: what autograd and the runtime ran)
+        and collectives, for the cost model to price op by op (``step_rows``)."""
+        with OpRecorder() as rec, CollectiveClock() as clock:
+            self.step()
+        self.inventory = dict(ops=rec.ops, collectives=clock.calls + rec.collectives)
+
+    def timed_step(self) -> list[float]:
+        """Seconds of the step, and of it blocked in collectives."""
+        dist.barrier()
+        with CollectiveClock() as clock:
+            t0 = time.perf_counter()
+            self.step()
+            total = time.perf_counter() - t0
+        return [total, clock.seconds]
 
 
 def build(layout: str, mesh):
@@ -222,11 +366,20 @@ def build(layout: str, mesh):
     return wrapped, model, opt, fwd, extra
 
 
-def measure_steps(mesh, steps: int) -> dict:
-    """Time one training step of the GPT under each layout, by phase, and record what its
-    prediction needs (the forward op inventory, the collectives, the parameters). The
-    layouts take turns step by step, so a change of the machine's load hits all alike."""
-    runs = {}
+def measure_steps(mesh, steps: int, profile) -> dict:
+    """Time one training step of the GPT under each layout, autopar's compiled ones (planned
+    against ``profile``) and the hand-written ones, and record what their predictions need:
+    the plan for a compiled one; for a hand-written one the forward op inventory, the
+    collectives and the parameters. The six take turns step by step, so a change of the
+    machine's load hits all alike."""
+    runs, compiled = {}, {}
+    for label in COMPILED:
+        pm, plan, tokens = build_compiled(label, mesh, profile)
+        run = compiled[label] = _CompiledRun(pm, plan, tokens)
+        for _ in range(2):
+            run.step()
+        run.record()
+        run.inventory["loss"] = loss_prediction(pm, profile)  # the loss program exists after a step
     for layout in LAYOUTS:
         wrapped, model, opt, fwd, extra = build(layout, mesh)
         batch = GLOBAL_BATCH if layout == "TP" else GLOBAL_BATCH // dist.get_world_size()
@@ -240,27 +393,60 @@ def measure_steps(mesh, steps: int) -> dict:
         params = [_numel_local(p) for p in model.parameters()]
         run.inventory = dict(ops=rec.ops, fwd=fwd, extra=extra, params=params)
     times: dict[str, list[list[float]]] = {layout: [] for layout in LAYOUTS}
+    compiled_times: dict[str, list[list[float]]] = {label: [] for label in COMPILED}
     for _ in range(steps):
         for layout in LAYOUTS:
+            compiled_times[layout].append(compiled[layout].timed_step())
             times[layout].append(runs[layout].timed_step())
-    out = {}
+    out = {"by hand": {}, "autopar": {}}
     for layout in LAYOUTS:
         fwd, bwd, opt, total, no_grad = (_max_over_ranks(sorted(c)[len(c) // 2]) for c in zip(*times[layout]))
         phases = dict(forward=fwd, backward=bwd, optimizer=opt, forward_no_grad=no_grad)
-        out[layout] = dict(runs[layout].inventory, measured=total, phases=phases)
+        out["by hand"][layout] = dict(runs[layout].inventory, measured=total, phases=phases)
+    for label, run in compiled.items():
+        total, blocked = (sorted(c)[len(c) // 2] for c in zip(*compiled_times[label]))
+        # blocked: the rank that waited least in collectives (the others also wait for it)
+        total, least = _max_over_ranks(total), -_max_over_ranks(-blocked)
+        out["autopar"][label] = dict(run.inventory, plan=run.plan.to_dict(), measured=total,
+                                     phases=dict(communication=least, compute=total - least,
+                                                 communication_most=_max_over_ranks(blocked)))
     return out
 
 
 def step_rows(measured: dict, profile) -> list[dict]:
-    """Each layout's step predicted from ``profile``, beside its measurement."""
+    """Each layout's step, predicted beside its measurement: autopar's compiled step by
+    its plan's prediction (the planner's cost tables, planned against the profile); the
+    hand-written one by ``costmodels.step_time`` from ``profile``."""
     rows = []
-    for layout, m in measured.items():
+    for layout, m in measured["autopar"].items():
+        pred = m["plan"]["predicted"]
+        # the same profile applied op by op to what the runtime ran: where the plan's tables
+        # and this differ, the planner's inventory (not a rate) is off
+        ops = sum(compute_time(op.flops, op.bytes, op.dtype, profile, op.name, op.heads) for op in m["ops"])
+        calls = [c for c in m["collectives"] if c[0] in BUS_FACTOR]
+        comm = sum(collective_time(kind, nbytes, 0, profile) for kind, nbytes in calls)
+        rows.append(
+            dict(
+                kind="step",
+                name=f"GPT step {layout} (autopar)",
+                group=layout,
+                predicted=pred["step_time"] + m["loss"],
+                measured=m["measured"],
+                breakdown=dict(compute=pred["compute"], communication=pred["communication"], loss=m["loss"],
+                               plan=pred["step_time"]),
+                measured_phases=m["phases"],
+                runtime_priced=dict(compute=ops, communication=comm, ops=len(m["ops"]), collectives=len(calls)),
+                plan_kind=m["plan"]["kind"],
+                params=m["plan"]["params"],
+            )
+        )
+    for layout, m in measured["by hand"].items():
         pred = step_time(m["ops"], profile, forward_comm=m["fwd"], backward_extra=m["extra"],
                          optimizer_ops=adamw_ops(m["params"]))
         rows.append(
             dict(
-                kind="step",
-                name=f"GPT step {layout}",
+                kind="step by hand",
+                name=f"GPT step {layout} (by hand)",
                 group=layout,
                 predicted=pred.total,
                 measured=m["measured"],
@@ -328,7 +514,8 @@ def drift(profile, group, sweep: Sweep, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed batches per held-out op (median)")
+    ap.add_argument("--collective-repeats", type=int, default=21, help="timed batches per held-out collective")
     ap.add_argument("--steps", type=int, default=7)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -341,7 +528,7 @@ def main() -> None:
     def lap(what: str) -> None:
         wall[what] = time.perf_counter() - started - sum(v for k, v in wall.items() if not k.startswith("of which"))
 
-    held_out = HeldOut(mesh, args.repeats, args.steps)
+    held_out = HeldOut(mesh, args.repeats, args.steps, args.collective_repeats)
     load = {"start": os.getloadavg()[0]}
     sweep = Sweep()
     profile = measure_profile(mesh, sweep, progress=False, on_fit=held_out)
@@ -362,6 +549,8 @@ def main() -> None:
                     "wall_s_by_phase": wall,
                     "profile": profile.to_dict(),
                     "drift": moved,
+                    "repeats": {"ops": args.repeats, "collectives": args.collective_repeats,
+                                "steps": args.steps},
                 },
                 indent=1,
             )

@@ -60,7 +60,7 @@ TOLERANCE = 0.15
 def costed(model, tokens, layout: str, n: int) -> Plan:
     """The layout's plan with the planner's prediction (ZeRO-1/2: DP's ops, the optimizer
     state and gradients sharded, parameters stored split as the planner stores them)."""
-    plan = plan_for(model, tokens, "dp" if layout in ("zero1", "zero2") else layout, n)
+    plan = plan_for(model, tokens, "dp" if layout in ("zero1", "zero2") else layout, (n,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cap = capture(model, (tokens,))

@@ -7,7 +7,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
   from ``profile_mesh(...)`` (under torchrun) or ``load_profile(path, ...)``;
 - ``compute_time(flops, bytes_moved, dtype, profile, op)`` (``op``: the ATen op name or
   kind, ``op_kind`` says which measured rate prices it) and ``backward_ops(op)``;
-- ``collective_time(collective, nbytes, axis, profile)``;
+- ``collective_time(collective, nbytes, axis, profile, latency_share)`` and
+  ``gradient_buckets(total_bytes)`` (how many calls bucketed gradients make);
 - ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
   ``reshard_time(shape, itemsize, src, dst, profile)``;
 - ``model_state_bytes(n_params, zero, n_shards, precision)``,
@@ -24,6 +25,7 @@ from costmodels.comm import (
     backward_reshard_plan,
     collective_time,
     grad_target,
+    gradient_buckets,
     local_numel,
     reshard_plan,
     reshard_time,
@@ -76,6 +78,7 @@ __all__ = [
     "compute_time",
     "default_cache_dir",
     "grad_target",
+    "gradient_buckets",
     "h100",
     "layer_activation_bytes",
     "load_profile",

@@ -32,16 +32,32 @@ class Step(NamedTuple):
     bytes: int
 
 
-def collective_time(collective: str, nbytes: float, axis: int | str, profile: HardwareProfile) -> float:
+# The runtime packs parameter gradients into DDP-style buckets (autopar/gradsync.py)
+FIRST_GRADIENT_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+GRADIENT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+
+
+def collective_time(collective: str, nbytes: float, axis: int | str, profile: HardwareProfile,
+                    latency_share: float = 1.0) -> float:
     """Seconds for ``collective`` over mesh ``axis`` on a buffer of ``nbytes`` (see
-    ``formulas.COLLECTIVE_BUFFER`` for which buffer). Zero on an axis of size 1."""
+    ``formulas.COLLECTIVE_BUFFER`` for which buffer). Zero on an axis of size 1.
+
+    ``latency_share``: the part of one call's latency (alpha) this buffer pays when it
+    travels packed with others in one call (bucketed gradients, per-layer gathers of
+    parameters): its bytes' part of the bucket, so a bucket's buffers pay alpha once."""
     ax = profile.axis(axis)
     if ax.size == 1 or nbytes == 0:
         return 0.0
     fit = ax.collectives.get(collective)
     if fit is None:
         raise KeyError(f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}.")
-    return _collective_fn(collective)(fit.alpha_s, fit.beta_bytes_per_s, ax.size, nbytes)
+    return _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)
+
+
+def gradient_buckets(total_bytes: float) -> int:
+    """How many all-reduce calls DDP-style buckets make of ``total_bytes`` of gradients."""
+    rest = max(0.0, total_bytes - FIRST_GRADIENT_BUCKET_BYTES)
+    return 1 + math.ceil(rest / GRADIENT_BUCKET_BYTES)
 
 
 @lru_cache(maxsize=None)

@@ -4,8 +4,10 @@
 the op is bound by its FLOP rate or its byte rate, whichever takes longer, and pays
 the fixed cost (launch, dispatch) measured for that bound. Which rates, by the op's
 kind (``opkinds.op_kind``): a matmul's FLOPs at the matmul rate against memory
-bandwidth; fused attention's FLOPs at the measured attention rate against memory
-bandwidth; a pointwise op's bytes at its kind's measured rate (on a CPU a gelu moves
+bandwidth; fused attention head by head (``formulas.ATTENTION_TIME``: each of its
+batch x heads heads at the measured per-head rate of its size, between the measured
+head sizes), against memory bandwidth; a pointwise op's bytes at its kind's measured
+rate (on a CPU a gelu moves
 bytes several times slower than an add; on a GPU both run at memory bandwidth),
 against the matmul rate for any FLOPs it counts. Unknown ops are priced as ``"memory"``.
 Where a byte rate keeps its measured points, the bytes are priced on the straight piece
@@ -46,6 +48,11 @@ def _compute_fn():
     return compiled("compute")
 
 
+@lru_cache(maxsize=1)
+def _attention_fn():
+    return compiled("attention")
+
+
 def rates(op: str, dtype: str, profile: HardwareProfile) -> tuple[Rate, Rate]:
     """(FLOP rate, byte rate) that price ``op`` (an ATen op name or a kind) in ``dtype``."""
     dev = profile.device
@@ -59,14 +66,21 @@ def rates(op: str, dtype: str, profile: HardwareProfile) -> tuple[Rate, Rate]:
 
 
 def compute_time(
-    flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile, op: str = ""
+    flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile, op: str = "",
+    heads: float = 0.0,
 ) -> float:
     """Seconds for one op doing ``flops`` FLOPs and moving ``bytes_moved`` bytes. ``op``
     is its ATen name (``"aten.gelu.default"``) or kind (``"gelu"``); "" prices it as a
-    bandwidth-bound ("memory") op, or a matmul where it has FLOPs."""
+    bandwidth-bound ("memory") op, or a matmul where it has FLOPs. ``heads``: for fused
+    attention, its independent heads (batch x heads), each priced by its FLOPs between
+    the measured head sizes (``Rate.points`` of the attention rates: per head); 0 prices
+    the whole op at the fitted rate."""
     d = dtype_name(dtype)
     fr, br = rates(op, d, profile)
     t_w, w = br.segment(bytes_moved)  # between measured sizes, their straight piece
+    if op_kind(op) in ("attention", "attention_backward"):
+        t_h, r = fr.segment(flops / heads, start=0.0) if heads > 0 and fr.points else (0.0, fr.rate)
+        return _attention_fn()(flops, bytes_moved, r, w, fr.latency_s, t_w, heads, t_h)
     return _compute_fn()(flops, bytes_moved, fr.rate, w, fr.latency_s, t_w)
 
 

@@ -12,9 +12,12 @@ Symbols (all SI units: seconds, bytes, FLOP):
 - ``beta``  bus bandwidth of the collective on that axis (bytes/s, nccl-tests' busbw)
 - ``F``, ``B``  FLOPs and bytes moved by an op; ``R``, ``W`` achieved FLOP/s and bytes/s;
   ``t_R``, ``t_W`` fixed costs of a matmul-bound and a bandwidth-bound op
+- ``H_a``   fused attention's independent heads (batch x heads); ``t_h`` the fixed cost
+  per head of the straight piece that prices a head of its size (``R`` its rate)
 - ``Psi``   parameter count; ``p``, ``g``, ``o`` bytes per parameter of parameters,
   gradients and optimizer state; ``N_d`` ranks sharing the ZeRO partition
-- ``P``     pipeline stages; ``M`` micro-batches; ``v`` model chunks per rank (interleaved)
+- ``P``     pipeline stages; ``M`` micro-batches; ``v`` model chunks per rank (interleaved);
+  ``r`` a pipeline rank, 0 the first
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ F, B, R, W, t_R, t_W = sp.symbols("F B R W t_R t_W", nonnegative=True)
 Psi, p, g, o, N_d = sp.symbols("Psi p g o N_d", positive=True)
 P, M, v = sp.symbols("P M v", positive=True)
 A, t_f, t_b, t_comm_f, t_comm_b, t_opt = sp.symbols("A t_f t_b t_comm_f t_comm_b t_opt", nonnegative=True)
+H_a, t_h = sp.symbols("H_a t_h", nonnegative=True)
+r = sp.Symbol("r", nonnegative=True)
 
 # -- collectives (ring algorithms; Thakur et al. 2005, and nccl-tests' PERFORMANCE.md
 #    which defines busbw with exactly these factors) -------------------------------------
@@ -54,6 +59,13 @@ COMPUTE_TIME = sp.Piecewise(
     (t_R + F / R, F / R > B / W),
     (t_W + B / W, True),
 )
+# -- fused attention: H_a independent heads, each priced by its own FLOPs on the straight
+#    piece (t_h, R) between the measured head sizes around it (a CPU kernel runs a bigger
+#    head at a higher FLOP rate: its blocks fill better); against memory bandwidth -------
+ATTENTION_TIME = sp.Piecewise(
+    (t_R + H_a * t_h + F / R, H_a * t_h + F / R > B / W),
+    (t_W + B / W, True),
+)
 
 # -- memory per device of parameters, gradients and optimizer state under ZeRO --------
 # Rajbhandari et al. 2020 (ZeRO), Fig. 1: with mixed precision p=2, g=2, o=12 (fp32
@@ -71,15 +83,18 @@ BYTES_PER_PARAM = {
     "fp32": (4, 4, 8),
 }
 
-# -- pipeline: micro-batches whose activations are alive at once on the first stage ----
-# GPipe holds all M; 1F1B (PipeDream-flush, Narayanan et al. 2021) at most P; the
-# interleaved schedule with v chunks holds P + (P-1)/v stage-sized micro-batches
-# (Korthikanti et al. 2022, "Reducing Activation Recomputation", sec. 4.2.3: a factor
-# 1 + (P-1)/(P v) over 1F1B).
+# -- pipeline: micro-batches whose activations are alive at once on pipeline rank r ----
+# (in units of one micro-batch through the rank's whole stage, all its chunks together)
+# GPipe holds all M; 1F1B (PipeDream-flush, Narayanan et al. 2021) at most P - r; the
+# interleaved schedule with v chunks warms rank r up with 2 (P - r - 1) + (v - 1) P chunk
+# forwards plus one in the steady state (Megatron-LM, schedules.py,
+# forward_backward_pipelining_with_interleaving: num_warmup_microbatches), each 1/v of
+# the stage: P + (P - 1 - 2r)/v, which on the first rank is Korthikanti et al. 2022
+# ("Reducing Activation Recomputation", sec. 4.2.3): a factor 1 + (P-1)/(P v) over 1F1B.
 IN_FLIGHT = {
     "gpipe": M,
-    "1f1b": sp.Min(M, P),
-    "interleaved_1f1b": sp.Min(M, P + (P - 1) / v),
+    "1f1b": sp.Min(M, P - r),
+    "interleaved_1f1b": sp.Min(M, P + (P - 1 - 2 * r) / v),
 }
 ACTIVATION_MEMORY = {k: A * n for k, n in IN_FLIGHT.items()}
 
@@ -116,8 +131,9 @@ BACKWARD_FLOPS = 2 * F
 _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"collective.{c}": (e, (alpha, beta, N, X)) for c, e in COLLECTIVE_TIME.items()},
     "compute": (COMPUTE_TIME, (F, B, R, W, t_R, t_W)),
+    "attention": (ATTENTION_TIME, (F, B, R, W, t_R, t_W, H_a, t_h)),
     **{f"zero{z}": (e, (Psi, p, g, o, N_d)) for z, e in ZERO_MEMORY.items()},
-    **{f"in_flight.{s}": (e, (M, P, v)) for s, e in IN_FLIGHT.items()},
+    **{f"in_flight.{s}": (e, (M, P, v, r)) for s, e in IN_FLIGHT.items()},
     **{f"layer_activations.{k}": (e, (s_, b_, h_, a_, t_)) for k, e in LAYER_ACTIVATIONS.items()},
     **{f"bubble.{s}": (e, (M, P, v)) for s, e in BUBBLE_FRACTION.items()},
     **{f"pipeline.{s}": (e, (M, P, v, t_f, t_b)) for s, e in PIPELINE_TIME.items()},

@@ -54,11 +54,15 @@ def _check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int)
         )
 
 
-def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """Micro-batches whose activations the first (fullest) stage holds at its peak, in
-    units of one micro-batch through the whole stage."""
+def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, chunks: int = 1,
+                            rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units
+    of one micro-batch through the rank's whole stage (all its chunks); rank 0, the
+    first, is the fullest."""
     _check_schedule(schedule, stages, micro_batches, chunks)
-    return _fn(f"in_flight.{schedule}")(micro_batches, stages, chunks)
+    if not 0 <= rank < stages:
+        raise ValueError(f"autopar: rank must be in 0..{stages - 1} for {stages} stages; found {rank}.")
+    return _fn(f"in_flight.{schedule}")(micro_batches, stages, chunks, rank)
 
 
 def activation_bytes(

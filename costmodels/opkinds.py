@@ -90,13 +90,15 @@ def op_kind(name: str) -> str:
 
 class Op(NamedTuple):
     """One op: its FLOPs, bytes moved (inputs and outputs), dtype, name (ATen name or
-    kind; "" = memory), and the bytes of its outputs alone (0: not known)."""
+    kind; "" = memory), the bytes of its outputs alone (0: not known), and for fused
+    attention its independent heads, batch x heads (0: not known or not attention)."""
 
     flops: float
     bytes: float
     dtype: str = "fp32"
     name: str = ""
     out_bytes: float = 0.0
+    heads: float = 0.0
 
 
 # Backward of a forward op: per op autograd runs, (kind, x forward FLOPs, x forward bytes)
@@ -160,5 +162,7 @@ def backward_ops(op: Op) -> list[Op]:
         parts = op.name.split(".")
         overload = f"{base_name(op.name)}.{parts[-1]}" if len(parts) >= 3 else ""
         rule = BACKWARD.get(overload, BACKWARD.get(base_name(op.name), DEFAULT_BACKWARD))
-    return [Op(op.flops * f, op.bytes * b + op.out_bytes * (o[0] if o else 0.0), op.dtype, kind or op.name)
+    # attention's backward kernel works on the same heads
+    return [Op(op.flops * f, op.bytes * b + op.out_bytes * (o[0] if o else 0.0), op.dtype, kind or op.name,
+               heads=op.heads if kind == "attention_backward" else 0.0)
             for kind, f, b, *o in rule]

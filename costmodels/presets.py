@@ -60,7 +60,9 @@ def bandwidth_bound(bandwidth: float) -> dict[str, dict[str, Rate]]:
 # FlashAttention papers count half of them under a causal mask, so for causal attention
 # these rates are up to 2x low and predict up to 2x the time.
 def attention_rates(half: float, fp32: float) -> dict[str, dict[str, Rate]]:
-    """Forward and backward attention rates: ``half`` for bf16 / fp16, ``fp32`` for fp32."""
+    """Forward and backward attention rates: ``half`` for bf16 / fp16, ``fp32`` for fp32.
+    No published per-head-size figures adopted: no points, one rate for every head size
+    (a measured profile keeps points per head)."""
     rates = {"fp32": Rate(latency_s=OP_LATENCY_S, rate=fp32)}
     rates |= {d: Rate(latency_s=OP_LATENCY_S, rate=half) for d in ("bf16", "fp16")}
     return {"forward": dict(rates), "backward": dict(rates)}

@@ -10,12 +10,15 @@ where X is the collective's buffer size in bytes and beta is the *bus* bandwidth
 nccl-tests' sense (so published nccl-tests ``busbw`` figures drop straight in).
 Compute follows the same fixed-cost-plus-rate form: ``t = latency + amount / rate``,
 with one rate per kind of op (``costmodels.opkinds``): matmuls and fused attention in
-FLOP/s, pointwise kinds in effective bytes/s.
+FLOP/s, pointwise kinds in effective bytes/s. Fused attention is priced head by head:
+its rates keep measured points per head (batch x heads of them in an op), since a CPU
+kernel runs a bigger head at a higher FLOP rate.
 
 JSON is strict (no ``Infinity``): the bandwidth of an axis of size 1, where nothing
 moves and a collective is free, is infinite in memory and ``null`` on disk.
-Format version 2 added the per-kind pointwise and the attention rates; a version-1
-file is refused with a clear error, and the profile cache re-measures it.
+Format version 2 added the per-kind pointwise and the attention rates, version 3 the
+attention's measured points per head; an older file is refused with a clear error, and
+the profile cache re-measures it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 DTYPES = ("fp32", "bf16", "fp16")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -43,10 +46,13 @@ class Rate:
     """``t = latency_s + amount / rate``: a fixed cost and a sustained rate.
 
     ``rate`` is FLOP/s for matmuls and attention, effective bytes/s for pointwise ops.
-    ``points``, where measured (pointwise kinds), are the (amount, seconds) pairs the fit
-    came from: between them the time is interpolated (``segment``), since a CPU moves
-    bytes faster while an op's tensors fit in its caches than when they stream from
-    memory, a curve no single line follows within 15%.
+    ``points``, where measured, are (amount, seconds) pairs: between them the time is
+    interpolated (``segment``). Pointwise kinds keep the sizes their fit came from, since
+    a CPU moves bytes faster while an op's tensors fit in its caches than when they
+    stream from memory, a curve no single line follows within 15%. Attention keeps them
+    per head (FLOPs of one head, seconds of one head beyond the op's fixed cost), since a
+    CPU kernel runs a bigger head at a higher FLOP rate (1.4x from 2 to 17 MFLOP heads
+    here).
     """
 
     latency_s: float
@@ -66,14 +72,14 @@ class Rate:
                 f"Re-measure with `autopar profile --force`."
             )
 
-    def segment(self, amount: float) -> tuple[float, float]:
+    def segment(self, amount: float, start: float | None = None) -> tuple[float, float]:
         """(fixed cost, rate) of the straight piece that prices ``amount``: through the
-        measured points (made non-decreasing, from (0, latency_s)), and beyond the last
-        one at the fitted rate; without points, the fitted line itself. Continuous and
-        non-decreasing in ``amount``."""
+        measured points (made non-decreasing, from (0, ``start``), by default (0,
+        latency_s)), and beyond the last one at the fitted rate; without points, the
+        fitted line itself. Continuous and non-decreasing in ``amount``."""
         if not self.points:
             return self.latency_s, self.rate
-        x0, t0 = 0.0, self.latency_s
+        x0, t0 = 0.0, self.latency_s if start is None else start
         for x1, t1 in self.points:
             t1 = max(t1, t0)
             if amount <= x1:
@@ -136,7 +142,8 @@ class DeviceProfile:
     # bytes/s, every input and output counted once); "memory" is the memory bandwidth
     pointwise: dict[str, dict[str, Rate]]
     # "forward" / "backward" -> dtype -> fused attention (latency, FLOP/s as
-    # torch.utils.flop_counter counts them: the whole score matrix, causal or not)
+    # torch.utils.flop_counter counts them: the whole score matrix, causal or not, and
+    # where measured the points per head: (FLOPs of a head, seconds of a head))
     attention: dict[str, dict[str, Rate]]
     peak_matmul_flops: dict[str, float]  # dtype -> datasheet peak (dense)
     peak_memory_bandwidth: float  # bytes/s, datasheet

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from costmodels.cache import cache_path, check_profile, machine_fingerprint
-from costmodels.fit import fit_linear
+from costmodels.fit import fit_linear, fit_per_item
 from costmodels.formulas import BUS_FACTOR
 from costmodels.formulas import N as N_SYM
 from costmodels.opkinds import POINTWISE_KINDS
@@ -74,8 +74,11 @@ class Sweep:
     # sweep spans tensors in cache (12 Ki elements) to tensors streamed from memory (3 Mi).
     kind_numel: tuple[int, ...] = (3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20)
     # (batch, heads, seq, head_dim) of causal attention; bf16 / fp16 (slow on a CPU) time
-    # the first two
-    attention_shapes: tuple[tuple[int, int, int, int], ...] = ((1, 8, 128, 32), (4, 8, 128, 32), (2, 8, 256, 64))
+    # the first two. An op is priced per head (batch x heads of them) by its FLOPs between
+    # the measured head sizes, so fp32 times four head sizes (both head dims at both
+    # sequence lengths), one of them at two batches (which tells the op's fixed cost apart)
+    attention_shapes: tuple[tuple[int, int, int, int], ...] = (
+        (1, 8, 128, 32), (4, 8, 128, 32), (2, 8, 256, 64), (2, 8, 128, 64), (1, 8, 256, 32))
     repeats: int = 5
     warmup: int = 2
     # bf16 / fp16 time fewer, smaller shapes (fp16 matmul on CPU runs at ~1 GFLOP/s)
@@ -161,11 +164,15 @@ def _peaks(dev_name: str, matmul: dict, bandwidth: dict) -> dict:
 
 
 def _fit(sizes, times, every: int):
-    """A fit of times against sizes; with ``every`` > 1 (quantities timed together, e.g.
+    """A fit of times against sizes (``fit_linear``; ``fit_per_item`` where a size is a
+    pair (items, size of one)); with ``every`` > 1 (quantities timed together, e.g.
     attention's forward and backward in turns), one fit per quantity: positions i::every."""
+    def one(x, t):
+        return fit_per_item(*zip(*x), t) if isinstance(x[0], tuple) else fit_linear(x, t)
+
     if every == 1:
-        return fit_linear(sizes, times)
-    return tuple(fit_linear(sizes[i::every], times[i::every]) for i in range(every))
+        return one(sizes, times)
+    return tuple(one(sizes[i::every], times[i::every]) for i in range(every))
 
 
 def _measure_and_fit(measure: Callable[[int], list], sizes, repeats: int, what: str, every: int = 1):
@@ -227,7 +234,15 @@ class _Measure:
         return AxisProfile(name=name, size=size, link=_axis_link(group, self.device), collectives=fits)
 
     def compute(self, dtype: str) -> None:
-        """Matmul, every pointwise kind and attention in ``dtype`` (one operand pool alive)."""
+        """Every pointwise kind, attention and matmul in ``dtype`` (one operand pool alive).
+        Matmuls come last: they are most of a training step's time, and a step timed right
+        after the profile (the accuracy benchmark) then follows its rate closest."""
+        self._pointwise(dtype)
+        self._attention(dtype)
+        self._matmul(dtype)
+        self.pool.release(dtype)
+
+    def _matmul(self, dtype: str) -> None:
         sw, pool = self.sweep, self.pool
         shapes = [(m, k, n, lay) for m, k, n in (sw.matmul_shapes if dtype == "fp32" else sw.low_precision_shapes)
                   for lay in MATMUL_LAYOUTS]
@@ -241,6 +256,9 @@ class _Measure:
         )
         self.matmul[dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
         self.notify("matmul", (dtype,))
+
+    def _pointwise(self, dtype: str) -> None:
+        sw, pool = self.sweep, self.pool
         for kind in POINTWISE_KINDS:
             sizes = sw.pointwise_numel if kind == "memory" else sw.kind_numel
             sizes = sizes if dtype == "fp32" or kind == "memory" else _ends(sizes)
@@ -256,9 +274,12 @@ class _Measure:
                 latency_s=fit.intercept, rate=1.0 / fit.slope, points=[list(p) for p in fit.data]
             )
             self.notify("pointwise", (kind, dtype))
-        pool.release(dtype)
+
+    def _attention(self, dtype: str) -> None:
+        sw = self.sweep
         shapes = sw.attention_shapes if dtype == "fp32" else sw.attention_shapes[:2]
-        flops = [attention_flops(*shape) for shape in shapes]
+        # (heads, FLOPs of one head) of each: backward does 2.5x the FLOPs on the same heads
+        amounts = [(b * h, attention_flops(b, h, s, d) / (b * h)) for b, h, s, d in shapes]
         rotation = sw.working_set_bytes // 4  # compute-bound: a smaller rotation (its graphs hold memory)
         fits = _measure_and_fit(
             lambda repeats: self._timed(
@@ -266,14 +287,47 @@ class _Measure:
                 [c for shape in shapes for c in attention_calls(shape, dtype, self.device, rotation)],
                 repeats,
             ),
-            [x for f in flops for x in (f, ATTENTION_BACKWARD_FLOPS * f)],
+            [x for n, f in amounts for x in ((n, f), (n, ATTENTION_BACKWARD_FLOPS * f))],
             sw.repeats,
             f"{dtype} attention",
             every=2,
         )
         for direction, fit in zip(("forward", "backward"), fits):
-            self.attention[direction][dtype] = Rate(latency_s=fit.intercept, rate=1.0 / fit.slope)
+            biggest, seconds = fit.points[-1]  # beyond the biggest head measured: its rate
+            self.attention[direction][dtype] = Rate(latency_s=fit.intercept, rate=biggest / seconds,
+                                                    points=[list(p) for p in fit.points])
         self.notify("attention", (dtype,))
+
+    def profile(self, shape: tuple[int, ...], axes: list[AxisProfile], provisional: bool = False) -> HardwareProfile:
+        """The profile measured so far. ``provisional``: dtypes not yet measured take the
+        first dtype's rates (said in ``source``), so that the profile is complete enough to
+        plan an fp32 model with while the rest is measured."""
+        first = DTYPES[0]
+
+        def filled(table: dict[str, Rate]) -> dict[str, Rate]:
+            return {d: table.get(d, table[first]) for d in DTYPES} if provisional else table
+
+        dev_name, mem = _device_info(self.device)
+        matmul = filled(self.matmul)
+        device_profile = DeviceProfile(
+            name=dev_name,
+            memory_bytes=mem,
+            matmul=matmul,
+            pointwise={k: filled(v) for k, v in self.pointwise.items()},
+            attention={k: filled(v) for k, v in self.attention.items()},
+            **_peaks(dev_name, matmul, filled(self.pointwise["memory"])),
+        )
+        missing = [d for d in DTYPES if d not in self.matmul]
+        return HardwareProfile(
+            machine=machine_fingerprint(dev_name),
+            backend=str(dist.get_backend()),
+            mesh_shape=shape,
+            device=device_profile,
+            axes=axes,
+            source=f"measured by costmodels.profiler on {dist.get_world_size()} ranks, "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__}"
+            + (f"; provisional: {', '.join(missing)} not yet measured, {first}'s rates stand in" if missing else ""),
+        )
 
 
 def measure_profile(
@@ -281,13 +335,15 @@ def measure_profile(
 ) -> HardwareProfile:
     """Measure a profile of ``mesh`` (a DeviceMesh); every rank must call it.
 
-    Order: fp32 compute, the collectives of every axis, then bf16 and fp16 compute, so
-    that what an fp32 training step uses is measured together. ``on_fit(what, key)``, if
-    given, is called on every rank right after each fit: ``("matmul", (dtype,))``,
-    ``("pointwise", (kind, dtype))``, ``("attention", (dtype,))``, ``("collective",
-    (axis, kind))``, and ``("collectives", ())`` once every axis is measured -- e.g. to
-    time other sizes of the same quantity, or a training step, while the machine is in
-    the state the fits saw (the accuracy benchmark)."""
+    Order: the collectives of every axis, then fp32 compute (matmuls last), then bf16
+    and fp16 compute, so that what an fp32 training step uses is measured together, its
+    largest part last. ``on_fit(what, key)``, if given, is called on every rank right
+    after each fit: ``("collective", (axis, kind))``, ``("pointwise", (kind, dtype))``,
+    ``("attention", (dtype,))``, ``("matmul", (dtype,))``, and ``("fp32", (profile,))``
+    once every axis and fp32 compute are measured, with the profile so far
+    (``_Measure.profile``: fp32's rates standing in for the dtypes not yet measured) --
+    e.g. to time other sizes of the same quantity, or plan and time a training step,
+    while the machine is in the state the fits saw (the accuracy benchmark)."""
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())
         if mesh.device_type == "cuda"
@@ -306,32 +362,13 @@ def measure_profile(
 
     bar = tqdm(total=total, desc="autopar profile", disable=not progress or dist.get_rank() != 0, leave=False)
     run = _Measure(device, sweep, bar, on_fit or (lambda what, key: None))
-    run.compute(DTYPES[0])
     axes = [run.axis(i, name, size, mesh.get_group(i)) for i, (name, size) in enumerate(zip(names, shape))]
-    run.notify("collectives", ())
+    run.compute(DTYPES[0])
+    run.notify("fp32", (run.profile(shape, axes, provisional=True),))
     for dtype in DTYPES[1:]:
         run.compute(dtype)
     bar.close()
-
-    dev_name, mem = _device_info(device)
-    device_profile = DeviceProfile(
-        name=dev_name,
-        memory_bytes=mem,
-        matmul=run.matmul,
-        pointwise=run.pointwise,
-        attention=run.attention,
-        **_peaks(dev_name, run.matmul, run.pointwise["memory"]),
-    )
-    backend = dist.get_backend()
-    return HardwareProfile(
-        machine=machine_fingerprint(dev_name),
-        backend=str(backend),
-        mesh_shape=shape,
-        device=device_profile,
-        axes=axes,
-        source=f"measured by costmodels.profiler on {dist.get_world_size()} ranks, "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__}",
-    )
+    return run.profile(shape, axes)
 
 
 def profile_mesh(

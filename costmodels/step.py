@@ -72,7 +72,7 @@ def _step_fn():
 
 
 def ops_time(ops: Iterable[Op], profile: HardwareProfile) -> float:
-    return sum(compute_time(op.flops, op.bytes, op.dtype, profile, op.name) for op in ops)
+    return sum(compute_time(op.flops, op.bytes, op.dtype, profile, op.name, op.heads) for op in ops)
 
 
 def backward_time(forward_ops: Iterable[Op], profile: HardwareProfile) -> float:

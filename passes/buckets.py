@@ -50,7 +50,7 @@ def _gather_axis(pieces: list[torch.Tensor], step: Gather) -> list[torch.Tensor]
     for p, dim in zip(pieces, step.dims):
         part = out[:, offset : offset + p.numel()].view(step.axis.size, *p.shape)
         whole = part.movedim(0, dim).flatten(dim, dim + 1)
-        wholes.append(torch.empty(whole.shape, dtype=whole.dtype).copy_(whole))  # own storage
+        wholes.append(torch.empty(whole.shape, dtype=whole.dtype, device=whole.device).copy_(whole))  # own storage
         offset += p.numel()
     return wholes
 

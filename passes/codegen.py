@@ -91,12 +91,15 @@ class Reshard(nn.Module):
         self.mid = tuple(Replicate() if a in self.zero_axes else p for a, p in enumerate(dst))
         # only the first device's copy reaches the output there: its gradient is a share
         self.mid_grad = tuple(Partial() if a in self.zero_axes else g for a, g in enumerate(grad))
-        # one axis, one collective each way: torch.distributed directly (passes/collectives.py)
-        self.fast = AxisMove.plan(mesh, src, dst, grad) if mesh is not None else None
+        # one collective each way per axis: torch.distributed directly (passes/collectives.py),
+        # axis by axis; DTensor for the rest
+        self.fast = AxisMove.chain(mesh, src, dst, grad) if mesh is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast is not None:
-            return self.fast(x)
+            for step in self.fast:
+                x = step(x)
+            return x
         d = DTensor.from_local(x, self.mesh, self.src, run_check=False)
         if self.mid != self.src:
             d = d.redistribute(self.mesh, self.mid)

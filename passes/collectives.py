@@ -137,3 +137,37 @@ class AxisMove:
         if any(isinstance(p, Shard) and p.dim in dims for spec in (src, dst) for p in spec[a + 1:]):
             return None
         return AxisMove(a, Axis.of(mesh, a), s, d, g)
+
+    @staticmethod
+    def chain(mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec) -> "list[AxisMove] | None":
+        """A move on several axes as one-axis moves, one after another; None when no order
+        of them works (DTensor handles those). Shards come off the innermost axis first
+        and go onto the outermost first, as DTensor orders them; both orders are tried."""
+        active = [a for a, (s, d, g) in enumerate(zip(src, dst, grad)) if s != d or g != grad_side(s)]
+        for order in (active[::-1], active):
+            steps = _chain(mesh, src, dst, grad, order)
+            if steps is not None:
+                return steps
+        return None
+
+
+def _chain(mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec, order: list[int]) -> "list[AxisMove] | None":
+    """The one-axis moves of ``src -> dst`` taken axis by axis in ``order``, or None when a
+    step is not one collective each way or would split a dim that an inner axis splits.
+    Between steps the value is laid out as ``dst`` on the axes moved so far and ``src`` on
+    the rest; its gradient as ``grad`` on those moved so far, as ``src`` reads it on the rest."""
+    cur, steps = list(src), []
+    for k, a in enumerate(order):
+        s, d, g = src[a], dst[a], grad[a]
+        if not (movable(s, d) and movable(g, grad_side(s))):
+            return None
+        nxt = cur[:a] + [d] + cur[a + 1:]
+        later = set(order[k + 1:])
+        g_out = [grad_side(src[b]) if b in later else grad[b] for b in range(len(src))]
+        g_in = g_out[:a] + [grad_side(s)] + g_out[a + 1:]
+        dims = {p.dim for p in (s, d, g) if isinstance(p, Shard)}
+        if any(isinstance(p, Shard) and p.dim in dims for spec in (cur, nxt, g_out, g_in) for p in spec[a + 1:]):
+            return None
+        steps.append(AxisMove(a, Axis.of(mesh, a), s, d, g))
+        cur = nxt
+    return steps

@@ -9,8 +9,13 @@ split over an axis on which its consumers need it whole is gathered in forward a
 its gradient reduce-scattered in backward (``passes.codegen``), which the edge tables
 price. Per strategy of an op node, on local shapes:
 
-    time    = forward + backward compute (roofline ``compute_time``; backward = 2x
-              forward for ops on a gradient path, Kaplan et al. 2020)
+    time    = forward + backward compute (roofline ``compute_time``); for ops on a
+              gradient path, backward is the ops autograd runs for the op
+              (``costmodels.backward_ops``: two matmuls for a matmul plus a bias
+              gradient's sum, the attention backward kernel, a ``gelu_backward`` for a
+              gelu, nothing for an add; 2x the forward for ops the table does not
+              know, Kaplan et al. 2020), each at its own kind's measured rate;
+              ``Costs.forward`` keeps the forward alone (what recomputation repeats)
     memory  = bytes of the local outputs kept for backward (non-view ops on a
               gradient path; an over-estimate: every such output counts as saved)
 
@@ -27,6 +32,18 @@ a gradient path, the backward collectives of the gradient, which arrives in
 where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
 gradients are counted, exactly as codegen runs them.
 
+A value moved to the same layout for several consumers is moved once (codegen shares
+the move, and its gradient's collective, among them). Consumers that are alike (the
+same strategy table at the same input position: q, k and v reading one normed
+activation) nearly always take the same strategy, so each of k alike consumers' edges
+pays 1/k of the move: exact where they agree, which the ties and the symmetric tables
+make the rule.
+
+A parameter's collectives (its gathers, its gradient's all-reduce or reduce-scatter)
+travel packed in buckets, so each pays its bytes' part of one call's latency
+(``Shares``, ``parameter_shares``), not a whole alpha: per-parameter latency would make
+data parallelism of a model with many small tensors look far slower than it runs.
+
 A parameter split where its consumer needs it whole (ZeRO-3) is priced as FSDP runs
 it: gathered in forward, the copy freed, gathered again in backward (that is what
 makes ZeRO-3 save memory), so its edge pays the forward gather twice.
@@ -39,7 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -57,10 +74,15 @@ from passes.strategies import StrategyGraph, tensor_inputs
 from passes.strategy import ShardingStrategy, TensorMeta
 
 ZERO_LEVELS = (0, 1, 2)
-BACKWARD_FACTOR = 2.0  # backward does twice the forward FLOPs (Kaplan et al. 2020)
+# Backward of an op as a multiple of its forward, where only the uniform approximation
+# is wanted (Kaplan et al. 2020: twice the forward FLOPs; display, and ops the backward
+# table does not know). Ops are priced by ``costmodels.backward_ops``; ``Costs.forward``
+# holds each op's forward alone.
+BACKWARD_FACTOR = 2.0
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
            "aten.matmul.default", "aten.baddbmm.default"}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
+LINEAR = "aten.linear.default"
 # Ops whose output aliases their input (no compute, nothing new saved): passes.saved.VIEWS
 
 
@@ -74,7 +96,7 @@ class Costs:
     nodes: list[fx.Node]  # problem index -> graph node (ZeRO nodes: their parameter's placeholder)
     index: dict[fx.Node, int]  # graph node -> problem index
     zero_node: dict[fx.Node, int]  # parameter placeholder -> its ZeRO node's problem index
-    compute: list[np.ndarray]  # per problem node: compute seconds (optimizer step included)
+    compute: list[np.ndarray]  # per problem node: compute seconds, forward + backward (optimizer step included)
     state_memory: list[np.ndarray]  # per problem node: parameter+gradient+optimizer bytes
     activation_memory: list[np.ndarray]
     edge_inputs: list[tuple[fx.Node, fx.Node, int]]  # per problem edge: (producer, consumer, position)
@@ -82,6 +104,9 @@ class Costs:
     precision: str = "fp32"
     recompute: frozenset[int] = frozenset()  # layers recomputed in backward
     pricer: object = None  # the price caches, to rebuild cheaply (e.g. with recomputation)
+    # per problem node: the forward compute alone (what recomputing a layer runs again);
+    # zeros for placeholders and ZeRO nodes (the optimizer step is not a forward)
+    forward: list[np.ndarray] = field(default_factory=list)
 
     def assignment(self, choice: dict[fx.Node, int], zero: dict[fx.Node, int] | None = None) -> list[int]:
         """Problem assignment of a graph choice (ZeRO level 0 unless ``zero`` says otherwise)."""
@@ -108,16 +133,18 @@ def precision_of(graph: StrategyGraph) -> str:
     return "mixed" if params and params[0].dtype in (torch.bfloat16, torch.float16) else "fp32"
 
 
-def requires_grad(graph: StrategyGraph) -> set[fx.Node]:
-    """Nodes on a gradient path: float values computed from a trainable parameter."""
-    params = graph.captured.params
+def requires_grad(graph: StrategyGraph, grad_inputs: Iterable[str] = ()) -> set[fx.Node]:
+    """Nodes on a gradient path: float values computed from a trainable parameter, or from
+    one of the placeholders named in ``grad_inputs`` (inputs that carry a gradient back,
+    e.g. the model's outputs entering a loss program)."""
+    params, grad_inputs = graph.captured.params, set(grad_inputs)
     out: set[fx.Node] = set()
     for node in graph.captured.nodes():
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
             continue
         if node.op == "placeholder":
-            if node.name in params and val.requires_grad:
+            if (node.name in params and val.requires_grad) or node.name in grad_inputs:
                 out.add(node)
         elif node.op == "call_function" and not node.meta.get("autopar_no_grad"):
             if any(isinstance(a, fx.Node) and a in out for a in node.all_input_nodes):
@@ -133,6 +160,49 @@ def _dtype(meta: TensorMeta) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(meta.dtype, "fp32")
 
 
+@dataclass(frozen=True)
+class Shares:
+    """The part of one call's latency a parameter's collectives pay: the runtime packs
+    parameters into buckets, so a bucket pays alpha once. ``gather``: all-gathers and
+    reduce-scatters, one call per segment of the graph (a layer, or a stretch between
+    layers: ``passes.codegen.plan_buckets``); ``all_reduce``: gradient all-reduces in
+    DDP-style buckets (``autopar.gradsync``). Activations travel alone (1, 1)."""
+
+    gather: float = 1.0
+    all_reduce: float = 1.0
+
+    def of(self, collective: str) -> float:
+        if collective in ("all_gather", "reduce_scatter"):
+            return self.gather
+        return self.all_reduce if collective == "all_reduce" else 1.0
+
+
+UNPACKED = Shares()
+
+
+def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict[fx.Node, Shares]:
+    """Each parameter's ``Shares``, from whole sizes (an upper bound on the calls: local
+    shards fill buckets more slowly only where they are split)."""
+    params = [n for n in graph.nodes if n.name in graph.captured.params]
+    size = {n: float(n.meta["val"].numel() * n.meta["val"].element_size()) for n in params}
+    total = sum(size.values())
+    order = {n: i for i, n in enumerate(graph.captured.graph.nodes)}
+    first_layered = min((order[n] for n in layer_of if n.op != "placeholder"), default=len(order))
+
+    def segment(p: fx.Node):  # a layer, or the stretch before the layers, or after them
+        if p in layer_of:
+            return layer_of[p]
+        first_use = min((order[u] for u in p.users), default=0)
+        return "before" if first_use < first_layered else "after"
+
+    per_segment: dict[object, float] = {}
+    for p in params:
+        per_segment[segment(p)] = per_segment.get(segment(p), 0.0) + size[p]
+    buckets = costmodels.gradient_buckets(total)
+    return {p: Shares(gather=size[p] / per_segment[segment(p)], all_reduce=min(1.0, buckets * size[p] / total))
+            for p in params if size[p] > 0}
+
+
 class _Pricer:
     """Caches of per-strategy and per-edge prices: repeated layers repeat the same keys."""
 
@@ -145,28 +215,34 @@ class _Pricer:
         self.state: dict[tuple, list] = {}
         self.follow: dict[tuple, object] = {}
 
-    def zero(self, meta: TensorMeta, ns, precision: str) -> list[tuple[float, float, float]]:
-        key = (meta.shape, meta.dtype, id(ns.strategies), precision)
+    def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares) -> list[tuple[float, float, float]]:
+        key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares)
         if key not in self.state:
-            self.state[key] = [zero_costs(meta, s.output, z, precision, self.profile)
+            self.state[key] = [zero_costs(meta, s.output, z, precision, self.profile, shares)
                                for s in ns.strategies for z in ZERO_LEVELS]
         return self.state[key]
 
-    def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None) -> float:
-        key = (meta.shape, meta.dtype, src, dst, grad)
+    def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED) -> float:
+        key = (meta.shape, meta.dtype, src, dst, grad, shares)
         if key not in self.reshard:
             size = meta.dtype.itemsize
-            t = 0.0 if src == dst else costmodels.reshard_time(meta.shape, size, src, dst, self.profile)
+            steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
             if grad is not None:
-                steps = costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
-                t += sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile) for s in steps)
-            self.reshard[key] = t
+                steps += costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
+            self.reshard[key] = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile,
+                                                               shares.of(s.collective)) for s in steps)
         return self.reshard[key]
 
     def edge(self, meta: TensorMeta, src_ns, out: int, ns_v, position: int, grad: bool,
-             regather: bool = False) -> np.ndarray:
+             regather: bool = False, shares: Shares = UNPACKED, alike: int = 1) -> np.ndarray:
+        """The edge's table; ``alike``: consumers of the value like this one, sharing its move."""
         # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
-        key = (meta.shape, meta.dtype, id(src_ns.strategies), out, id(ns_v.strategies), position, grad, regather)
+        key = (meta.shape, meta.dtype, id(src_ns.strategies), out, id(ns_v.strategies), position, grad, regather,
+               shares, alike)
+        if alike > 1:
+            if key not in self.tables:
+                self.tables[key] = self.edge(meta, src_ns, out, ns_v, position, grad, regather, shares) / alike
+            return self.tables[key]
         if key not in self.tables:
             have = [s.outputs[out] for s in src_ns.strategies]
             table = np.zeros((len(have), len(ns_v.strategies)))
@@ -176,43 +252,49 @@ class _Pricer:
                     continue
                 g = gradient_spec(need, s.outputs) if grad else None
                 for i, src in enumerate(have):
-                    table[i, j] = self.move(meta, src, need, g)
+                    table[i, j] = self.move(meta, src, need, g, shares)
                     if regather and src != need:  # FSDP frees the gathered copy, gathers again in backward
-                        table[i, j] += self.move(meta, src, need, None)
+                        table[i, j] += self.move(meta, src, need, None, shares)
             self.tables[key] = table
         return self.tables[key]
 
-    def op(self, ns, on_grad_path: bool) -> tuple[np.ndarray, np.ndarray]:
+    def op(self, ns, on_grad_path: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward + backward seconds, forward seconds, bytes saved) per strategy of an op."""
         key = (id(ns.strategies), on_grad_path)
         if key not in self.node:
-            times, saved = zip(*(self._op_strategy(ns.info, s, on_grad_path) for s in ns.strategies))
-            self.node[key] = (np.array(times), np.array(saved))
+            times, forward, saved = zip(*(self._op_strategy(ns.info, s, on_grad_path) for s in ns.strategies))
+            self.node[key] = (np.array(times), np.array(forward), np.array(saved))
         return self.node[key]
 
-    def _op_strategy(self, info, strategy: ShardingStrategy, on_grad_path: bool) -> tuple[float, float]:
+    def _op_strategy(self, info, strategy: ShardingStrategy, on_grad_path: bool) -> tuple[float, float, float]:
         name = info.name
         ins = [local_shape(m.shape, s, self.mesh) for m, s in zip(info.inputs, strategy.inputs) if s is not None]
         in_metas = [m for m, s in zip(info.inputs, strategy.inputs) if s is not None]
         outs = [local_shape(m.shape, s, self.mesh) for m, s in zip(info.outputs, strategy.outputs)]
         if name in VIEWS or not info.outputs:
-            return 0.0, 0.0
-        moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas))
-        moved += sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs))
-        flops = 0.0
+            return 0.0, 0.0, 0.0
+        out_bytes = float(sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs)))
+        moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas)) + out_bytes
+        flops = heads = 0.0
         if name in MATMULS and ins:
             flops = 2.0 * math.prod(outs[0]) * ins[0][-1]
         elif name in ATTENTION and len(ins) >= 2:
+            heads = float(math.prod(ins[0][:-2]))  # B H, each head priced by its size
             flops = 4.0 * math.prod(ins[0]) * ins[1][-2]  # QK^T and PV: 2 * 2 * B H Sq Sk D
-        t = costmodels.compute_time(flops, moved, _dtype(info.outputs[0]), self.profile, name)
+        dtype = _dtype(info.outputs[0])
+        t = costmodels.compute_time(flops, moved, dtype, self.profile, name, heads)
         if not on_grad_path:
-            return t, 0.0
-        saved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs))
-        return t * (1.0 + BACKWARD_FACTOR), float(saved)
+            return t, t, 0.0
+        # a linear with a bias runs as addmm, whose backward adds the bias gradient's sum
+        grad_name = "aten.addmm.default" if name == LINEAR and len(ins) > 2 else name
+        op = costmodels.Op(flops, moved, dtype, grad_name, out_bytes, heads)
+        return t + costmodels.backward_time([op], self.profile), t, out_bytes
 
 
 def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
-               profile: costmodels.HardwareProfile) -> tuple[float, float, float]:
+               profile: costmodels.HardwareProfile, shares: "Shares | None" = None) -> tuple[float, float, float]:
     """(compute seconds, communication seconds, bytes) of one parameter's state at a ZeRO level."""
+    shares = shares or UNPACKED
     mesh = profile.mesh_shape
     numel = math.prod(local_shape(meta.shape, spec, mesh))
     replicated = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
@@ -228,8 +310,9 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
     if level:
         size = numel * meta.dtype.itemsize
         for a in replicated:
-            ring = sum(costmodels.collective_time(c, size, a, profile) for c in ("all_gather", "reduce_scatter"))
-            comm += max(0.0, ring - costmodels.collective_time("all_reduce", size, a, profile))
+            ring = sum(costmodels.collective_time(c, size, a, profile, shares.of(c))
+                       for c in ("all_gather", "reduce_scatter"))
+            comm += max(0.0, ring - costmodels.collective_time("all_reduce", size, a, profile, shares.of("all_reduce")))
     return optimizer, comm, memory
 
 
@@ -246,12 +329,13 @@ def state_breakdown(numel: float, level: int, shards: int, precision: str) -> di
 
 def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, memory_limit: float | None = None,
                 tie_layers: bool = True, follow_operands: bool = True, recompute: bool | Iterable[int] = False,
-                pricer: "_Pricer | None" = None) -> Costs:
+                pricer: "_Pricer | None" = None, grad_inputs: Iterable[str] = ()) -> Costs:
     """The SolveProblem of ``graph`` on ``profile`` (see the module docstring).
 
     ``recompute``: the repeated layers (True: all; or their numbers) that keep only the
     activations that leave them and run their forward again in backward (activation
-    checkpointing per layer).
+    checkpointing per layer). ``grad_inputs``: placeholders, by name, that carry a
+    gradient back (``requires_grad``).
     """
     if tuple(profile.mesh_shape) != graph.mesh_shape:
         raise ValueError(
@@ -259,12 +343,12 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             f"{graph.mesh_shape}; build both for the same mesh shape"
         )
     pricer = pricer if pricer is not None and pricer.profile is profile else _Pricer(graph, profile)
-    grad_nodes = requires_grad(graph)
+    grad_nodes = requires_grad(graph, grad_inputs)
     precision = precision_of(graph)
     params = graph.captured.params
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    compute, state, activation, comm = [], [], [], []
+    compute, forward, state, activation, comm = [], [], [], [], []
     kept = kept_for_backward(graph.captured.graph.nodes, grad_nodes)  # outputs some backward reads
     followers: list[Follower] = []
     for node in nodes:
@@ -273,36 +357,41 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         zeros = np.zeros(k)
         if ns.follows is not None:
             followers.append(Follower(index[node], index[ns.follows[0]], tuple(range(k))))
-            compute.append(zeros); activation.append(zeros); state.append(zeros); comm.append(zeros)
+            compute.append(zeros); forward.append(zeros); activation.append(zeros); state.append(zeros)
+            comm.append(zeros)
         elif node.op == "placeholder":
             meta = TensorMeta.of(node.meta["val"])
             held = np.array([_nbytes(meta, s.output, graph.mesh_shape) for s in ns.strategies])
             is_state = node.name in params or node.name in graph.captured.buffers
             state.append(held if is_state and node.name not in params else zeros)
             activation.append(zeros if is_state else held)
-            compute.append(zeros); comm.append(zeros)
+            compute.append(zeros); forward.append(zeros); comm.append(zeros)
         else:
-            t, saved = pricer.op(ns, node in grad_nodes)
-            compute.append(t); state.append(zeros); comm.append(zeros)
+            t, t_forward, saved = pricer.op(ns, node in grad_nodes)
+            compute.append(t); forward.append(t_forward); state.append(zeros); comm.append(zeros)
             activation.append(saved if node in kept else zeros)
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
-    zero_node: dict[fx.Node, int] = {}
+    # one ZeRO node per parameter, after the graph's nodes
+    zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
+    layer_of, ties = find_layers(graph, index, zero_node)
+    shares = parameter_shares(graph, layer_of)
     for node in nodes:
         if node.name not in params:
             continue
         ns = graph.nodes[node]
         meta = TensorMeta.of(node.meta["val"])
-        priced = pricer.zero(meta, ns, precision)
-        zero_node[node] = len(nodes) + len(zero_node)
+        priced = pricer.zero(meta, ns, precision, shares.get(node, UNPACKED))
         compute.append(np.array([c[0] for c in priced]))
+        forward.append(np.zeros(len(priced)))
         comm.append(np.array([c[1] for c in priced]))
         state.append(np.array([c[2] for c in priced]))
         activation.append(np.zeros(len(priced)))
         followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
                                                                     for _ in ZERO_LEVELS)))
     edges, edge_inputs = [], []
+    alike = _alike_consumers(graph, nodes, params)
     for node in nodes:
         ns = graph.nodes[node]
         if node.op == "placeholder" or ns.follows is not None:
@@ -313,11 +402,11 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             src_ns = graph.nodes[src]
             out = src_ns.follows[1] if src_ns.follows is not None else 0
             meta = TensorMeta.of(src.meta["val"])
-            table = pricer.edge(meta, src_ns, out, ns, position, src in grad_nodes, regather=src.name in params)
+            table = pricer.edge(meta, src_ns, out, ns, position, src in grad_nodes, regather=src.name in params,
+                                shares=shares.get(src, UNPACKED), alike=alike.get((src, node, position), 1))
             edges.append((index[src], index[node], table))
             edge_inputs.append((src, node, position))
     all_nodes = nodes + list(zero_node)
-    layer_of, ties = find_layers(graph, index, zero_node)
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
     ties = [group for group in ties if len(group) > 1]
@@ -326,7 +415,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         for node in nodes:
             if layer_of.get(node) in recomputed and node.op != "placeholder" and node in grad_nodes:
                 v = index[node]
-                compute[v] = compute[v] * (2.0 + BACKWARD_FACTOR) / (1.0 + BACKWARD_FACTOR)
+                compute[v] = compute[v] + forward[v]  # its forward runs again in backward
                 if all(layer_of.get(u) == layer_of[node] for u in node.users):
                     activation[v] = np.zeros_like(activation[v])
     problem = SolveProblem(
@@ -336,7 +425,22 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         node_names=[n.name for n in nodes] + [f"zero[{n.name}]" for n in zero_node],
     )
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, edge_inputs,
-                 layer_of, precision, frozenset(recomputed), pricer)
+                 layer_of, precision, frozenset(recomputed), pricer, forward)
+
+
+def _alike_consumers(graph: StrategyGraph, nodes, params) -> dict[tuple[fx.Node, fx.Node, int], int]:
+    """(producer, consumer, position) -> how many consumers of the producer's value are alike
+    (same strategy table, same input position), where more than one: they share one move.
+    Parameters are left out: their moves are bucketed (``Shares``)."""
+    groups: dict[tuple, list] = {}
+    for node in nodes:
+        ns = graph.nodes[node]
+        if node.op == "placeholder" or ns.follows is not None:
+            continue
+        for position, src in enumerate(tensor_inputs(node)):
+            if src in graph.nodes and src.name not in params:
+                groups.setdefault((src, id(ns.strategies), position), []).append((src, node, position))
+    return {edge: len(group) for group in groups.values() if len(group) > 1 for edge in group}
 
 
 def _follow_operand(graph: StrategyGraph, node: fx.Node, time: np.ndarray, cache: dict):

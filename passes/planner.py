@@ -8,7 +8,9 @@ Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole 
    is never predicted slower than the best layout that fits;
 3. the intra-op solve (followers, tied layers, chain DP or CP-SAT, wall-clock limit);
 4. the pipeline search (``passes.planner_pipeline``) over device factorisations into a
-   pipeline axis times intra-op axes, stage cuts, micro-batches and schedules;
+   pipeline axis times intra-op axes (``pipeline_factorisations``: with a preset every
+   split of the outermost axis, with a measured profile the whole outermost axis, the
+   only one it prices), stage cuts, micro-batches and schedules;
 5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
    broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -32,9 +34,9 @@ import costmodels
 from passes.costing import Costs, build_costs, state_breakdown
 from passes.placements import fits, local_shape, spec_str
 from passes.plan import Plan, Prediction, plan_from_choice
-from passes.solve import SolveOptions, SolveProblem, SolveResult, plan_costs, solve
+from passes.solve import SolveOptions, SolveResult, plan_costs, solve
 from passes.solve.heuristics import chain_relaxation_plan
-from passes.solve.shrink import shrink_problem
+from passes.solve.shrink import ShrunkProblem, shrink_problem
 from passes.strategies import StrategyGraph, tensor_inputs
 from passes.explain import duration
 
@@ -61,65 +63,84 @@ class Hint:
     everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
 
 
-def complete(costs: Costs, hint: Hint) -> dict[fx.Node, int] | None:
+def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> dict[fx.Node, int] | None:
     """A full choice from the hint's fixed placeholder placements and ZeRO levels, completed by
     the solver's own heuristic (chain relaxation plus local improvement, ``passes.solve.
     heuristics``) on the problem with every other placement of those placeholders forbidden:
     the best completion of the layout the heuristic finds, not a greedy pass that lets
-    pending sums travel and pays for them later."""
+    pending sums travel and pays for them later.
+
+    ``shrunk``: ``shrink_problem(costs.problem)``, when the caller completes several hints.
+    The restrictions are inf added to node times, which fold into the shrunk problem like
+    any node cost (``ShrunkProblem.with_added_time``), so it is not shrunk again per hint;
+    they are listed once per strategy table (tied layers share theirs)."""
     graph, problem = costs.graph, costs.problem
-    node_time = [t.copy() for t in problem.node_time]
-    levels = len(costs.problem.node_time[next(iter(costs.zero_node.values()))]) if costs.zero_node else 1
+    replicated = tuple(Replicate() for _ in graph.mesh_shape)
+    added: dict[int, np.ndarray] = {}  # problem node -> seconds added to each strategy (inf forbids it)
+    tables: dict[tuple, object] = {}  # per strategy table: the allowed placements, the forbidden strategies
+
+    def allowed_outputs(ns, want) -> list[int]:
+        key = ("output", id(ns.strategies), want)
+        if key not in tables:
+            tables[key] = [i for i, s in enumerate(ns.strategies) if s.output == want] or [0]
+        return tables[key]
+
+    def restrict(v: int, forbid: np.ndarray) -> None:
+        """Forbid where the node keeps some finite choice (else it is left as it was)."""
+        combined = problem.node_time[v] + added.get(v, 0.0) + forbid
+        if np.isfinite(combined).any():
+            added[v] = added.get(v, 0.0) + forbid
+
     for node, ns in graph.nodes.items():
         if node.op != "placeholder":
             continue
-        want = hint.fixed.get(node, tuple(Replicate() for _ in graph.mesh_shape))
-        allowed = [i for i, s in enumerate(ns.strategies) if s.output == want] or [0]
+        allowed = allowed_outputs(ns, hint.fixed.get(node, replicated))
         if node in costs.zero_node:
             zi, k = costs.zero_node[node], len(ns.strategies)
-            per = len(node_time[zi]) // k
-            keep = np.full(len(node_time[zi]), np.inf)
+            times = problem.node_time[zi]
+            per = len(times) // k
+            keep = np.full(len(times), np.inf)
             level = min(hint.zero.get(node, 0), per - 1)
             for i in allowed:  # the layout's level where it means something, else level 0
-                keep[i * per + (level if np.isfinite(node_time[zi][i * per + level]) else 0)] = 0.0
-            node_time[zi] = node_time[zi] + keep
+                keep[i * per + (level if np.isfinite(times[i * per + level]) else 0)] = 0.0
+            added[zi] = keep
         else:
-            keep = np.full(len(node_time[costs.index[node]]), np.inf)
+            keep = np.full(len(ns.strategies), np.inf)
             keep[allowed] = 0.0
-            node_time[costs.index[node]] = node_time[costs.index[node]] + keep
+            added[costs.index[node]] = keep
     if hint.keep_axes or hint.data_axes:  # how the layout computes with its weights
         for src, dst, position in costs.edge_inputs:
             if src.name not in graph.captured.params:
                 continue
-            want = hint.fixed.get(src, tuple(Replicate() for _ in graph.mesh_shape))
-            forbid = np.array([0.0 if s.inputs[position] is None or (
-                all(s.inputs[position][a] == want[a] for a in hint.keep_axes)
-                and all(isinstance(s.inputs[position][a], Replicate)
-                        and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
-                for s in graph.nodes[dst].strategies])
-            combined = node_time[costs.index[dst]] + forbid
-            if np.isfinite(combined).any():  # an op with no such strategy moves the weight after all
-                node_time[costs.index[dst]] = combined
+            want = hint.fixed.get(src, replicated)
+            strategies = graph.nodes[dst].strategies
+            key = ("uses", id(strategies), position, want)
+            if key not in tables:
+                tables[key] = np.array([0.0 if s.inputs[position] is None or (
+                    all(s.inputs[position][a] == want[a] for a in hint.keep_axes)
+                    and all(isinstance(s.inputs[position][a], Replicate)
+                            and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
+                    for s in strategies])
+            restrict(costs.index[dst], tables[key])  # an op with no such strategy moves the weight after all
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
                 continue
-            whole = np.array([0.0 if all(p is None or all(isinstance(q, Replicate) for q in p)
-                                         for p in (*s.inputs, *s.outputs)) else np.inf for s in ns.strategies])
-            combined = node_time[costs.index[node]] + whole
-            if np.isfinite(combined).any():
-                node_time[costs.index[node]] = combined
-    edges = problem.edges
-    restricted = SolveProblem(node_time=node_time, node_memory=problem.node_memory, edges=edges,
-                              ties=problem.ties, followers=problem.followers)
+            key = ("whole", id(ns.strategies))
+            if key not in tables:
+                tables[key] = np.array([0.0 if all(p is None or all(isinstance(q, Replicate) for q in p)
+                                                   for p in (*s.inputs, *s.outputs)) else np.inf
+                                        for s in ns.strategies])
+            restrict(costs.index[node], tables[key])
     try:
-        shrunk = shrink_problem(restricted)
+        base = shrunk if shrunk is not None else shrink_problem(problem)
+        restricted = replace(base.with_added_time(added), memory_limit=None)
     except ValueError:  # the layout contradicts a tie or follower (e.g. tied layers placed apart)
         return None
-    decisions, _ = chain_relaxation_plan(shrunk)
+    decisions, _ = chain_relaxation_plan(restricted)
     if decisions is None:
         return None
-    choice, _ = costs.choice(shrunk.expand(decisions))
+    choice, _ = costs.choice(restricted.expand(decisions))
     return choice
 
 
@@ -138,9 +159,10 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
                 recompute: bool = False, pricer=None) -> Solved:
     costs = build_costs(graph, profile, memory_limit=memory_limit, tie_layers=tie_layers, recompute=recompute,
                         pricer=pricer)
+    shrunk = shrink_problem(costs.problem)  # once, for the completions and the solve
     for h in hints:
         if h.choice is None:
-            h.choice = complete(costs, h)
+            h.choice = complete(costs, h, shrunk)
     hints = [h for h in hints if h.choice is not None]  # a layout that does not apply here is left out
     assignments = [costs.assignment(h.choice, h.zero) for h in hints]
     costs.problem.hints = assignments
@@ -149,7 +171,7 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
         pc = plan_costs(costs.problem, a)
         hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
     options = SolveOptions(time_limit_s=max(time_limit_s, 0.5), relative_gap_limit=1e-3)
-    return Solved(costs, solve(costs.problem, options), hint_times, list(hints))
+    return Solved(costs, solve(costs.problem, options, shrunk=shrunk), hint_times, list(hints))
 
 
 def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float]:
@@ -295,7 +317,8 @@ def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hin
                             recompute=True, pricer=solved.costs.pricer)
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
-        solved = fewest_recomputed(retry, memory_limit)
+        left = time_limit_s - (time.perf_counter() - started)
+        solved = fewest_recomputed(retry, memory_limit, time_limit_s=max(left, 1.0))
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     if solved.costs.recompute:
         layers = sorted(set(solved.costs.layer_of.values()))
@@ -305,12 +328,19 @@ def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hin
     return plan, solved
 
 
-def fewest_recomputed(solved: Solved, memory_limit: float | None) -> Solved:
-    """The same layout with as few layers recomputed as fit in memory.
+def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:
+    """The fewest layers recomputed that fit in memory, and the placements solved for them.
 
     ``solved`` recomputes every repeated layer. The layers are alike (tied), so each one
-    recomputed saves the same bytes and costs the same time: the number needed follows
-    from the layout's memory with none and with all recomputed, checked by re-costing.
+    recomputed saves the same bytes and costs the same time: the number ``k`` needed by
+    ``solved``'s placements follows from their memory with none and with all recomputed,
+    checked by re-costing. Those placements were chosen for all layers recomputed, though:
+    recomputation makes compute (1 + 1 / (1 + BACKWARD_FACTOR)) times dearer and saved
+    activations nearly free, which favours placements that compute less and keep more
+    activations (e.g. activations replicated rather than split). With only ``k`` layers
+    recomputed the trade differs, so re-solving can choose other placements. With
+    ``time_limit_s`` > 0 the problem with ``k`` layers recomputed is solved once, given the
+    kept placements as a candidate (so it is never worse), and the better one is kept.
     """
     costs, assignment = solved.costs, solved.result.assignment
     layers = sorted(set(costs.layer_of.values()))
@@ -331,10 +361,23 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None) -> Solved:
     while k < len(layers):
         fewer, used = memory(layers[:k])
         if used <= memory_limit * (1 + 1e-9):
-            fewer.problem.hints = costs.problem.hints
-            return Solved(fewer, solved.result, solved.hint_times, solved.hints)
+            break
         k += 1
-    return solved
+    else:
+        return solved
+    hints = costs.problem.hints
+    fewer.problem.hints = hints + [list(assignment)]
+    result = solved.result
+    if time_limit_s > 0:
+        again = solve(fewer.problem, SolveOptions(time_limit_s=time_limit_s, relative_gap_limit=1e-3))
+        if again.feasible and again.objective < plan_costs(fewer.problem, assignment).total_time:
+            result = again
+    fewer.problem.hints = hints
+    hint_times = {}
+    for h, a in zip(solved.hints, hints):
+        pc = plan_costs(fewer.problem, a)
+        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+    return Solved(fewer, result, hint_times, solved.hints)
 
 
 def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
@@ -371,6 +414,15 @@ def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
     return out
 
 
+def pipeline_factorisations(shape: tuple[int, ...], hardware) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations ``hardware`` can price: any (``factorisations``) for a preset, which
+    is built for each; for a measured profile only the pipeline over the whole outermost axis,
+    the intra-op mesh being the other measured axes (``planner_pipeline.pipeline_profile``)."""
+    if isinstance(hardware, str):
+        return factorisations(shape)
+    return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
+
+
 def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
                   time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
                   axis_names: Sequence[str] | None = None, progress=None) -> Plan:
@@ -383,9 +435,10 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
     report = progress or (lambda phase, done, total: None)
     profile = _profile(hardware, shape, axis_names)
     limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
-    options = factorisations(shape) if pipeline and isinstance(hardware, str) and layout is None else []
+    options = pipeline_factorisations(shape, hardware) if pipeline and layout is None else []
     report("strategies", 0, 1 + len(options))
-    graph = build_strategy_graph(captured, shape)
+    calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
+    graph = build_strategy_graph(captured, shape, calls)
     best, error, tried, candidates = None, None, {}, {}
     for k, (p, intra) in enumerate([(1, shape)] + options):
         remaining = time_limit_s - (time.perf_counter() - started)
@@ -404,7 +457,8 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
                 candidate, error, why = None, exc, str(exc)
         else:
             candidate, why = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
-                                           time_limit_s=solver_time, shape=shape)
+                                           time_limit_s=solver_time, shape=shape,
+                                           graph=build_strategy_graph(captured, intra, calls))
         tried[where] = why
         if candidate is None:
             continue

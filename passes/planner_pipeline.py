@@ -1,9 +1,10 @@
 """Pipeline plans: an intra-op solution cut into stages along a new outermost mesh axis.
 
 For a device factorisation ``(P,) + intra`` (the pipeline axis outermost, on the slow
-links; ``intra`` keeps the fast inner axes for the ops that talk most), the intra-op
-assignment solved on ``intra`` for the whole batch is turned into per-layer numbers
-(``layer_numbers``):
+links; ``intra`` keeps the fast inner axes for the ops that talk most; priced by
+``pipeline_profile``: a preset built for it, or a measured profile whose whole outermost
+axis is the pipeline's), the intra-op assignment solved on ``intra`` for the whole batch
+is turned into per-layer numbers (``layer_numbers``):
 
 - activation-side time (op compute, resharding of activations) scales as 1 / M per
   micro-batch; parameter-side time (gathers and gradient syncs on parameter edges, the
@@ -31,7 +32,7 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 import costmodels
-from passes.costing import BACKWARD_FACTOR, Costs, state_breakdown
+from passes.costing import Costs, state_breakdown
 from passes.placements import local_shape
 from passes.solve.pipeline_search import LayerCosts, search_pipeline
 from passes.strategy import TensorMeta
@@ -53,11 +54,14 @@ class LayerNumbers:
     activation: np.ndarray  # bytes, whole batch
     boundary: np.ndarray  # bytes leaving each layer, whole batch
     layer_of_node: dict  # graph node -> layer number
+    forward: np.ndarray  # the forward compute alone (what recomputing a layer runs again)
 
 
-def layer_numbers(costs: Costs, assignment) -> LayerNumbers:
-    graph, mesh = costs.graph, costs.graph.mesh_shape
-    nodes = list(graph.nodes)
+def node_layers(costs: Costs) -> tuple[dict, int]:
+    """(graph node -> the layer it runs with, the number of layers): its own layer, else the
+    first for nodes before the first layer's first op and the last for the rest; a
+    placeholder outside the layers sits with its first reader."""
+    nodes = list(costs.graph.nodes)
     layered = [costs.layer_of[n] for n in nodes if n in costs.layer_of and n.op != "placeholder"]
     count = max(layered) + 1 if layered else 1
     first_pos = min((i for i, n in enumerate(nodes) if n in costs.layer_of and n.op != "placeholder"), default=0)
@@ -68,41 +72,62 @@ def layer_numbers(costs: Costs, assignment) -> LayerNumbers:
     for n in nodes:  # a placeholder sits with its layer, or with its first reader
         if n.op == "placeholder":
             where[n] = costs.layer_of.get(n, min((where[u] for u in n.users if u in where), default=0))
-    z = lambda: np.zeros(count)  # noqa: E731
-    num = LayerNumbers(z(), z(), z(), z(), z(), np.zeros((count, 3)), z(), z(), where)
+    return where, count
+
+
+def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = None) -> LayerNumbers:
+    """``layers``: ``node_layers(costs)``, when the caller sums several assignments of ``costs``."""
+    graph, mesh = costs.graph, costs.graph.mesh_shape
+    where, count = node_layers(costs) if layers is None else layers
+    # sums in Python floats (numpy element updates cost ten times more), arrays at the end
+    act, compute, param, optimizer = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
+    forward = [0.0] * count
+    static, activation, boundary = [0.0] * count, [0.0] * count, [0.0] * count
+    kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     choice, zero = costs.choice(assignment)
+    leads = {zi: ph for ph, zi in costs.zero_node.items()}
+    node_time, costs_compute = costs.problem.node_time, costs.compute
+    state_memory, activation_memory = costs.state_memory, costs.activation_memory
     for v, node in enumerate(costs.nodes):
         s = assignment[v]
         layer = where[node]
-        if node in costs.zero_node and costs.zero_node[node] == v:
-            num.param_time[layer] += costs.problem.node_time[v][s]
-            num.optimizer[layer] += costs.compute[v][s]
-            num.static[layer] += costs.state_memory[v][s]
+        if v in leads:
+            param[layer] += float(node_time[v][s])
+            optimizer[layer] += float(costs_compute[v][s])
+            static[layer] += float(state_memory[v][s])
             spec = graph.nodes[node].strategies[choice[node]].output
             numel = math.prod(local_shape(tuple(node.meta["val"].shape), spec, mesh))
             shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
-            kinds = state_breakdown(numel, zero[node], shards, costs.precision)
-            num.kinds[layer] += [kinds["parameters"], kinds["gradients"], kinds["optimizer"]]
+            held = state_breakdown(numel, zero[node], shards, costs.precision)
+            row = kinds[layer]
+            row[0] += held["parameters"]
+            row[1] += held["gradients"]
+            row[2] += held["optimizer"]
             continue
-        num.act_time[layer] += costs.problem.node_time[v][s]
-        num.compute[layer] += costs.compute[v][s]
-        num.static[layer] += costs.state_memory[v][s]
-        num.kinds[layer][0] += costs.state_memory[v][s]
-        num.activation[layer] += costs.activation_memory[v][s]
+        act[layer] += float(node_time[v][s])
+        compute[layer] += float(costs_compute[v][s])
+        forward[layer] += float(costs.forward[v][s])
+        held = float(state_memory[v][s])
+        static[layer] += held
+        kinds[layer][0] += held
+        activation[layer] += float(activation_memory[v][s])
+    params = graph.captured.params
     for (src, dst, _), (u, v, table) in zip(costs.edge_inputs, costs.problem.edges):
-        t = table[assignment[u], assignment[v]]
-        if src.name in graph.captured.params:
-            num.param_time[where[dst]] += t
+        t = float(table[assignment[u], assignment[v]])
+        if src.name in params:
+            param[where[dst]] += t
         else:
-            num.act_time[where[dst]] += t
+            act[where[dst]] += t
         if where[src] < where[dst] and src.op != "placeholder":
             spec = graph.nodes[src].strategies[choice[src]].outputs[0] if graph.nodes[src].follows is None else None
             if spec is not None:
                 meta = TensorMeta.of(src.meta["val"])
                 nbytes = math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize
                 for layer in range(where[src], where[dst]):
-                    num.boundary[layer] = max(num.boundary[layer], nbytes)
-    return num
+                    boundary[layer] = max(boundary[layer], nbytes)
+    array = np.array
+    return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
+                        array(activation), array(boundary, dtype=np.float64), where, array(forward))
 
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
@@ -113,7 +138,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
     results = []
     for recompute in (False, True):
         def layer_costs(p: int, m: int, recompute=recompute) -> LayerCosts:
-            extra = num.compute / (1.0 + BACKWARD_FACTOR) if recompute else 0.0  # one more forward
+            extra = num.forward if recompute else 0.0  # one more forward
             activation = num.boundary if recompute else num.activation
             return LayerCosts(
                 time=(num.act_time + extra) / m, static_memory=num.static, activation_memory=activation / m,
@@ -129,18 +154,49 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
     return min(results, key=lambda r: r[0].step_time)
 
 
-def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: str, hint_fn, *, memory_limit: float,
-                  time_limit_s: float, shape: tuple[int, ...]):
-    """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``."""
+def pipeline_profile(hardware: costmodels.HardwareProfile | str, p: int,
+                     intra: tuple[int, ...]) -> costmodels.HardwareProfile:
+    """The profile of the mesh ``(p,) + intra``, the pipeline axis first.
+
+    A preset (by name) is built for that mesh. A measured profile prices only what was
+    measured: the pipeline takes its whole outermost axis (whose send/recv fit prices the
+    stage boundaries) and the intra-op mesh is the remaining axes; a 1-D profile gains an
+    intra-op axis of size 1, where every collective is free (as the profiler records one).
+    """
+    names = ("pp",) + tuple(f"axis{i + 1}" for i in range(len(intra)))
+    if isinstance(hardware, str):
+        return costmodels.preset(hardware, (p,) + tuple(intra), names)
+    shape = tuple(hardware.mesh_shape)
+    if shape[0] != p or (shape[1:] or (1,)) != tuple(intra):
+        raise ValueError(
+            f"autopar: a measured profile of mesh {shape} prices a pipeline over its whole outermost axis "
+            f"({shape[0]} stages over {shape[1:] or (1,)}), found {p} stages over {tuple(intra)}; "
+            "measure a profile of the mesh you mean, or plan with a preset")
+    if len(shape) > 1:
+        return hardware
+    free = {c: costmodels.CollectiveFit(alpha_s=0.0, beta_bytes_per_s=math.inf, source="axis of size 1")
+            for c in costmodels.COLLECTIVES}
+    one = costmodels.AxisProfile(name=names[1], size=1, link="intra_node", collectives=free)
+    return costmodels.HardwareProfile(
+        machine=hardware.machine, backend=hardware.backend, mesh_shape=(p, 1), device=hardware.device,
+        axes=[hardware.axes[0], one], source=f"{hardware.source}; an intra-op axis of size 1 added for a pipeline")
+
+
+def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: costmodels.HardwareProfile | str, hint_fn, *,
+                  memory_limit: float, time_limit_s: float, shape: tuple[int, ...], graph=None):
+    """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``.
+
+    ``hardware``: a preset name or a profile (``pipeline_profile``); ``graph``: the strategy
+    graph on ``intra`` when the caller has it."""
     from passes.planner import PlanningError, plan_intra_op
     from passes.strategies import build_strategy_graph
 
-    names = ("pp",) + tuple(f"axis{i + 1}" for i in range(len(intra)))
-    full = costmodels.preset(hardware, (p,) + intra, names)
+    full = pipeline_profile(hardware, p, tuple(intra))
+    names = ("pp",) + full.axis_names[1:]
     intra_profile = costmodels.HardwareProfile(
         machine=full.machine, backend=full.backend, mesh_shape=intra, device=full.device, axes=full.axes[1:],
         source=full.source)
-    graph = build_strategy_graph(captured, intra)
+    graph = graph if graph is not None else build_strategy_graph(captured, intra)
     try:  # the whole model's state over P stages: P times the budget before the cut checks it
         plan, solved = plan_intra_op(graph, intra_profile, hint_fn, memory_limit=memory_limit * p,
                                      time_limit_s=time_limit_s, axis_names=names[1:])
@@ -152,8 +208,9 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: str, hint_
     candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
                    for h in hints]
     found = {}
+    layers = node_layers(costs)
     for label, assignment in candidates:
-        num = layer_numbers(costs, assignment)
+        num = layer_numbers(costs, assignment, layers)
         if len(num.act_time) < p:
             return None, f"{len(num.act_time)} layers for {p} stages"
         r = search(num, full, p, _microbatches(costs, assignment), memory_limit=memory_limit)

@@ -50,7 +50,9 @@ def op_info(node: fx.Node) -> OpInfo:
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The nodes behind a call's tensor arguments, in OpInfo.inputs order."""
-    leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
+    leaves = [*node.args, *node.kwargs.values()]  # already the leaves unless an argument nests
+    if any(isinstance(a, (list, tuple, dict)) or type(a) in pytree.SUPPORTED_NODES for a in leaves):
+        leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
     return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
 
 
@@ -98,7 +100,12 @@ class StrategyGraph:
         return "\n".join(lines)
 
 
-def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> StrategyGraph:
+def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int],
+                         calls: dict[fx.Node, tuple[OpInfo, str]] | None = None) -> StrategyGraph:
+    """Every node's strategies on ``mesh_shape``. ``calls``: a dict kept between graphs of the
+    same captured model on several meshes (a planner's factorisations), where each call's
+    OpInfo and key, which do not depend on the mesh, are kept once worked out."""
+    calls = {} if calls is None else calls
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if any(s < 1 for s in mesh_shape):  # () is one device: a pipeline stage with no intra-op axes
         raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (2, 2), found {mesh_shape}")
@@ -120,11 +127,13 @@ def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int]) -> Strat
                     node, graph.nodes[producer].strategies, follows=(producer, index)
                 )
         elif node.op == "call_function":
-            info = op_info(node)
+            if node not in calls:
+                info = op_info(node)
+                calls[node] = info, repr((info.name, info.args, info.kwargs, info.outputs))
+            info, key = calls[node]
             has_rule = rules.rule_for(node.target) is not None
             if not has_rule:
                 graph.missing_rules[info.name] = graph.missing_rules.get(info.name, 0) + 1
-            key = repr((info.name, info.args, info.kwargs, info.outputs))
             if key not in known:
                 known[key] = tuple(rules.strategies_for(info, mesh_shape))
             graph.nodes[node] = NodeStrategies(node, known[key], info=info, has_rule=has_rule)

@@ -1,7 +1,6 @@
 """Costing: orderings of the cost tables, the backward collectives on edges, ZeRO memory, ties."""
 
 import math
-import operator
 import warnings
 
 import numpy as np
@@ -12,7 +11,6 @@ from torch.distributed.tensor import Replicate, Shard
 import costmodels
 from passes.capture import capture
 from passes.costing import ZERO_LEVELS, build_costs, zero_costs
-from passes.placements import parse_spec
 from passes.strategies import build_strategy_graph
 from passes.strategy import TensorMeta
 from tests.models import small_gpt
@@ -54,14 +52,36 @@ def test_replicated_weight_of_batch_split_op_pays_gradient_all_reduce(gpt_costs)
     i = _index(costs.graph.nodes[weight].strategies, "() -> RR")
     j = _index(costs.graph.nodes[node].strategies, "(S(0)S(0), RR, RR) -> S(0)S(0)")
     nbytes = math.prod(weight.meta["val"].shape) * 4
-    expected = sum(costmodels.collective_time("all_reduce", nbytes, a, profile) for a in (0, 1))
+    # the gradient travels in DDP-style buckets: it pays its bytes' part of their latency
+    params = [n for n in costs.graph.nodes if n.name in costs.graph.captured.params]
+    total = sum(math.prod(p.meta["val"].shape) * 4 for p in params)
+    share = costmodels.gradient_buckets(total) * nbytes / total
+    assert share < 1
+    expected = sum(costmodels.collective_time("all_reduce", nbytes, a, profile, share) for a in (0, 1))
     assert table[i, j] == pytest.approx(expected)
+    alone = sum(costmodels.collective_time("all_reduce", nbytes, a, profile) for a in (0, 1))
+    assert table[i, j] < alone
     k = _index(costs.graph.nodes[node].strategies, "(RR, RR, RR) -> RR")
     assert table[i, k] == 0.0  # replicated compute: no gradient sync
 
 
+def test_bucketed_parameters_pay_each_call_latency_once(gpt_costs):
+    """Over all parameters the latency shares add up to one alpha per bucket: per
+    gradient bucket for all-reduces, per layer (or stretch between layers) for gathers."""
+    from passes.costing import parameter_shares
+
+    shares = parameter_shares(gpt_costs.graph, gpt_costs.layer_of)
+    params = [n for n in gpt_costs.graph.nodes if n.name in gpt_costs.graph.captured.params]
+    total = sum(math.prod(p.meta["val"].shape) * 4 for p in params)
+    assert sum(s.all_reduce for s in shares.values()) == pytest.approx(costmodels.gradient_buckets(total))
+    layers = {gpt_costs.layer_of[p] for p in params if p in gpt_costs.layer_of}
+    assert len(layers) >= 2
+    # one gather per layer, one for the embeddings before them, one for what comes after
+    assert sum(s.gather for s in shares.values()) == pytest.approx(len(layers) + 2)
+
+
 def test_sharded_weight_gathered_forward_reduce_scattered_backward(gpt_costs):
-    costs, profile = gpt_costs, gpt_costs.profile
+    costs = gpt_costs
     node = _node(costs, "linear")
     weight = node.args[1]
     (table,) = [r for (src, dst, _), (u, v, r) in zip(costs.edge_inputs, costs.problem.edges)
@@ -130,3 +150,57 @@ def test_ties_bind_leaders_only_so_the_problem_shrinks():
     assert costs.problem.ties and not any(v in followers for g in costs.problem.ties for v in g)
     shrunk = shrink_problem(costs.problem)
     assert shrunk.num_nodes < costs.problem.num_nodes
+
+
+def _whole(strategies):
+    """The strategy that computes on whole values (every placement Replicate)."""
+    return next(i for i, s in enumerate(strategies)
+                if all(p is None or all(isinstance(q, Replicate) for q in p) for p in (*s.inputs, *s.outputs)))
+
+
+def test_backward_is_priced_by_the_ops_autograd_runs(gpt_costs):
+    """costmodels.backward_ops: nothing for an add, a gelu_backward for a gelu, two matmuls
+    and the bias gradient's sum for a linear with a bias; ``forward`` keeps the forward."""
+    costs, profile = gpt_costs, gpt_costs.profile
+    first = {}
+    for node in costs.graph.nodes:
+        first.setdefault(str(node.target), node)
+    add, gelu, linear = first["aten.add.Tensor"], first["aten.gelu.default"], first["aten.linear.default"]
+    v = costs.index[add]
+    assert np.array_equal(costs.compute[v], costs.forward[v]) and costs.forward[v].max() > 0
+    v = costs.index[gelu]
+    i = _whole(costs.graph.nodes[gelu].strategies)
+    nbytes = 2 * math.prod(gelu.meta["val"].shape) * 4
+    assert costs.forward[v][i] == pytest.approx(costmodels.compute_time(0, nbytes, "fp32", profile, "gelu"))
+    assert costs.compute[v][i] - costs.forward[v][i] == pytest.approx(
+        costmodels.compute_time(0, 1.5 * nbytes, "fp32", profile, "gelu_backward"))
+    v = costs.index[linear]
+    i = _whole(costs.graph.nodes[linear].strategies)
+    out_bytes = math.prod(linear.meta["val"].shape) * 4
+    assert costs.compute[v][i] - costs.forward[v][i] == pytest.approx(
+        2 * costs.forward[v][i] + costmodels.compute_time(0, out_bytes, "fp32", profile, "memory"))
+
+
+def test_recomputed_layers_pay_their_forward_again(gpt_costs):
+    costs = gpt_costs
+    again = build_costs(costs.graph, costs.profile, memory_limit=80e9, recompute=True)
+    linear = _node(costs, "linear")
+    v = costs.index[linear]
+    assert np.allclose(again.compute[v], costs.compute[v] + costs.forward[v])
+    assert np.array_equal(again.forward[v], costs.forward[v])
+
+
+def test_alike_consumers_share_one_move(gpt_costs):
+    """q, k and v read one normed activation: codegen moves it once for the three (and
+    reduces its gradient once), so each edge pays a third of the move."""
+    costs = gpt_costs
+    norm = next(n for n in costs.graph.nodes if str(n.target) == "aten.layer_norm.default")
+    readers = [(dst, table) for (src, dst, _), (_, _, table) in zip(costs.edge_inputs, costs.problem.edges)
+               if src is norm]
+    assert [str(dst.target) for dst, _ in readers] == ["aten.linear.default"] * 3
+    dst = readers[0][0]
+    alone = costs.pricer.edge(TensorMeta.of(norm.meta["val"]), costs.graph.nodes[norm], 0, costs.graph.nodes[dst],
+                              0, True)
+    assert alone.max() > 0
+    for _, table in readers:
+        assert np.allclose(table, alone / 3)

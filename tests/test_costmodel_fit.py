@@ -36,3 +36,21 @@ def test_bad_inputs():
         fit_linear([1, 2], [1.0, 0.0])
     with pytest.raises(ValueError, match="do not grow with size"):
         fit_linear([1, 2, 3], [3.0, 2.0, 1.0])
+
+
+def test_per_item_fit_recovers_each_size_and_the_fixed_cost():
+    from costmodels.fit import fit_per_item
+
+    # attention-like: heads (batch x heads) of four sizes, one size at two head counts
+    counts = [8, 32, 16, 16, 8]
+    sizes = [2.1e6, 2.1e6, 16.8e6, 4.2e6, 8.4e6]
+    per = {2.1e6: 44e-6, 4.2e6: 83e-6, 8.4e6: 141e-6, 16.8e6: 244e-6}
+    t = [2e-5 + n * per[s] for n, s in zip(counts, sizes)]
+    f = fit_per_item(counts, sizes, t)
+    assert f.intercept == pytest.approx(2e-5, rel=1e-6)
+    assert [s for s, _ in f.points] == sorted(per) and all(g == pytest.approx(per[s]) for s, g in f.points)
+    # no size at two counts: the fixed cost cannot be told apart, so it is 0
+    g = fit_per_item(counts[1:], sizes[1:], t[1:])
+    assert g.intercept == 0.0 and len(g.points) == 4
+    with pytest.raises(ValueError, match="positive time"):
+        fit_per_item([1, 2, 1], [1.0, 1.0, 2.0], [3.0, 1.0, 1.0])

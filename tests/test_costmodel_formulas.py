@@ -216,3 +216,21 @@ def test_compiled_functions_are_cached():
 def test_unknown_formula_name():
     with pytest.raises(KeyError, match="autopar: no cost formula"):
         formulas.describe("nope")
+
+
+def test_attention_is_priced_head_by_head_between_measured_sizes():
+    p = make_profile()
+    # per head: 2 MFLOP in 40 us, 16 MFLOP in 200 us (bigger heads run faster per FLOP)
+    p.device.attention["forward"]["fp32"] = Rate(latency_s=3e-6, rate=16e6 / 200e-6,
+                                                 points=[[2e6, 40e-6], [16e6, 200e-6]])
+    fwd = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert compute_time(64 * 2e6, 1e6, "fp32", p, fwd, 64) == pytest.approx(3e-6 + 64 * 40e-6)
+    assert compute_time(8 * 16e6, 1e6, "fp32", p, fwd, 8) == pytest.approx(3e-6 + 8 * 200e-6)
+    # between: the straight piece; below the first: towards zero; beyond the last: its rate
+    assert compute_time(10 * 9e6, 1e6, "fp32", p, fwd, 10) == pytest.approx(3e-6 + 10 * 120e-6)
+    assert compute_time(4 * 1e6, 1e6, "fp32", p, fwd, 4) == pytest.approx(3e-6 + 4 * 20e-6)
+    assert compute_time(2 * 32e6, 1e6, "fp32", p, fwd, 2) == pytest.approx(3e-6 + 2 * 400e-6)
+    # heads unknown: the whole op at the rate
+    assert compute_time(64 * 2e6, 1e6, "fp32", p, fwd) == pytest.approx(3e-6 + 64 * 2e6 / 8e10)
+    (bwd,) = backward_ops(Op(1e9, 4e6, "fp32", fwd, heads=64))
+    assert bwd.heads == 64 and bwd.name == "attention_backward"

@@ -130,9 +130,9 @@ def test_missing_file(tmp_path):
     [
         ("{not json", "must be JSON"),
         ("[1, 2]", "must be a JSON object"),
-        ('{"version": 2}', "must hold machine"),
+        ('{"version": 3}', "must hold machine"),
         ('{"version": 99}', "format version 99"),
-        ('{"version": 1, "machine": "m"}', "format version 1; this autopar reads version 2"),
+        ('{"version": 1, "machine": "m"}', "format version 1; this autopar reads version 3"),
     ],
 )
 def test_corrupt_profiles_are_clear_errors(tmp_path, text, match):
@@ -179,3 +179,11 @@ def test_mismatched_profile_names_every_difference(tmp_path):
     check_profile(p, mesh_shape=(2, 4))  # matching: no error
     with pytest.raises(ProfileError, match="made for mesh \\(2, 4\\), but the plan uses mesh \\(8,\\)"):
         p.check_mesh((8,))
+
+
+def test_attention_points_per_head_round_trip():
+    p = h100((2,))
+    assert p.device.attention["forward"]["fp32"].points == []  # presets: one rate for every head
+    p.device.attention["backward"]["fp32"] = Rate(latency_s=1e-5, rate=7e10, points=[[1.6e7, 2.4e-4], [2e6, 4e-5]])
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p and q.device.attention["backward"]["fp32"].points == [[2e6, 4e-5], [1.6e7, 2.4e-4]]

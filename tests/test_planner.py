@@ -3,6 +3,7 @@ parameters do not fit otherwise, a pipeline across the slow axis, micro-batches 
 bubble, and a clear error when nothing fits. Models are on the meta device: nothing is
 allocated, the cost model reads shapes only."""
 
+import math
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from passes.plan import Plan, choice_from_plan
 from passes.planner import PlanningError
 from passes.strategies import build_strategy_graph
 from tests.models import small_gpt
+from tests.profiles import measured_style
 
 LIMIT = 4.0  # seconds of solver time per plan in these tests
 
@@ -92,10 +94,17 @@ def test_pure_data_parallel_for_a_small_model_on_a_slow_link():
     model = meta(lambda: WideMLP(dim=256, hidden=1024, n_layers=2))
     x = torch.zeros(64, 1024, 256, device="meta")
     p = plan(model, (8,), (x,), hardware=slow_axis(8), time_limit_s=LIMIT, pipeline=False)
-    assert set(p.params.values()) == {"R"}
-    assert p.strategies["linear"].endswith("-> S(0)")  # the batch is split (sliced for free if x is whole)
+    # every linear reads its weight and bias whole and splits the tokens (batch or
+    # sequence: for an MLP the same data parallelism), sliced for free as x is whole
+    linears = [v for k, v in p.strategies.items() if k.startswith("linear")]
+    assert len(linears) == 4 and all(s in ("(S(0), R, R) -> S(0)", "(S(1), R, R) -> S(1)") for s in linears)
     assert "as dp" in p.explain()
-    assert 3 not in p.zero.values()  # ZeRO 1/2 may shard optimizer state; parameters stay whole
+    # ZeRO 1/2 may shard the gradients and optimizer state (bucketed, they cost about
+    # what the all-reduce does and shrink the optimizer step); parameters stay whole
+    assert 3 not in p.zero.values()
+    whole = sum(math.prod(t.shape) * 4 for t in model.parameters())
+    assert p.predicted.memory["parameters"] == whole
+    assert all(v == "R" for k, v in p.params.items() if p.zero[k] == 0)
 
 
 def test_parameters_sharded_when_they_do_not_fit_replicated():
@@ -135,6 +144,23 @@ def test_pipeline_across_the_slow_axis_with_micro_batches():
     graph = build_strategy_graph(capture(model, (x,)), p.mesh_shape[1:])  # the runtime's view: stages' mesh
     assert len(choice_from_plan(graph, p)) == len(graph.nodes)
     assert set(p.pipeline.stage_of.values()) == set(range(p.pipeline.stages * p.pipeline.chunks_per_rank))
+
+
+def test_pipeline_from_a_measured_profile_takes_the_slow_axis():
+    """A measured profile prices only its own axes: the pipeline takes the whole slow outer
+    axis (its send/recv fit prices the stage boundaries) over the measured inner axes, and
+    a 1-D mesh pipelines over all its devices (an intra-op axis of size 1). Syncing 8 wide
+    layers' weights over a 2 GB/s axis costs more than sending activations between stages."""
+    model = meta(lambda: WideMLP(dim=4096, hidden=16384, n_layers=8))
+    x = torch.zeros(8, 256, 4096, device="meta")
+    two = plan(model, (2, 4), (x,), hardware=measured_style((2, 4)), time_limit_s=2 * LIMIT)
+    assert two.pipeline is not None and two.pipeline.stages == 2 and two.mesh_shape == (2, 4)
+    assert two.axis_names == ("pp", "gpus0")
+    graph = build_strategy_graph(capture(model, (x,)), two.mesh_shape[1:])
+    assert len(choice_from_plan(graph, two)) == len(graph.nodes)
+    one = plan(model, (4,), (x,), hardware=measured_style((4,)), time_limit_s=2 * LIMIT)
+    assert one.pipeline is not None and one.pipeline.stages == 4 and one.mesh_shape == (4, 1)
+    assert any(note.startswith("no pipeline: ") for note in one.notes)  # the intra-op plan was tried too
 
 
 def test_explain_says_what_and_why(gpt_plan):

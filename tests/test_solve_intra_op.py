@@ -122,6 +122,34 @@ def test_shrunk_objective_equals_full_objective(seed):
         assert shrunk.project(full) == decisions
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_added_time_folds_like_shrinking_again(seed):
+    """Costs added to some nodes (inf forbidding strategies, as the planner's layouts do)
+    give the shrunk problem that shrinking the changed problem gives."""
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, shape="dag", with_memory=True, with_restrictions=True)
+    added = {}
+    for v in rng.choice(problem.num_nodes, size=problem.num_nodes // 2, replace=False):
+        extra = rng.uniform(0.0, 1.0, len(problem.node_time[v]))
+        extra[rng.random(len(extra)) < 0.3] = np.inf
+        extra[int(np.argmin(problem.node_time[v]))] = 0.0  # keep a choice open
+        added[int(v)] = extra
+    changed = SolveProblem([t + added.get(v, 0.0) for v, t in enumerate(problem.node_time)], problem.node_memory,
+                           problem.edges, memory_limit=problem.memory_limit, ties=problem.ties,
+                           followers=problem.followers)
+    try:
+        again = shrink_problem(changed)
+    except ValueError:  # a tie or follower left with only forbidden choices: the same verdict
+        with pytest.raises(ValueError, match="autopar:"):
+            shrink_problem(problem).with_added_time(added)
+        return
+    folded = shrink_problem(problem).with_added_time(added)
+    assert folded.constant_time == pytest.approx(again.constant_time, rel=1e-12)
+    for a, b in zip(folded.node_time, again.node_time):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    assert np.array_equal(folded.node_class, again.node_class) and folded.edges.keys() == again.edges.keys()
+
+
 def test_ties_and_followers_shrink_the_decisions():
     k = 3
     times = [np.arange(k, dtype=float) + v for v in range(6)]

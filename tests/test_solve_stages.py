@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+import costmodels
 from passes.solve.pipeline_search import LayerCosts, evaluate_pipeline, search_pipeline
 from passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches, pipeline_step_time
 
@@ -65,6 +66,20 @@ def test_in_flight_microbatches_per_schedule():
     interleaved = in_flight_microbatches("interleaved_1f1b", 4, 8, 2)
     assert len(interleaved) == 8 and interleaved[:4] == interleaved[4:]
     assert interleaved[0] >= interleaved[3]
+
+
+def test_in_flight_is_the_cost_models_formula_rank_by_rank():
+    """Stage cuts use costmodels' in-flight counts (formulas.IN_FLIGHT); interleaved, each
+    chunk holds its rank's count rounded up (Megatron's warm-up: 2 (P - r - 1) + (v - 1) P + 1
+    chunk forwards over v chunks)."""
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)):
+        for p, m in ((4, 8), (4, 2), (3, 9)):
+            per_stage = in_flight_microbatches(schedule, p, m, v)
+            for r in range(p):
+                want = math.ceil(costmodels.micro_batches_in_flight(schedule, p, m, v, rank=r))
+                assert per_stage[r] == want, (schedule, p, m, v, r)
+    assert in_flight_microbatches("interleaved_1f1b", 4, 8, 2)[:4] == [6, 5, 4, 3]
+    assert costmodels.micro_batches_in_flight("1f1b", 4, 8, rank=3) == 1
 
 
 def test_search_prefers_more_microbatches_and_respects_memory():

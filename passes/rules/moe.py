@@ -12,7 +12,6 @@ counts per expert). It is a contraction over K with the expert as a grouping ind
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.placements import shard_offset

@@ -55,11 +55,13 @@ class _Candidate:
     memory: float
 
 
-def solve(problem: SolveProblem, options: SolveOptions | None = None) -> SolveResult:
-    """Fastest plan that fits in ``problem.memory_limit``; see ``SolveResult`` for the verdict."""
+def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
+          shrunk: ShrunkProblem | None = None) -> SolveResult:
+    """Fastest plan that fits in ``problem.memory_limit``; see ``SolveResult`` for the verdict.
+    ``shrunk``: ``shrink_problem(problem)`` when the caller has it (hints may differ)."""
     options = options or SolveOptions()
     started = time.perf_counter()
-    shrunk = shrink_problem(problem)
+    shrunk = shrunk if shrunk is not None else shrink_problem(problem)
     restricted_least, smallest = _least_memory_plans(problem, shrunk)
     restricted_fits = fits_memory(restricted_least.memory, problem.memory_limit)
     # The unrestricted least-memory plan breaks ties or followers: a candidate only

@@ -20,7 +20,8 @@ expansion (up to float summation order); tests check this identity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Mapping
 
 import numpy as np
 
@@ -68,6 +69,25 @@ class ShrunkProblem:
         for (a, b), cost in self.edges.items():
             time += float(cost[decisions[a], decisions[b]])
         return time, memory
+
+    def with_added_time(self, added: Mapping[int, np.ndarray]) -> ShrunkProblem:
+        """This problem with ``added[v]`` seconds on original node ``v``'s strategies (inf
+        forbids one), folded as ``shrink_problem`` folds every node cost: the same as
+        shrinking the changed problem, without doing it again. Raises ``ValueError`` when
+        that leaves a decision (or a fixed node) with no finite choice."""
+        node_time = list(self.node_time)
+        constant = self.constant_time
+        for v, extra in added.items():
+            folded = np.asarray(extra, dtype=np.float64)[self.index_maps[v]]
+            d = int(self.node_class[v])
+            if d < 0:
+                constant += float(folded[0])
+            else:
+                node_time[d] = node_time[d] + folded
+        if not np.isfinite(constant) or any(not np.isfinite(t).any() for t in node_time):
+            raise ValueError("autopar: the added costs forbid every strategy of a decision (or fix a node to a "
+                             "forbidden one); expected at least one finite choice each.")
+        return replace(self, node_time=node_time, constant_time=constant)
 
     def adjacency(self) -> list[set[int]]:
         neighbours: list[set[int]] = [set() for _ in range(self.num_nodes)]

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
+import costmodels
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -56,19 +58,18 @@ class StageCut:
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, chunks_per_rank: int = 1) -> list[int]:
     """Micro-batches whose activations each (virtual) stage keeps alive at its peak.
 
-    GPipe runs every forward before any backward: ``M`` everywhere. 1F1B holds
-    ``min(M, P - s)`` on stage ``s``. Interleaved 1F1B (Megatron) warms rank ``r`` up
-    with ``2 (P - r - 1) + (v - 1) P`` chunk forwards plus the one in the steady
-    state, spread over its ``v`` chunks: ``ceil(min(M v, that) / v)`` per chunk (an
-    even-spread approximation).
+    Rank ``r`` holds ``costmodels.micro_batches_in_flight(..., rank=r)`` micro-batches
+    through its whole stage (``formulas.IN_FLIGHT``: ``M`` under GPipe, ``min(M, P - r)``
+    under 1F1B, Megatron's warm-up under interleaved 1F1B); interleaved, that is spread
+    over the rank's ``v`` chunks, each chunk holding the rounded-up share (an even-spread
+    approximation, never below the count).
     """
     _check_schedule(schedule, num_ranks, num_microbatches, chunks_per_rank)
-    p, m, v = num_ranks, num_microbatches, chunks_per_rank
-    if schedule == "gpipe":
-        return [m] * p
-    if schedule == "1f1b":
-        return [min(m, p - s) for s in range(p)]
-    per_rank = [math.ceil(min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v) for r in range(p)]
+    p, m = num_ranks, num_microbatches
+    v = chunks_per_rank if schedule == "interleaved_1f1b" else 1
+    per_rank = [math.ceil(costmodels.micro_batches_in_flight(schedule, p, m, v, rank=r)) for r in range(p)]
+    if schedule != "interleaved_1f1b":
+        return per_rank
     return [per_rank[c % p] for c in range(p * v)]
 
 
@@ -121,22 +122,27 @@ def cut_stages(
     )
     cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
 
-    # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b).
+    # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b); each stage
+    # s is one step over every (start a, end b) at once, a on rows and b on columns.
     best = np.full((num_stages, num_layers + 1), np.inf)
     choice = np.zeros((num_stages, num_layers + 1), dtype=np.int64)
+    a = np.arange(num_layers + 1)[:, None]
+    b = np.arange(num_layers + 1)[None, :]
+    sent = np.concatenate([[0.0], send])  # sent[b] = send[b - 1], the send after layer b - 1
+    span_time = time_prefix[b] - time_prefix[a]
+    span_static = static_prefix[b] - static_prefix[a]
+    span_activation = activation_prefix[b] - activation_prefix[a]
     for s in range(num_stages):
         last = s == num_stages - 1
-        for b in range(s + 1, num_layers - (num_stages - 1 - s) + 1):
-            if last and b != num_layers:
-                continue
-            starts = np.arange(s, b) if s else np.array([0])
-            stage = time_prefix[b] - time_prefix[starts] + (0.0 if last else send[b - 1])
-            activations = activation_prefix[b] - activation_prefix[starts]
-            memory = static_prefix[b] - static_prefix[starts] + flights[s] * activations
-            before = best[s - 1][starts] if s else np.zeros(1)
-            value = np.where(memory <= cap, np.maximum(before, stage), np.inf)
-            k = int(np.argmin(value))
-            best[s][b], choice[s][b] = value[k], starts[k]
+        ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (num_stages - 1 - s)))
+        starts = (a == 0) if s == 0 else ((a >= s) & (a < b))
+        stage = span_time + (0.0 if last else sent[b])
+        memory = span_static + flights[s] * span_activation
+        before = best[s - 1][:, None] if s else np.zeros((num_layers + 1, 1))
+        value = np.where(starts & ends & (memory <= cap), np.maximum(before, stage), np.inf)
+        k = np.argmin(value, axis=0)
+        best[s] = value[k, np.arange(num_layers + 1)]
+        choice[s] = k
     if not np.isfinite(best[-1][num_layers]):
         return None
     starts, b = [], num_layers

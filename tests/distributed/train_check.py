@@ -230,6 +230,52 @@ def recompute_case(spec: str) -> dict:
     return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses}
 
 
+def moves_case() -> dict:
+    """moves (4 ranks): every move of a tensor between two placements of a 2x2 mesh that
+    codegen runs axis by axis (``AxisMove.chain``) gives the same forward values and the
+    same input gradient as DTensor's redistribute (the reference), for each gradient layout
+    a consumer can hand back (its own placement, or shares where it is replicated)."""
+    import itertools
+
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    from passes.codegen import Reshard
+    from passes.collectives import grad_side
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    coord = mesh.get_coordinate()
+
+    def local_of(whole, spec):  # a Partial axis holds unequal parts (1/3, 2/3) of the sum
+        plain = tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
+        x = distribute_tensor(whole, mesh, plain).to_local().clone()
+        for a, p in enumerate(spec):
+            if isinstance(p, Partial):
+                x = x * (1 + coord[a]) / 3.0
+        return x
+
+    gen = torch.Generator().manual_seed(0)
+    value, gradient = (torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    placements = [Replicate(), Shard(0), Shard(1), Partial()]
+    checked, mismatched = 0, []
+    for src, dst in itertools.product(itertools.product(placements, repeat=2), repeat=2):
+        for grad in itertools.product(*[[grad_side(d)] + ([Partial()] if isinstance(d, Replicate) else []) for d in dst]):
+            chained = Reshard(mesh, src, dst, grad)
+            if chained.fast is None or len(chained.fast) < 2:
+                continue  # one-axis moves are the other cases' business; DTensor's own needs no check
+            reference = Reshard(mesh, src, dst, grad)
+            reference.fast = None
+            results = []
+            for module in (chained, reference):
+                x = local_of(value, src).requires_grad_()
+                y = module(x)
+                y.backward(local_of(gradient, grad))
+                results.append((y.detach(), x.grad))
+            checked += 1
+            if not all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(*results)):
+                mismatched.append(chained.extra_repr())
+    return {"case": "moves", "checked": checked, "mismatched": mismatched}
+
+
 def error_cases(nproc: int) -> dict:
     """Bad input on a real mesh: each must be a clear autopar: error, raised on every rank."""
     model, loss_fn, batches = MODELS["gpt"]()
@@ -335,12 +381,16 @@ def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, c
 
 
 def planned_pipeline_case(spec: str) -> dict:
-    """pp-planned:<P>x<D>:<model>: the planner's pipelined plan (P stages over D-way
-    intra-op), made on rank 0 with the H100 preset, run by the runtime."""
+    """pp-planned:<P>x<D>:<model>[:recompute|:measured]: the planner's pipelined plan (P stages
+    over D-way intra-op), made on rank 0 with the H100 preset, run by the runtime; with
+    ``recompute``, every layer is recomputed in backward inside its stage; with ``measured``,
+    planned from a measured-style profile of the (P, D) mesh (``tests.profiles``)."""
     from autopar import layouts
     from passes.planner_pipeline import pipeline_plan as plan_pipeline
+    from passes.recompute import Recomputed, plan_layers
+    from tests.profiles import measured_style
 
-    _, mesh_text, model_name = spec.split(":")
+    _, mesh_text, model_name, *extra = spec.split(":")
     p, d = (int(x) for x in mesh_text.split("x"))
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
@@ -350,16 +400,21 @@ def planned_pipeline_case(spec: str) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             captured = capture(model, (tokens,))
-        plan, why = plan_pipeline(captured, p, (d,), "h100", layouts.hints, memory_limit=80e9,
+        hardware = measured_style((p, d)) if extra == ["measured"] else "h100"
+        plan, why = plan_pipeline(captured, p, (d,), hardware, layouts.hints, memory_limit=80e9,
                                   time_limit_s=20, shape=(p, d))
         text[0] = plan.to_json() if plan is not None else why
     dist.broadcast_object_list(text)
     plan = Plan.from_json(text[0])
+    if extra == ["recompute"]:
+        plan.recompute = [f"layer {k}" for k in sorted(set(plan_layers(plan).values()))]
     mesh = init_device_mesh("cpu", (p, d), mesh_dim_names=("pp", "intra"))
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    wrapped = sorted(m.layer for program in pm.programs for m in program.gm.modules() if isinstance(m, Recomputed))
     losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
     return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
-            "schedule": plan.pipeline.schedule, "micro_batches": plan.pipeline.micro_batches}
+            "schedule": plan.pipeline.schedule, "micro_batches": plan.pipeline.micro_batches,
+            "recomputed_here": wrapped, "recompute": plan.recompute, "axis_names": list(plan.axis_names)}
 
 
 def pipeline_case(spec: str) -> dict:
@@ -381,6 +436,8 @@ def main(cases: list[str]) -> None:
         try:
             if spec == "errors":
                 result = error_cases(dist.get_world_size())
+            elif spec == "moves":
+                result = moves_case()
             elif spec.startswith("pp-planned:"):
                 result = planned_pipeline_case(spec)
             elif spec.startswith("pp:"):
