@@ -197,8 +197,12 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
 
     started = time.perf_counter()
     try:
+        # On gloo the plan must compile from this model-and-loss capture, and a pipeline
+        # plan cannot (a pipeline's stages are captured from the model alone, per
+        # micro-batch): the gloo auto plan is intra-op; presets search pipelines too.
         auto = plan_captured(captured, spec.shape, hardware, hint_fn=layouts.hints,
-                             time_limit_s=settings.time_limit_s, axis_names=spec.names)
+                             time_limit_s=settings.time_limit_s, axis_names=spec.names,
+                             pipeline=spec.hardware != "gloo")
         out = [row_of("auto", auto, capture_s + time.perf_counter() - started)]
     except ValueError as exc:  # PlanningError: nothing fits
         auto, out = None, [row_of("auto", None, capture_s + time.perf_counter() - started, _first_line(exc))]
