@@ -10,7 +10,8 @@ axis's process group. Backward is the same vocabulary in the other direction: th
 consumer's local gradient, laid out as the edge declares (``grad``), is moved to the
 producer's layout, where a Partial is read as Replicate (every part of a sum gets the
 whole gradient) — DTensor's rule. So ``P -> R`` is Megatron's "g" (all-reduce forward,
-identity backward) and ``R -> R`` with a shared gradient is its "f".
+identity backward) and ``R -> R`` with a shared gradient is its "f". A move on several
+axes runs as a chain of one-axis moves (:meth:`AxisMove.chain`).
 """
 
 from __future__ import annotations
@@ -122,26 +123,9 @@ class AxisMove:
         return _Move.apply(x, self)
 
     @staticmethod
-    def plan(mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec) -> "AxisMove | None":
-        """The move when ``src -> dst`` (and the gradient back) touches one axis and each
-        direction is a single collective; None otherwise (DTensor handles those)."""
-        active = [a for a, (s, d, g) in enumerate(zip(src, dst, grad)) if s != d or g != grad_side(s)]
-        if len(active) != 1:
-            return None
-        a = active[0]
-        s, d, g = src[a], dst[a], grad[a]
-        if not (movable(s, d) and movable(g, grad_side(s))):
-            return None
-        dims = {p.dim for p in (s, d, g) if isinstance(p, Shard)}
-        # another axis splitting the same tensor dim more finely changes the piece order
-        if any(isinstance(p, Shard) and p.dim in dims for spec in (src, dst) for p in spec[a + 1:]):
-            return None
-        return AxisMove(a, Axis.of(mesh, a), s, d, g)
-
-    @staticmethod
     def chain(mesh: DeviceMesh, src: Spec, dst: Spec, grad: Spec) -> "list[AxisMove] | None":
-        """A move on several axes as one-axis moves, one after another; None when no order
-        of them works (DTensor handles those). Shards come off the innermost axis first
+        """A move as one-axis moves, one after another (one step when it touches one axis);
+        None when no order of them works (DTensor handles those). Shards come off the innermost axis first
         and go onto the outermost first, as DTensor orders them; both orders are tried."""
         active = [a for a, (s, d, g) in enumerate(zip(src, dst, grad)) if s != d or g != grad_side(s)]
         for order in (active[::-1], active):
