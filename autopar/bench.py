@@ -169,9 +169,9 @@ def bench_mesh(mesh: str, models: list[str], settings: Settings) -> list[dict]:
 
 
 def runs_as(plan) -> str:
-    """What the runtime runs: strategies, storage, pipeline, and ZeRO with level 1 run as level 2
-    (passes/plan.py). Two plans with the same key are the same program."""
-    zero = {k: 2 if v == 1 else v for k, v in plan.zero.items()}
+    """What the runtime runs: strategies, storage, ZeRO levels, pipeline and recomputation.
+    Two plans with the same key are the same program."""
+    zero = plan.zero
     pipeline = None if plan.pipeline is None else vars(plan.pipeline)
     return json.dumps([plan.strategies, plan.params, zero, pipeline, plan.recompute], sort_keys=True)
 

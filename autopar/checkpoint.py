@@ -78,3 +78,4 @@ def load(pm: ParallelModule, path: str | Path) -> None:
                 opt_state[key].copy_(value)
             else:
                 opt_state[key] = value
+    pm.parameters_updated()

@@ -75,6 +75,12 @@ def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Pla
     from autopar.pipeline import PipelineModule
 
     pp = plan.pipeline
+    if plan.model == "WithLoss":  # its stages were cut from another graph than the model's own
+        raise ValueError(
+            "autopar: this pipeline plan was made for the model and its loss together (autopar.plan(..., "
+            "loss_fn=...)), found the model alone; to train with it, plan without loss_fn (autopar.compile "
+            "lays the loss out itself)"
+        )
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise ValueError(
             f"autopar: the plan is for a mesh of shape {plan.mesh_shape}, found {tuple(mesh.shape)}; "

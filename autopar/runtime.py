@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.gradsync import GradientSync, Rider, sync_gradients
+from autopar.zero1 import OptimizerSlices, slice_axes
 from passes.capture import Captured, capture
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import RankProgram, lower
@@ -50,8 +51,14 @@ class ParallelModule(nn.Module):
         self.loss_fn = loss_fn
         self.check_inputs = check_inputs
         per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
+        stored = storage_specs(captured, plan)
+        choice = choice_from_plan(graph, plan)
+        # ZeRO-1 parameters are held as their ops use them (autopar.zero1); ZeRO-2 ones
+        # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
+        level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
+                                               if plan.zero.get(fqn, 0) == 1 and ph in stored})
         self.program: RankProgram = lower(
-            graph, choice_from_plan(graph, plan), mesh, per_use, storage=storage_specs(captured, plan)
+            graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1},
         )
         if plan.recompute:  # activation checkpointing of the plan's layers
             self.program.gm = recompute_layers(self.program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
@@ -65,20 +72,23 @@ class ParallelModule(nn.Module):
         self._target_cuts: dict[tuple[int, ...], Cut] = {}  # target shape -> its cut (the loss laid out)
         self.device = mesh_device(mesh)  # shards live where the mesh's collectives run (nccl: this GPU)
         self.local: dict[str, torch.Tensor] = {}
-        self.shards = nn.ParameterList()
-        self.shard_names: list[str] = []  # qualified parameter name per entry of ``shards``
         for name, value in captured.state_values(model).items():
             spec = self.program.input_specs.get(name)
             local = value.detach() if spec is None else local_slice(value.detach(), spec, mesh.shape, self.coord)
-            if name in captured.params:
-                param = nn.Parameter(local.to(self.device, copy=True), requires_grad=value.requires_grad)
-                self.shards.append(param)
-                self.shard_names.append(captured.params[name])
-                self.local[name] = param
-            else:
-                self.local[name] = local.to(self.device, copy=True)
+            local = local.to(self.device, copy=True)
+            self.local[name] = nn.Parameter(local, value.requires_grad) if name in captured.params else local
+        order = backward_order(self.program.gm)
+        self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, self.program.input_specs, stored,
+                                     mesh, order)
+        self._stored = {ph: stored[ph] for ph in level1}  # where the optimizer's slices lie
+        # what the optimizer steps: the parameters, or (ZeRO-1) this rank's slices of them
+        self.shards = nn.ParameterList()
+        self.shard_names: list[str] = []  # qualified parameter name per entry of ``shards``
+        for ph in [ph for ph in self.local if ph in captured.params]:
+            self.shards.append(self.zero1.slices.get(ph, self.local[ph]))
+            self.shard_names.append(captured.params[ph])
         self.optimizer = optimizer(list(self.shards)) if optimizer is not None else None
-        self.grads = GradientSync(self.program.grad_sync, self.local, backward_order(self.program.gm), mesh)
+        self.grads = GradientSync(self.program.grad_sync, self.local, order, mesh)
         self._loss_program: RankProgram | None = None
         self._loss_captured: Captured | None = None
 
@@ -152,6 +162,7 @@ class ParallelModule(nn.Module):
         if self.optimizer is None:
             raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
         self.optimizer.zero_grad(set_to_none=True)
+        self.zero1.zero_grad()
         check = self._check(inputs, target, local)
         value, spec = self._local_loss(inputs, target, local, observe)
         # the loss may still be this rank's share of a sum: backward from the share is
@@ -164,17 +175,24 @@ class ParallelModule(nn.Module):
         self.grads.finish()
         if check is not None:
             check.confirm()
+        self.zero1.take_gradients()
         self.optimizer.step()
+        self.parameters_updated()
         return loss
+
+    def parameters_updated(self) -> None:
+        """After ``shards`` were written (by the optimizer, or a checkpoint's load): ZeRO-1's
+        whole parameters gathered from the updated slices. Every rank calls it."""
+        self.zero1.gather()
 
     def measure_memory(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> dict[str, int]:
         """Run one ``train_step`` and return this rank's bytes by kind, as measured on any
         device (no allocator statistics needed), in ``Plan.predicted.memory``'s kinds:
 
-        - parameters: the parameter shards and buffers this rank holds, plus gathered
-          whole copies kept for backward (ZeRO-1/2; ZeRO-3 frees its copies and gathers
-          again in backward, so keeps none);
-        - gradients: the shards' ``.grad`` after the step;
+        - parameters: the parameter shards and buffers this rank holds (ZeRO-1: whole),
+          plus gathered whole copies kept for backward (ZeRO-2; ZeRO-3 frees its copies
+          and gathers again in backward, so keeps none);
+        - gradients: the shards' ``.grad`` after the step (ZeRO-1: the whole gradients);
         - optimizer: the optimizer's state tensors (the 0-d step counters left out);
         - activations: the distinct storages autograd keeps for backward at the end of
           forward, the loss's included, the parameters' own storages left out.
@@ -190,11 +208,15 @@ class ParallelModule(nn.Module):
                 kept[is_weight][storage.data_ptr()] = storage.nbytes()
 
         self.train_step(inputs, target, local, observe=observe)
+        # ZeRO-1 keeps whole gradients: count those rather than the slices' views of them
+        slices = {id(s) for s in self.zero1.slices.values()}
+        grads = [p.grad for p in (*self.shards, *self.zero1.wholes.values())
+                 if p.grad is not None and id(p) not in slices]
         state = [t for s in self.optimizer.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0]
         return {
             "parameters": sum(t.numel() * t.element_size() for t in self.local.values()) + sum(kept[True].values()),
-            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in self.shards if p.grad is not None),
+            "gradients": sum(g.numel() * g.element_size() for g in grads),
             "optimizer": sum(t.numel() * t.element_size() for t in state),
             "activations": sum(kept[False].values()),
         }
@@ -259,15 +281,14 @@ class ParallelModule(nn.Module):
     # --- state ----------------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole (a collective: call it on every rank)."""
-        by_name = {fqn: ph for ph, fqn in self.captured.params.items()}
-        return {
-            name: whole(shard.detach(), self.program.input_specs[by_name[name]], self.mesh)
-            for name, shard in zip(self.shard_names, self.shards)
-        }
+        specs = self.parameter_specs()
+        return {name: whole(shard.detach(), specs[name], self.mesh) for name, shard in zip(self.shard_names, self.shards)}
 
     def parameter_specs(self) -> dict[str, Spec]:
+        """Qualified name -> the placement of its entry in ``shards`` (ZeRO-1: of the slice)."""
         by_name = {fqn: ph for ph, fqn in self.captured.params.items()}
-        return {name: self.program.input_specs[by_name[name]] for name in self.shard_names}
+        return {name: self._stored.get(by_name[name]) or self.program.input_specs[by_name[name]]
+                for name in self.shard_names}
 
 
 class WithLoss(nn.Module):
@@ -341,6 +362,33 @@ def storage_specs(captured: Captured, plan: Plan) -> dict[str, Spec]:
         if fqn in plan.params and plan.zero.get(fqn, 0) in (1, 2):
             out[ph] = parse_spec(plan.params[fqn])
     return out
+
+
+def zero1_layouts(graph: StrategyGraph, choice: dict[fx.Node, int], stored: dict[str, Spec]) -> set[str]:
+    """The ZeRO-1 parameters (placeholder -> stored layout) that can be held as their ops
+    use them: every op reads them in one layout, of which the stored one is a further
+    split. Their placeholders' strategies are set to that layout in ``choice``."""
+    held = set()
+    for node, ns in graph.nodes.items():
+        if node.name not in stored:
+            continue
+        needs = set()
+        for user in node.users:
+            user_ns = graph.nodes.get(user)
+            if user_ns is None or user_ns.info is None:
+                needs.add(None)  # returned as it is: no op's layout to follow
+                continue
+            chosen = user_ns.strategies[choice[user]]
+            needs.update(need for src, need in zip(tensor_inputs(user), chosen.inputs) if src is node)
+        if len(needs) != 1 or None in needs:
+            continue
+        need = needs.pop()
+        outputs = [s.output for s in ns.strategies]
+        shape = local_shape(tuple(node.meta["val"].shape), need, graph.mesh_shape)
+        if need in outputs and slice_axes(shape, need, stored[node.name], graph.mesh_shape):
+            choice[node] = outputs.index(need)
+            held.add(node.name)
+    return held
 
 
 def backward_order(gm: fx.GraphModule) -> list[str]:

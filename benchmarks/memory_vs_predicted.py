@@ -13,10 +13,11 @@ by ``ParallelModule.measure_memory`` on the step after a warm-up step, and the t
 gives the largest over the ranks:
 
 - parameters: bytes of the parameter shards and buffers the rank holds, plus the
-  gathered whole copies it keeps for backward (ZeRO-1/2 keep the copies that backward
-  reads; ZeRO-3 frees its copies after use and gathers again in backward, so keeps none);
-- gradients: bytes of the shards' ``.grad`` after the step (they live until the next
-  step's ``zero_grad``);
+  gathered whole copies it keeps for backward (ZeRO-1 holds parameters whole; ZeRO-2
+  keeps the copies that backward reads; ZeRO-3 frees its copies after use and gathers
+  again in backward, so keeps none);
+- gradients: bytes of the shards' ``.grad`` after the step (ZeRO-1: the whole
+  gradients; they live until the next step's ``zero_grad``);
 - optimizer: bytes of the optimizer's state tensors (AdamW's two moments; the 0-d step
   counters are left out);
 - activations: bytes of the distinct storages autograd keeps for backward, collected
@@ -59,7 +60,7 @@ TOLERANCE = 0.15
 
 def costed(model, tokens, layout: str, n: int) -> Plan:
     """The layout's plan with the planner's prediction (ZeRO-1/2: DP's ops, the optimizer
-    state and gradients sharded, parameters stored split as the planner stores them)."""
+    state (and, at 2, gradients) sharded, parameters stored split as the planner stores them)."""
     plan = plan_for(model, tokens, "dp" if layout in ("zero1", "zero2") else layout, (n,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

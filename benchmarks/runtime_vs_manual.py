@@ -20,10 +20,12 @@ The pipelines' halves: the embeddings and the first half of the blocks; the othe
 the final norm and the head. ``Schedule1F1B`` / ``ScheduleGPipe``, 4 micro-batches per
 step on each data-parallel rank; autopar's plan cuts its stages at the same place.
 
-autopar's ZeRO-1 and ZeRO-2 run alike (parameters stored split on dim 0, as FSDP splits
-them, gathered once per step and kept for backward, gradients reduce-scattered;
-``passes.plan``): ZeRO-1's hand-written counterpart keeps every parameter whole and
-all-reduces gradients instead, then broadcasts each updated parameter from its owner.
+autopar's ZeRO-1 (``autopar.zero1``) keeps parameters whole and all-reduces gradients in
+DDP's buckets while backward runs, steps AdamW on this rank's slice (dim 0) of each
+parameter and all-gathers the slices after the step, a bucket at a time;
+``ZeroRedundancyOptimizer`` gives each parameter to one rank and broadcasts it after
+the step. autopar's ZeRO-2 stores the parameters split on dim 0, as FSDP splits them,
+gathers them once per step and keeps them for backward, and reduce-scatters gradients.
 
 Each pair runs interleaved, step by step, in alternating order (ABBA), so that load on
 this shared machine hits both alike; the table gives the median step time of each,
@@ -89,7 +91,8 @@ def mesh_of(layout: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...] | Non
 def plan_for(model, tokens, layout: str, mesh_shape: tuple[int, ...]):
     """The plan of the layout the hand-written side runs: DP (batch split, parameters
     replicated); ZeRO-1/2/3 (DP's ops, parameters stored split on dim 0 as ``fully_shard``
-    splits them, gathered once per step (1, 2) or at each use (3)); Megatron TP (q, k, v,
+    splits them: used whole with the optimizer on the slice (1), gathered once per step (2)
+    or at each use (3)); Megatron TP (q, k, v,
     up split by output features, o and down by input features, everything else
     replicated, and every op using the parameters where they lie, as
     ``parallelize_module`` does) on the last axis, with the batch split on the others

@@ -23,6 +23,7 @@ from costmodels.cache import check_profile, default_cache_dir, load_profile
 from costmodels.comm import (
     Step,
     backward_reshard_plan,
+    bucket_copy_bytes,
     collective_time,
     grad_target,
     gradient_buckets,
@@ -72,6 +73,7 @@ __all__ = [
     "backward_ops",
     "backward_reshard_plan",
     "backward_time",
+    "bucket_copy_bytes",
     "bubble_fraction",
     "check_profile",
     "collective_time",

@@ -54,6 +54,23 @@ def collective_time(collective: str, nbytes: float, axis: int | str, profile: Ha
     return _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)
 
 
+def bucket_copy_bytes(collective: str, nbytes: float, size: int) -> float:
+    """Bytes read plus written by the copies around one parameter's part of a bucketed
+    all-gather or reduce-scatter (``passes/buckets.py``) of X = ``nbytes`` over ``size``
+    ranks. An all-gather packs the local shard into the flat input (``torch.cat``: X/size
+    read, X/size written) and copies the parameter out of the gathered buffer into storage
+    of its own (X read, X written); a reduce-scatter packs the gradient into the flat input
+    (X read, X written; a lower bound: a gradient split along a dim other than 0 is also
+    made contiguous first). Other collectives, and an axis of one rank: no copies."""
+    if size <= 1:
+        return 0.0
+    if collective == "all_gather":
+        return 2.0 * nbytes / size + 2.0 * nbytes
+    if collective == "reduce_scatter":
+        return 2.0 * nbytes
+    return 0.0
+
+
 def gradient_buckets(total_bytes: float) -> int:
     """How many all-reduce calls DDP-style buckets make of ``total_bytes`` of gradients."""
     rest = max(0.0, total_bytes - FIRST_GRADIENT_BUCKET_BYTES)

@@ -80,6 +80,11 @@ class Sweep:
     attention_shapes: tuple[tuple[int, int, int, int], ...] = (
         (1, 8, 128, 32), (4, 8, 128, 32), (2, 8, 256, 64), (2, 8, 128, 64), (1, 8, 256, 32))
     repeats: int = 5
+    # Collectives take more batches: under time sharing one batch's time per collective is
+    # bimodal (measured on this 2-core machine, 2 gloo ranks, 30 batches of all_reduce at 4 KiB:
+    # 0.34 ms to 3.8 ms, median 1.3 ms), and the 10-90% spread of a median of 5 batches was
+    # 70-80% of the value at 4 KiB-1 MiB, of a median of 15 20-40%.
+    comm_repeats: int = 15
     warmup: int = 2
     # bf16 / fp16 time fewer, smaller shapes (fp16 matmul on CPU runs at ~1 GFLOP/s)
     low_precision_shapes: tuple[tuple[int, int, int], ...] = (
@@ -102,6 +107,7 @@ class Sweep:
             kind_numel=tuple(1 << p for p in range(18, 29, 5)),
             attention_shapes=((4, 16, 1024, 128), (8, 16, 2048, 128), (8, 32, 4096, 128)),
             repeats=5,
+            comm_repeats=5,
             warmup=3,
             min_batch_s=0.02,
             working_set_bytes=256 << 20,
@@ -117,6 +123,7 @@ class Sweep:
             kind_numel=(1 << 10, 1 << 14),
             attention_shapes=((1, 2, 32, 16), (1, 4, 64, 32)),
             repeats=3,
+            comm_repeats=3,
             warmup=1,
             min_batch_s=0.005,
             working_set_bytes=4 << 20,
@@ -220,14 +227,15 @@ class _Measure:
                     repeats, group,
                 ),
                 sw.comm_bytes,
-                sw.repeats,
+                sw.comm_repeats,
                 f"{kind} on mesh axis {name!r}",
             )
             factor = float(BUS_FACTOR[kind].subs(N_SYM, size))
             fits[kind] = CollectiveFit(
                 alpha_s=fit.intercept,
                 beta_bytes_per_s=factor / fit.slope,
-                source=f"fit over {fit.points} sizes {min(sw.comm_bytes)}-{max(sw.comm_bytes)} B, "
+                source=f"fit over {fit.points} sizes {min(sw.comm_bytes)}-{max(sw.comm_bytes)} B "
+                f"(median of {sw.comm_repeats} batches each), "
                 f"median residual {100 * fit.median_rel_error:.1f}%",
             )
             self.notify("collective", (i, kind))

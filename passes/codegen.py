@@ -494,7 +494,7 @@ def plan_buckets(flow: Flow, shared: set[tuple[fx.Node, int]], per_use: frozense
             if consumer is None or need is None:
                 continue
             grad = flow.edge_grad(v, consumer, need, shared)
-            axes = _gathered_axes(have, need, grad)
+            axes = gathered_axes(have, need, grad)
             if axes is None:
                 continue
             reduce = tuple(isinstance(grad[a], Partial) for a in axes)
@@ -508,7 +508,7 @@ def plan_buckets(flow: Flow, shared: set[tuple[fx.Node, int]], per_use: frozense
     return chosen
 
 
-def _gathered_axes(have: Spec, need: Spec, grad: Spec) -> tuple[int, ...] | None:
+def gathered_axes(have: Spec, need: Spec, grad: Spec) -> tuple[int, ...] | None:
     axes = []
     for a, (h, n, g) in enumerate(zip(have, need, grad)):
         if h == n:

@@ -20,10 +20,13 @@ price. Per strategy of an op node, on local shapes:
               gradient path; an over-estimate: every such output counts as saved)
 
 Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shard
-(``model_state_bytes``; level 1 priced as level 2, which is how the runtime runs it), the AdamW step on the local optimizer shard, and for z >= 1
-the all-gather of updated parameters plus the reduce-scatter that replaces the
-gradient all-reduce, minus that all-reduce (≈ 0 on a ring: ZeRO 1/2 are nearly free
-in time, which is why they are chosen only where memory demands them).
+(``model_state_bytes``), the AdamW step on the local optimizer shard, and the
+all-gather of updated parameters: at level 1 after the step (``autopar.zero1``: the
+gradient is all-reduced whole, as at level 0, and the gathers are bucketed as the
+gradients are), at level 2 in forward, where the reduce-scatter that replaces the
+gradient all-reduce is also counted, minus that all-reduce (≈ 0 on a ring: ZeRO-2 is
+nearly free in time, which is why it is chosen where memory asks for it, and ZeRO-1,
+dearer in both, hardly ever).
 
 Per edge (producer u, consumer v, input position p): forward resharding of u's
 output placement to what v's strategy needs (``reshard_time``) plus, when u is on
@@ -46,7 +49,10 @@ data parallelism of a model with many small tensors look far slower than it runs
 
 A parameter split where its consumer needs it whole (ZeRO-3) is priced as FSDP runs
 it: gathered in forward, the copy freed, gathered again in backward (that is what
-makes ZeRO-3 save memory), so its edge pays the forward gather twice.
+makes ZeRO-3 save memory), so its edge pays the forward gather twice. Each of a
+parameter's gathers and reduce-scatters also pays the copies that pack it into and out
+of its bucket's flat buffer (``costmodels.bucket_copy_bytes``), at the measured rate of
+a copy.
 
 Identical repeated layers share one set of variables: ``ties`` groups the same
 position of every layer whose op sequence and strategy tables are identical.
@@ -222,15 +228,25 @@ class _Pricer:
                                for s in ns.strategies for z in ZERO_LEVELS]
         return self.state[key]
 
-    def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED) -> float:
-        key = (meta.shape, meta.dtype, src, dst, grad, shares)
+    def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
+             bucketed: bool = False) -> float:
+        """Seconds of a value's forward reshard and its gradient's backward one; ``bucketed``
+        (a parameter: ``passes.buckets`` gathers and reduce-scatters it packed in a flat
+        buffer) adds the packing copies (``costmodels.bucket_copy_bytes``) at the measured
+        copy rate."""
+        key = (meta.shape, meta.dtype, src, dst, grad, shares, bucketed)
         if key not in self.reshard:
             size = meta.dtype.itemsize
             steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
             if grad is not None:
                 steps += costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
-            self.reshard[key] = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile,
-                                                               shares.of(s.collective)) for s in steps)
+            t = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective))
+                    for s in steps)
+            if bucketed:
+                t += sum(costmodels.compute_time(0.0, copied, _dtype(meta), self.profile, "aten.copy_.default")
+                         for s in steps
+                         if (copied := costmodels.bucket_copy_bytes(s.collective, s.bytes, self.mesh[s.axis])))
+            self.reshard[key] = t
         return self.reshard[key]
 
     def edge(self, meta: TensorMeta, src_ns, out: int, ns_v, position: int, grad: bool,
@@ -252,9 +268,9 @@ class _Pricer:
                     continue
                 g = gradient_spec(need, s.outputs) if grad else None
                 for i, src in enumerate(have):
-                    table[i, j] = self.move(meta, src, need, g, shares)
+                    table[i, j] = self.move(meta, src, need, g, shares, bucketed=regather)
                     if regather and src != need:  # FSDP frees the gathered copy, gathers again in backward
-                        table[i, j] += self.move(meta, src, need, None, shares)
+                        table[i, j] += self.move(meta, src, need, None, shares, bucketed=True)
             self.tables[key] = table
         return self.tables[key]
 
@@ -302,17 +318,17 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
     if level and shards == 1:  # nothing to shard over: level 0's memory, and never chosen
         return math.inf, 0.0, costmodels.model_state_bytes(numel, 0, 1, precision)
     shards = shards if level else 1
-    # level 1 runs as level 2 (passes/plan.py: gradients come back reduce-scattered)
-    memory = costmodels.model_state_bytes(numel, 2 if level == 1 else level, shards, precision)
+    memory = costmodels.model_state_bytes(numel, level, shards, precision)
     optimizer = sum(costmodels.compute_time(op.flops, op.bytes, op.dtype, profile)
                     for op in costmodels.adamw_ops([math.ceil(numel / shards)], _dtype(meta)))
     comm = 0.0
-    if level:
-        size = numel * meta.dtype.itemsize
-        for a in replicated:
-            ring = sum(costmodels.collective_time(c, size, a, profile, shares.of(c))
-                       for c in ("all_gather", "reduce_scatter"))
-            comm += max(0.0, ring - costmodels.collective_time("all_reduce", size, a, profile, shares.of("all_reduce")))
+    size = numel * meta.dtype.itemsize
+    for a in replicated if level == 1 else ():  # after the step, in the gradients' buckets
+        comm += costmodels.collective_time("all_gather", size, a, profile, shares.of("all_reduce"))
+    for a in replicated if level == 2 else ():
+        ring = sum(costmodels.collective_time(c, size, a, profile, shares.of(c))
+                   for c in ("all_gather", "reduce_scatter"))
+        comm += max(0.0, ring - costmodels.collective_time("all_reduce", size, a, profile, shares.of("all_reduce")))
     return optimizer, comm, memory
 
 
@@ -322,7 +338,7 @@ def state_breakdown(numel: float, level: int, shards: int, precision: str) -> di
     n = max(shards, 1)
     return {
         "parameters": numel * p / (n if level >= 3 else 1),
-        "gradients": numel * g / (n if level >= 1 else 1),  # level 1 runs as level 2
+        "gradients": numel * g / (n if level >= 2 else 1),
         "optimizer": numel * o / (n if level >= 1 else 1),
     }
 

@@ -55,10 +55,10 @@ class Plan:
     strategies: dict[str, str]  # node name -> printed ShardingStrategy
     params: dict[str, str] = field(default_factory=dict)  # qualified name -> short spec, e.g. "S(0)R"
     # qualified name -> ZeRO level. ``params`` gives where a parameter is STORED (and its
-    # optimizer state with it); where an op needs it whole, it is gathered: once per step
-    # and shared by every use at levels 1-2 (gradients come back reduce-scattered: level 1
-    # runs as level 2, the same numbers with less memory), at each use at level 3.
-    # Level 0 stores it as the ops use it.
+    # optimizer state with it). Level 1 uses it whole, as its ops need it (gradients
+    # all-reduced), steps the stored slice and gathers the slices after the step
+    # (``autopar.zero1``); level 2 gathers it once per step, shared by every use
+    # (gradients reduce-scattered); level 3 at each use. Level 0 stores it as the ops use it.
     zero: dict[str, int] = field(default_factory=dict)
     pipeline: Pipeline | None = None
     recompute: list[str] = field(default_factory=list)  # layers recomputed in backward

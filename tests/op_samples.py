@@ -125,6 +125,12 @@ def cat_sample(rng):
     return aten.cat.default, ([_t(rng, *shape), _t(rng, *other)], dim), {}
 
 
+def broadcast_tensors_sample(rng):
+    shape = _shape(rng, rng.randint(1, 4))
+    tensors = [_t(rng, *shape), _t(rng, *_broadcast_partner(rng, shape))]
+    return aten.broadcast_tensors.default, (tensors[::-1] if rng.random() < 0.5 else tensors,), {}
+
+
 def stack_sample(rng):
     shape = _shape(rng, 2)
     return aten.stack.default, ([_t(rng, *shape), _t(rng, *shape)], rng.randrange(3)), {}
@@ -277,7 +283,7 @@ SAMPLERS = {
     "view": reshape_sample, "reshape": merge_sample, "transpose": transpose_sample,
     "permute": permute_sample, "unsqueeze": unsqueeze_sample, "expand": expand_sample,
     "slice": slice_sample, "select": select_sample, "split": split_sample, "chunk": chunk_sample,
-    "cat": cat_sample, "stack": stack_sample,
+    "cat": cat_sample, "stack": stack_sample, "broadcast_tensors": broadcast_tensors_sample,
     "mm": mm_sample, "bmm": bmm_sample, "addmm": addmm_sample, "linear": linear_sample,
     "matmul": matmul_sample, "einsum": einsum_sample,
     "embedding": embedding_sample, "layer_norm": layer_norm_sample, "rms_norm": rms_norm_sample,

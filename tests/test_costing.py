@@ -97,8 +97,12 @@ def test_zero_levels_order_memory_and_forbid_useless_levels():
     profile = costmodels.preset("h100", (8,))
     meta = TensorMeta((4096, 4096), torch.float32)
     replicated = [zero_costs(meta, (Replicate(),), z, "fp32", profile) for z in ZERO_LEVELS]
-    assert replicated[0][2] > replicated[1][2] == replicated[2][2]  # level 1 runs as level 2
-    assert replicated[0][1] == 0.0 and replicated[1][1] >= 0.0
+    psi = 4096 * 4096
+    # fp32 bytes per parameter: 4 + 4 + 8 whole; ZeRO-1 splits the 8 of AdamW, ZeRO-2 the gradient's 4 too
+    assert [r[2] for r in replicated] == [16 * psi, 8 * psi + 8 * psi / 8, 4 * psi + 12 * psi / 8]
+    # level 1 gathers the updated parameters after the step; the gradient's all-reduce is the edges'
+    assert replicated[1][1] == pytest.approx(costmodels.collective_time("all_gather", 4 * psi, 0, profile))
+    assert replicated[0][1] == 0.0 and 0.0 <= replicated[2][1] < replicated[1][1]
     assert replicated[0][0] > replicated[1][0]  # the optimizer steps 1/8 of the state
     sharded = [zero_costs(meta, (Shard(0),), z, "fp32", profile) for z in ZERO_LEVELS]
     assert sharded[0][2] == pytest.approx(replicated[0][2] / 8)
@@ -204,3 +208,31 @@ def test_alike_consumers_share_one_move(gpt_costs):
     assert alone.max() > 0
     for _, table in readers:
         assert np.allclose(table, alone / 3)
+
+
+def test_bucketed_parameter_moves_pay_their_packing_copies():
+    """A ZeRO-3 parameter's gather packs its shard into the bucket's flat buffer (X/n bytes
+    read and written) and copies it out whole (X and X); its gradient's reduce-scatter packs
+    the gradient (X and X). Hand-computed for a (256, 64) fp32 weight on 4 ranks."""
+    from types import SimpleNamespace
+
+    from passes.costing import _Pricer
+
+    assert costmodels.bucket_copy_bytes("all_gather", 65536, 4) == 2 * 16384 + 2 * 65536
+    assert costmodels.bucket_copy_bytes("reduce_scatter", 65536, 4) == 2 * 65536
+    assert costmodels.bucket_copy_bytes("all_reduce", 65536, 4) == 0.0
+    assert costmodels.bucket_copy_bytes("all_gather", 65536, 1) == 0.0
+    profile = costmodels.preset("h100", (4,))
+    pricer = _Pricer(SimpleNamespace(mesh_shape=(4,)), profile)
+    meta = TensorMeta.of(torch.empty(256, 64))
+    src, dst, grad = (Shard(0),), (Replicate(),), (costmodels.comm.Partial(),)
+    plain = pricer.move(meta, src, dst, grad)
+    packed = pricer.move(meta, src, dst, grad, bucketed=True)
+
+    def copy(nbytes: float) -> float:
+        return costmodels.compute_time(0.0, nbytes, "fp32", profile, "aten.copy_.default")
+
+    assert plain == pytest.approx(costmodels.collective_time("all_gather", 65536, 0, profile)
+                                  + costmodels.collective_time("reduce_scatter", 65536, 0, profile))
+    assert packed - plain == pytest.approx(copy(163840) + copy(131072))
+    assert pricer.move(meta, dst, dst, None, bucketed=True) == 0.0  # nothing moved, nothing copied

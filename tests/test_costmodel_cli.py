@@ -25,6 +25,7 @@ TINY = Sweep(
     attention_shapes=((1, 2, 32, 16), (2, 4, 128, 32)),
     working_set_bytes=4 << 20,
     repeats=3,
+    comm_repeats=3,
     warmup=2,
     min_batch_s=0.001,
 )

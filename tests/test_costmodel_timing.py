@@ -1,5 +1,7 @@
 """The profiler's timing primitives (single process, no process group)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,3 +73,33 @@ def test_every_pointwise_kind_runs_in_every_dtype():
         for dtype in ("fp32", "bf16", "fp16"):
             out = pointwise_call(kind, 1024, dtype, pool)()
             assert isinstance(out, (torch.Tensor, tuple))
+
+
+def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
+    """A collective's batch time is bimodal under time sharing: its fit takes the median of
+    ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``."""
+    from costmodels import profiler
+
+    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11)
+    seen = []
+
+    def fake_timed(calls, device, repeats, warmup, **kw):
+        seen.append(repeats)
+        return [1e-4 + 1e-9 * b for b in sweep.comm_bytes]  # alpha 100 us, 1 ns per byte
+
+    class Bar:  # the progress bar's two methods the profiler calls
+        def set_postfix_str(self, *a, **k):
+            pass
+
+        def update(self, *a):
+            pass
+
+    monkeypatch.setattr(profiler, "timed", fake_timed)
+    monkeypatch.setattr(profiler, "collective_call", lambda kind, group, nbytes, device: None)
+    monkeypatch.setattr(profiler, "_axis_link", lambda group, device: "intra_node")
+    run = profiler._Measure(torch.device("cpu"), sweep, Bar(), lambda what, key: None)
+    axis = run.axis(0, "dp", 2, group=None)
+    assert seen == [11] * 5  # every collective kind, 11 batches
+    fit = axis.collectives["all_reduce"]
+    assert fit.alpha_s == pytest.approx(1e-4) and "median of 11 batches" in fit.source
+    assert profiler.Sweep().comm_repeats > profiler.Sweep().repeats

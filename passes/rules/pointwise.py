@@ -109,3 +109,11 @@ def div(info: OpInfo) -> list[AxisOption]:
     if isinstance(info.args[0], TensorMeta):
         options.append(_partial_at(info, {0}))
     return options
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors(info: OpInfo) -> list[AxisOption]:
+    """Every output has the common shape: split like a pointwise op's output (each
+    device broadcasts its own shards against each other)."""
+    return broadcast_options(info)
+

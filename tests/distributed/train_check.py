@@ -123,7 +123,7 @@ def layout_choice(graph, captured, layout: str, mesh_shape):
         shape = tuple(node.meta["val"].shape)
         if node.name in captured.user_inputs:
             fixed[node] = (Shard(0),) * n_axes  # the batch over every axis
-        elif node.name in captured.params and layout in ("fsdp", "zero2"):
+        elif node.name in captured.params and layout in ("fsdp", "zero1", "zero2"):
             fixed[node] = (Shard(0),) * n_axes if shape and shape[0] % _size(mesh_shape) == 0 else (Replicate(),) * n_axes
     return choose_by_propagation(graph, fixed)
 
@@ -143,8 +143,9 @@ def layout_plan(model, inputs, layout: str, mesh_shape):
     plan = plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
     if layout in ("fsdp", "zero3"):  # sharded storage, gathered at each use
         plan.zero = {fqn: 3 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
-    if layout == "zero2":  # the same storage, gathered once per step
-        plan.zero = {fqn: 2 if "S(" in spec else 0 for fqn, spec in plan.params.items()}
+    if layout in ("zero1", "zero2"):  # the same storage: used whole / gathered once per step
+        level = int(layout[-1])
+        plan.zero = {fqn: level if "S(" in spec else 0 for fqn, spec in plan.params.items()}
     return plan
 
 
@@ -301,6 +302,10 @@ def error_cases(nproc: int) -> dict:
         model, square, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan))
     expect("indivisible batch", lambda: layout_plan(model, (tokens[:3],), "dp", (nproc,)))
     expect("not a mesh", lambda: autopar.compile(model, (nproc,), (tokens,), plan=plan))
+    with_loss = Plan.from_json(plan.to_json())  # as autopar.plan(..., loss_fn=) names its plans
+    with_loss.model, with_loss.pipeline = "WithLoss", Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
+    expect("pipeline planned with the loss", lambda: autopar.compile(
+        model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=with_loss))
     return {"case": "errors", "messages": messages}
 
 

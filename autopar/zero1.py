@@ -1,0 +1,106 @@
+"""ZeRO-1 (Rajbhandari et al. 2020, stage 1): parameters whole, the optimizer on a slice.
+
+The program uses a level-1 parameter as its ops need it, and its gradient is summed
+whole over the data-parallel axes while backward runs (``autopar.gradsync``), exactly
+as for plain data parallelism. The optimizer holds only this rank's slice of the
+parameter, where the plan stores it: a view into the whole parameter, so the slice costs
+no memory of its own, stepped with the same slice of the summed gradient. After the
+step, the updated slices are all-gathered into every rank's whole parameter, a bucket
+at a time, by the gather ZeRO-2/3 use (``passes.buckets``); buckets are sized as the
+gradients' are, so that one all-gather follows each gradient all-reduce.
+(``ZeroRedundancyOptimizer`` broadcasts each parameter from the rank that owns it.)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from autopar.gradsync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from passes.buckets import Gather, GatherBucket
+from passes.codegen import gathered_axes
+from passes.collectives import Axis, grad_side
+from passes.placements import Spec, spec_str
+
+
+class OptimizerSlices:
+    """The slices the optimizer steps for ``wholes`` (placeholder -> the whole parameter as
+    the program uses it, laid out as ``used`` says), stored as ``stored`` says: split
+    further over data-parallel axes on which ``used`` is Replicate. ``order``: the
+    placeholders in backward order (bucketed as the gradients are)."""
+
+    def __init__(self, wholes: dict[str, nn.Parameter], used: dict[str, Spec], stored: dict[str, Spec],
+                 mesh: DeviceMesh, order: Sequence[str]):
+        self.wholes = wholes
+        self.slices: dict[str, nn.Parameter] = {}
+        self._buckets: list[tuple[GatherBucket, list[str]]] = []
+        # buckets as GradientSync makes them: by axes and dtype, in backward order, DDP's sizes
+        current: dict[tuple, list[str]] = {}
+        nbytes: dict[tuple, int] = {}
+        buckets: list[tuple[tuple[int, ...], list[str]]] = []
+        for name in [n for n in order if n in wholes] + sorted(set(wholes) - set(order)):
+            whole = wholes[name]
+            axes = self._axes(name, whole.shape, used[name], stored[name], mesh)
+            key, size = (axes, whole.dtype), whole.numel() * whole.element_size()
+            cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+            if key not in current or nbytes[key] + size > cap:
+                current[key], nbytes[key] = [], 0
+                buckets.append((axes, current[key]))
+            current[key].append(name)
+            nbytes[key] += size
+        for axes, names in buckets:
+            steps = [Gather(a, Axis.of(mesh, a), tuple(stored[n][a].dim for n in names), reduce=False) for a in axes]
+            bucket = GatherBucket(names, steps, keep=True)
+            views = bucket.scatter([wholes[n].detach() for n in names])  # this rank's slices, as views
+            for n, view in zip(names, views):
+                self.slices[n] = nn.Parameter(view, requires_grad=wholes[n].requires_grad)
+            self._buckets.append((bucket, names))
+
+    @staticmethod
+    def _axes(name: str, shape: Sequence[int], used: Spec, stored: Spec, mesh: DeviceMesh) -> tuple[int, ...]:
+        axes = slice_axes(shape, used, stored, tuple(mesh.shape))
+        if axes is None:
+            raise ValueError(
+                f"autopar: ZeRO-1 stores {name} (local shape {tuple(shape)}) as {spec_str(stored)} and uses it "
+                f"as {spec_str(used)}; expected the stored layout to split evenly, further, only axes the used "
+                "one replicates; store it as used (ZeRO level 0) or at level 2"
+            )
+        return axes
+
+    def zero_grad(self) -> None:
+        """Before backward: the whole parameters' gradients from the last step are dropped
+        (the optimizer drops its slices')."""
+        for whole in self.wholes.values():
+            whole.grad = None
+
+    def take_gradients(self) -> None:
+        """After the gradients are summed: each slice's gradient is its part of the whole's
+        (a view: no copy, no collective); a parameter no op used gets none."""
+        for bucket, names in self._buckets:
+            grads = [self.wholes[n].grad for n in names]
+            parts = bucket.scatter([g if g is not None else torch.zeros_like(self.wholes[n])
+                                    for n, g in zip(names, grads)])
+            for n, g, part in zip(names, grads, parts):
+                self.slices[n].grad = part if g is not None else None
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """After the optimizer has stepped the slices: every rank's whole parameters updated."""
+        for bucket, names in self._buckets:
+            updated = bucket.gather([self.slices[n] for n in names])
+            torch._foreach_copy_([self.wholes[n] for n in names], updated)
+
+
+def slice_axes(shape: Sequence[int], used: Spec, stored: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The mesh axes over which ``stored`` splits a tensor held as ``used`` (of local shape
+    ``shape``) further, each evenly along one dim, so that this rank's slice is a view
+    of the tensor; None where it is not such a split."""
+    axes = gathered_axes(stored, used, tuple(grad_side(p) for p in used))
+    if axes is None or any(not isinstance(stored[a], Shard) or shape[stored[a].dim] % mesh_shape[a] for a in axes):
+        return None
+    return axes
+
