@@ -362,16 +362,23 @@ def freed_case(spec: str) -> dict:
             "param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()), "buckets": buckets}
 
 
-def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, chunks: int):
-    """Pipeline over mesh axis 0, data parallel over the rest; stages cut evenly by node count."""
+def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, chunks: int,
+                  intra_layout: str | None = None):
+    """Pipeline over mesh axis 0; stages cut evenly by node count; on the other axes, data
+    parallel, or ``intra_layout`` as autopar.layouts builds it (e.g. "tp+dp": 3D)."""
     micro = batch.chunk(micro_batches)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, (micro,))
     intra = mesh_shape[1:]
-    graph = build_strategy_graph(captured, intra)
-    fixed = {n: (Shard(0),) * len(intra) for n in graph.nodes if n.name in captured.user_inputs}
-    plan = plan_from_choice(graph, choose_by_propagation(graph, fixed), kind="pp")
+    if intra_layout is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autopar.layouts.build(intra_layout, model, intra, (micro,), hardware="h100", pipeline=False)
+    else:
+        graph = build_strategy_graph(captured, intra)
+        fixed = {n: (Shard(0),) * len(intra) for n in graph.nodes if n.name in captured.user_inputs}
+        plan = plan_from_choice(graph, choose_by_propagation(graph, fixed), kind="pp")
     n_stages = mesh_shape[0] * chunks
     ops = list(captured.nodes("call_function"))
     stage_of = {}
@@ -423,16 +430,17 @@ def planned_pipeline_case(spec: str) -> dict:
 
 
 def pipeline_case(spec: str) -> dict:
-    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks per rank>"""
-    _, mesh_text, model_name, schedule, m, v = spec.split(":")
+    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks per rank>[:<intra-op layout>]"""
+    _, mesh_text, model_name, schedule, m, v, *intra_layout = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
-    plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v))
+    plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v), *intra_layout)
     pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
     losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
-    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "stages": len(pm.stages)}
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "stages": len(pm.stages),
+            "params": plan.params}
 
 
 def main(cases: list[str]) -> None:
