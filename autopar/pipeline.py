@@ -9,6 +9,7 @@ data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's schedules.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -118,6 +119,13 @@ class PipelineModule(nn.Module):
     ):
         super().__init__()
         pp = plan.pipeline
+        sharded_state = sorted({z for fqn, z in plan.zero.items() if z in (1, 2) and "S(" in plan.params.get(fqn, "")})
+        if sharded_state:  # stages hold parameters as their ops use them (ZeRO-3 is a placement: it runs)
+            warnings.warn(
+                f"autopar: this pipeline plan stores parameters at ZeRO level(s) {sharded_state}; pipeline stages "
+                "hold them as their ops use them, with the optimizer state whole, so memory per rank is above "
+                "plan.predicted.memory (the training itself is the same); plan with zero levels 0 or 3 for "
+                "pipelines to have memory as predicted", stacklevel=3)
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError("autopar: a pipeline plan needs a mesh with axis names (init_device_mesh(..., mesh_dim_names=...))")

@@ -24,9 +24,8 @@ Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shar
 all-gather of updated parameters: at level 1 after the step (``autopar.zero1``: the
 gradient is all-reduced whole, as at level 0, and the gathers are bucketed as the
 gradients are), at level 2 in forward, where the reduce-scatter that replaces the
-gradient all-reduce is also counted, minus that all-reduce (≈ 0 on a ring: ZeRO-2 is
-nearly free in time, which is why it is chosen where memory asks for it, and ZeRO-1,
-dearer in both, hardly ever).
+gradient all-reduce is also counted, minus that all-reduce (≈ 0 on a ring). Both
+levels step the optimizer on 1/N of the state, which is what they buy in time.
 
 Per edge (producer u, consumer v, input position p): forward resharding of u's
 output placement to what v's strategy needs (``reshard_time``) plus, when u is on

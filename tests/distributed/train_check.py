@@ -306,6 +306,16 @@ def error_cases(nproc: int) -> dict:
     with_loss.model, with_loss.pipeline = "WithLoss", Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
     expect("pipeline planned with the loss", lambda: autopar.compile(
         model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=with_loss))
+    # a pipeline plan with ZeRO-1/2 storage runs, with a warning that its stages keep the state whole
+    staged = pipeline_plan(model, tokens, (2, nproc // 2), "GPipe", 2, 1)
+    fqn = next(iter(staged.params))
+    staged.params[fqn], staged.zero[fqn] = "S(0)", 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autopar.compile(model, init_device_mesh("cpu", (2, nproc // 2), mesh_dim_names=("pp", "dp")), (tokens,),
+                        loss_fn=loss_fn, optimizer=adamw, plan=staged)
+    messages["pipeline with ZeRO-1 storage (warning)"] = next(
+        (str(w.message) for w in seen if "ZeRO level" in str(w.message)), "no warning")
     return {"case": "errors", "messages": messages}
 
 
