@@ -67,12 +67,17 @@ def fmt_s(x: float) -> str:
 
 
 def fit_table(results: list[dict]) -> list[str]:
-    lines = ["| ranks | collective | alpha | beta (bus bandwidth) | fit |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| ranks | collective | alpha | beta (bus bandwidth) | fit | in a step (after compute): alpha | beta | fit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for data in results:
-        for c, fit in data["profile"]["axes"][0]["collectives"].items() if data["ranks"] > 1 else ():
+        axis = data["profile"]["axes"][0]
+        for c, fit in axis["collectives"].items() if data["ranks"] > 1 else ():
+            step = axis.get("in_step", {}).get(c)
             lines.append(
                 f"| {data['ranks']} | {c} | {fmt_s(fit['alpha_s'])} | "
-                f"{fit['beta_bytes_per_s'] / 1e6:.0f} MB/s | {fit['source']} |"
+                f"{fit['beta_bytes_per_s'] / 1e6:.0f} MB/s | {fit['source']} | "
+                + (f"{fmt_s(step['alpha_s'])} | {step['beta_bytes_per_s'] / 1e6:.0f} MB/s | {step['source']} |"
+                   if step else "- | - | - |")
             )
     lines += [
         "",
@@ -131,9 +136,10 @@ def compiled_table(results: list[dict]) -> list[str]:
     communication is the time the step spent blocked in collectives on the rank that waited
     least (and most: the others wait for the slowest rank); measured compute is the rest.
     "runtime priced" is the same profile applied op by op and call by call to what one
-    compiled step ran (recorded, the loss included): where it differs from the plan, the
-    planner's inventory of ops or collectives differs from the runtime's, whatever the
-    rates. The plan covers the model; the loss program the runtime lays out after it is
+    compiled step ran (recorded, the loss included; its collectives at the back-to-back
+    fits, where the plan prices an activation's moves by the fits after compute): where
+    it differs from the plan, the planner's inventory of ops or collectives differs from
+    the runtime's, whatever the rates. The plan covers the model; the loss program the runtime lays out after it is
     priced by the same tables and added to the prediction."""
     lines = [
         "| ranks | layout | compute: plan / runtime priced / measured | "

@@ -7,7 +7,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
   from ``profile_mesh(...)`` (under torchrun) or ``load_profile(path, ...)``;
 - ``compute_time(flops, bytes_moved, dtype, profile, op)`` (``op``: the ATen op name or
   kind, ``op_kind`` says which measured rate prices it) and ``backward_ops(op)``;
-- ``collective_time(collective, nbytes, axis, profile, latency_share)`` and
+- ``collective_time(collective, nbytes, axis, profile, latency_share, in_step=...)`` (``in_step``:
+  as a training step calls it, after compute, where the profile measured that) and
   ``gradient_buckets(total_bytes)`` (how many calls bucketed gradients make);
 - ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
   ``reshard_time(shape, itemsize, src, dst, profile)``;

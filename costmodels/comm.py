@@ -25,11 +25,15 @@ Spec = tuple[Placement, ...]
 
 
 class Step(NamedTuple):
-    """One collective of a resharding: which, on which mesh axis, on a buffer of X bytes."""
+    """One collective of a resharding: which, on which mesh axis, on a buffer of X bytes;
+    ``in_step``: a step waits for it right after compute (an activation's move), priced
+    by the profile's fits after compute, rather than one of the bucketed parameter
+    collectives (gradient all-reduces, ZeRO gathers), priced as timed back to back."""
 
     collective: str
     axis: int
     bytes: int
+    in_step: bool = False
 
 
 # The runtime packs parameter gradients into DDP-style buckets (autopar/gradsync.py)
@@ -38,17 +42,19 @@ GRADIENT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 
 def collective_time(collective: str, nbytes: float, axis: int | str, profile: HardwareProfile,
-                    latency_share: float = 1.0) -> float:
+                    latency_share: float = 1.0, *, in_step: bool = False) -> float:
     """Seconds for ``collective`` over mesh ``axis`` on a buffer of ``nbytes`` (see
     ``formulas.COLLECTIVE_BUFFER`` for which buffer). Zero on an axis of size 1.
 
     ``latency_share``: the part of one call's latency (alpha) this buffer pays when it
     travels packed with others in one call (bucketed gradients, per-layer gathers of
-    parameters): its bytes' part of the bucket, so a bucket's buffers pay alpha once."""
+    parameters): its bytes' part of the bucket, so a bucket's buffers pay alpha once.
+    ``in_step``: as a training step calls it, right after compute (``AxisProfile.in_step``,
+    where the profile has that collective's fit); else as timed back to back."""
     ax = profile.axis(axis)
     if ax.size == 1 or nbytes == 0:
         return 0.0
-    fit = ax.collectives.get(collective)
+    fit = (ax.in_step.get(collective) if in_step else None) or ax.collectives.get(collective)
     if fit is None:
         raise KeyError(f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}.")
     return _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)

@@ -14,11 +14,20 @@ FLOP/s, pointwise kinds in effective bytes/s. Fused attention is priced head by 
 its rates keep measured points per head (batch x heads of them in an op), since a CPU
 kernel runs a bigger head at a higher FLOP rate.
 
+An axis also keeps each collective as a training step meets it (``AxisProfile.in_step``):
+called right after compute, where the ranks arrive apart and the buffers and the
+communication threads are cold, a collective takes longer than back to back (on 2 or 4
+gloo ranks sharing 2 cores, a 2 MiB all-reduce 1.5-1.9x). The profiler fits those the
+same way from collectives timed after a burst of matmuls. Plans and steps price an
+activation's moves by them (``collective_time(..., in_step=True)``); a parameter's
+bucketed collectives, and single collectives timed back to back, by the others. A
+profile without them (the presets) prices both alike.
+
 JSON is strict (no ``Infinity``): the bandwidth of an axis of size 1, where nothing
 moves and a collective is free, is infinite in memory and ``null`` on disk.
 Format version 2 added the per-kind pointwise and the attention rates, version 3 the
-attention's measured points per head; an older file is refused with a clear error, and
-the profile cache re-measures it.
+attention's measured points per head, version 4 the collectives after compute; an older file is
+refused with a clear error, and the profile cache re-measures it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from pathlib import Path
 
 from costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 DTYPES = ("fp32", "bf16", "fp16")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -118,12 +127,20 @@ class AxisProfile:
     name: str
     size: int
     link: str  # one of LINKS: the link this axis's groups ride
-    collectives: dict[str, CollectiveFit]
+    collectives: dict[str, CollectiveFit]  # timed back to back
+    # timed right after compute, as a training step calls them; empty: as back to back
+    in_step: dict[str, CollectiveFit] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.link not in LINKS:
             raise ProfileError(
                 f"autopar: mesh axis {self.name!r} has link {self.link!r}; expected one of " f"{list(LINKS)}."
+            )
+        unknown = [c for c in self.in_step if c not in COLLECTIVES]
+        if unknown:
+            raise ProfileError(
+                f"autopar: mesh axis {self.name!r} has in-step fits for unknown collectives {unknown}; "
+                f"expected some of {list(COLLECTIVES)}. Re-measure with `autopar profile --force`."
             )
         missing = [c for c in COLLECTIVES if c not in self.collectives]
         if missing:
@@ -239,7 +256,7 @@ class HardwareProfile:
         d.pop("_axis_index")
         d["mesh_shape"] = list(self.mesh_shape)
         for axis in d["axes"]:  # strict JSON has no Infinity: a size-1 axis has no link
-            for fit in axis["collectives"].values():
+            for fit in [*axis["collectives"].values(), *axis["in_step"].values()]:
                 if fit["beta_bytes_per_s"] == math.inf:
                     fit["beta_bytes_per_s"] = None
         return d
@@ -257,7 +274,8 @@ class HardwareProfile:
             for group in ("pointwise", "attention"):
                 dev[group] = {k: {t: Rate(**r) for t, r in v.items()} for k, v in dev[group].items()}
             axes = [
-                AxisProfile(**{**a, "collectives": {k: _fit(v) for k, v in a["collectives"].items()}})
+                AxisProfile(**{**a, "collectives": {k: _fit(v) for k, v in a["collectives"].items()},
+                               "in_step": {k: _fit(v) for k, v in a.get("in_step", {}).items()}})
                 for a in d["axes"]
             ]
             rest = {k: v for k, v in d.items() if k not in ("device", "axes", "mesh_shape")}

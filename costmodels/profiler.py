@@ -9,6 +9,13 @@ norm and its backward) run on all ranks at once too, so a profile of ranks shari
 cores measures the rate each rank really gets.
 Times are per call medians on each rank, then the slowest rank's, so every rank builds
 the identical profile.
+
+Each collective is also timed as a training step calls it (``AxisProfile.in_step``): right
+after a burst of matmuls on every rank, the burst's own time (timed alone, in turns with
+them) taken off. Ranks then arrive apart and buffers and communication threads are cold;
+on a host whose cores the ranks share, the ones that wait also free cores for the others.
+The same least-squares fit gives the in-step alpha and beta; where the times after
+compute are too noisy to fit, the back-to-back fit stands in (said in its ``source``).
 """
 
 from __future__ import annotations
@@ -95,6 +102,11 @@ class Sweep:
     )
     min_batch_s: float = 0.02  # each timed batch of calls lasts at least this long
     working_set_bytes: int = WORKING_SET_BYTES  # compute operands rotate through this much
+    # collectives after compute: these sizes, each after this many "nt" matmuls of this
+    # (m, k, n) (6 ms on one of 2 ranks here, about a transformer layer's forward)
+    in_step_bytes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22)
+    in_step_units: int = 16
+    in_step_matmul: tuple[int, int, int] = (256, 256, 256)
 
     @classmethod
     def gpu(cls) -> Sweep:
@@ -111,6 +123,8 @@ class Sweep:
             warmup=3,
             min_batch_s=0.02,
             working_set_bytes=256 << 20,
+            in_step_bytes=(1 << 16, 1 << 22, 1 << 28),
+            in_step_matmul=(4096, 4096, 4096),
         )
 
     @classmethod
@@ -128,6 +142,9 @@ class Sweep:
             min_batch_s=0.005,
             working_set_bytes=4 << 20,
             low_precision_shapes=((32, 32, 32), (64, 64, 64)),
+            in_step_bytes=(1 << 12, 1 << 18),
+            in_step_units=2,
+            in_step_matmul=(64, 64, 64),
         )
 
 
@@ -196,6 +213,16 @@ def _measure_and_fit(measure: Callable[[int], list], sizes, repeats: int, what: 
             raise ProfileError(f"{e} (while profiling {what}, measured twice)") from None
 
 
+def _collective_fit(kind: str, size: int, fit, sizes, repeats: int, how: str = "") -> CollectiveFit:
+    """alpha and bus bandwidth beta from a fit of seconds against X over ``size`` ranks."""
+    return CollectiveFit(
+        alpha_s=fit.intercept,
+        beta_bytes_per_s=float(BUS_FACTOR[kind].subs(N_SYM, size)) / fit.slope,
+        source=f"{how}fit over {fit.points} sizes {min(sizes)}-{max(sizes)} B (median of {repeats} batches each), "
+        f"median residual {100 * fit.median_rel_error:.1f}%",
+    )
+
+
 class _Measure:
     """One profiling run's state: where it runs, what it sweeps, its progress bar, and
     the hook it notifies after each fit (see ``measure_profile``)."""
@@ -230,16 +257,47 @@ class _Measure:
                 sw.comm_repeats,
                 f"{kind} on mesh axis {name!r}",
             )
-            factor = float(BUS_FACTOR[kind].subs(N_SYM, size))
-            fits[kind] = CollectiveFit(
-                alpha_s=fit.intercept,
-                beta_bytes_per_s=factor / fit.slope,
-                source=f"fit over {fit.points} sizes {min(sw.comm_bytes)}-{max(sw.comm_bytes)} B "
-                f"(median of {sw.comm_repeats} batches each), "
-                f"median residual {100 * fit.median_rel_error:.1f}%",
-            )
+            fits[kind] = _collective_fit(kind, size, fit, sw.comm_bytes, sw.comm_repeats)
             self.notify("collective", (i, kind))
-        return AxisProfile(name=name, size=size, link=_axis_link(group, self.device), collectives=fits)
+        in_step = self.in_step(name, size, group, fits) if size > 1 else {}
+        return AxisProfile(name=name, size=size, link=_axis_link(group, self.device), collectives=fits,
+                           in_step=in_step)
+
+    def in_step(self, name: str, size: int, group, fits: dict[str, CollectiveFit]) -> dict[str, CollectiveFit]:
+        """Every collective on the axis timed right after ``in_step_units`` matmuls on every
+        rank, less the matmuls' time alone, and fitted as back to back; where that fails
+        (times that do not grow with size, or not positive), the back-to-back fit."""
+        sw, out = self.sweep, {}
+        m, k, n = sw.in_step_matmul
+        unit = matmul_call(m, k, n, "fp32", "nt", self.pool)
+
+        def compute() -> None:
+            for _ in range(sw.in_step_units):
+                unit()
+
+        def after_compute(call: Callable[[], object]) -> Callable[[], None]:
+            def run() -> None:
+                compute()
+                call()
+            return run
+
+        for kind in COLLECTIVES:
+            calls = [after_compute(collective_call(kind, group, b, self.device)) for b in sw.in_step_bytes]
+
+            def measure(repeats: int) -> list[float]:
+                alone, *after = self._timed(f"{name} {kind} after compute", [compute, *calls], repeats, group)
+                return [t - alone for t in after]
+
+            try:
+                fit = _measure_and_fit(measure, sw.in_step_bytes, sw.comm_repeats, f"{kind} after compute on {name!r}")
+            except ProfileError as e:
+                out[kind] = CollectiveFit(alpha_s=fits[kind].alpha_s, beta_bytes_per_s=fits[kind].beta_bytes_per_s,
+                                          source=f"back to back (after compute: {e})")
+                continue
+            out[kind] = _collective_fit(kind, size, fit, sw.in_step_bytes, sw.comm_repeats,
+                                        f"after {sw.in_step_units} matmuls {m}x{k}x{n}: ")
+        self.pool.release("fp32")
+        return out
 
     def compute(self, dtype: str) -> None:
         """Every pointwise kind, attention and matmul in ``dtype`` (one operand pool alive).
@@ -360,7 +418,7 @@ def measure_profile(
     names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
     shape = tuple(mesh.shape)
     total = (
-        sum(len(COLLECTIVES) * len(sweep.comm_bytes) for n in shape if n > 1)
+        sum(len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes)) for n in shape if n > 1)
         + len(MATMUL_LAYOUTS) * (len(sweep.matmul_shapes) + 2 * len(sweep.low_precision_shapes))
         + len(DTYPES) * len(sweep.pointwise_numel)
         + (len(POINTWISE_KINDS) - 1) * (len(sweep.kind_numel) + 2 * len(_ends(sweep.kind_numel)))

@@ -20,15 +20,20 @@ def profile_table(profile: HardwareProfile) -> str:
         f"hardware profile: {profile.device.name}, backend {profile.backend}, mesh {profile.mesh_shape}",
         f"source: {profile.source}",
         "",
-        "| axis | size | link | collective | alpha (us) | beta (bus bandwidth) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| axis | size | link | collective | alpha (us) | beta (bus bandwidth) | in a step, after compute: "
+        "alpha (us), beta |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def beta(fit) -> str:
+        return _si(fit.beta_bytes_per_s, "B/s") if math.isfinite(fit.beta_bytes_per_s) else "- (size-1 axis)"
+
     for ax in profile.axes:
         for c in COLLECTIVES:
-            fit = ax.collectives[c]
+            fit, step = ax.collectives[c], ax.in_step.get(c)
             lines.append(
-                f"| {ax.name} | {ax.size} | {ax.link} | {c} | {fit.alpha_s * 1e6:.1f} | "
-                f"{_si(fit.beta_bytes_per_s, 'B/s') if math.isfinite(fit.beta_bytes_per_s) else '- (size-1 axis)'} |"
+                f"| {ax.name} | {ax.size} | {ax.link} | {c} | {fit.alpha_s * 1e6:.1f} | {beta(fit)} | "
+                + (f"{step.alpha_s * 1e6:.1f}, {beta(step)} |" if step else "as back to back |")
             )
     dev = profile.device
     lines += [

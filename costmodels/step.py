@@ -81,12 +81,13 @@ def backward_time(forward_ops: Iterable[Op], profile: HardwareProfile) -> float:
 
 
 def comm_time(steps: Iterable[Step], profile: HardwareProfile) -> float:
-    return sum(collective_time(s.collective, s.bytes, s.axis, profile) for s in steps)
+    """Seconds of these collectives, each as ``Step.in_step`` says the step meets it."""
+    return sum(collective_time(s.collective, s.bytes, s.axis, profile, in_step=s.in_step) for s in steps)
 
 
 def dual_steps(steps: Iterable[Step]) -> list[Step]:
     """Backward collectives of forward ones (same axis, same buffer size)."""
-    return [Step(DUAL_COLLECTIVE[s.collective], s.axis, s.bytes) for s in steps]
+    return [Step(DUAL_COLLECTIVE[s.collective], s.axis, s.bytes, s.in_step) for s in steps]
 
 
 def adamw_ops(param_numels: Iterable[int], dtype: torch.dtype | str = "fp32") -> list[Op]:

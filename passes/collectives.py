@@ -1,8 +1,8 @@
 """One-axis placement moves as direct torch.distributed collectives, differentiable.
 
 Most resharding edges change a single mesh axis: an all-gather (``S(d) -> R``), an
-all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), a local slice (``R -> S(d)``)
-or a zeroing of all but one part (``R -> P``); a gradient-only edge (``R -> R`` whose
+all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), an all-to-all (``S(i) -> S(j)``),
+a local slice (``R -> S(d)``) or a zeroing of all but one part (``R -> P``); a gradient-only edge (``R -> R`` whose
 consumer hands back a share) all-reduces in backward alone. DTensor's
 ``redistribute`` runs the same collectives but spends more Python time per call than
 a small tensor's collective takes, so :class:`AxisMove` calls them directly on the
@@ -37,7 +37,7 @@ def movable(a: Placement, b: Placement) -> bool:
     if isinstance(b, Replicate):
         return isinstance(a, Shard) or _sum(a)
     if isinstance(b, Shard):
-        return isinstance(a, Replicate) or _sum(a)
+        return isinstance(a, (Replicate, Shard)) or _sum(a)
     return isinstance(a, Replicate) and _sum(b)  # zero all parts but the first
 
 
@@ -77,6 +77,18 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return out
 
 
+def all_to_all(x: torch.Tensor, src: int, dst: int, axis: Axis) -> torch.Tensor:
+    """``x`` split along ``src`` over the axis, split along ``dst`` instead: piece k of this
+    rank's ``dst`` dim goes to rank k, and the pieces that arrive are joined along ``src``
+    in rank order. One ``all_to_all_single``, as the cost model prices an ``S(i) -> S(j)``
+    move (DTensor's redistribute gathers the whole tensor where the backend has no
+    all-to-all of its own, gloo among them)."""
+    send = x.unflatten(dst, (axis.size, x.shape[dst] // axis.size)).movedim(dst, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv.view(-1), send.view(-1), group=axis.group)
+    return recv.movedim(0, src).flatten(src, src + 1)
+
+
 def all_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=axis.group)
@@ -92,6 +104,8 @@ def move(x: torch.Tensor, a: Placement, b: Placement, axis: Axis) -> torch.Tenso
     if isinstance(b, Shard):
         if isinstance(a, Replicate):
             return x.chunk(axis.size, b.dim)[axis.index]
+        if isinstance(a, Shard):
+            return all_to_all(x, a.dim, b.dim, axis)
         return reduce_scatter(x, b.dim, axis)
     return x if axis.index == 0 else torch.zeros_like(x)  # R -> P: one copy keeps the value
 

@@ -32,7 +32,10 @@ output placement to what v's strategy needs (``reshard_time``) plus, when u is o
 a gradient path, the backward collectives of the gradient, which arrives in
 ``codegen.gradient_spec(needed, v's outputs)`` (``backward_reshard_plan``): this is
 where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
-gradients are counted, exactly as codegen runs them.
+gradients are counted, exactly as codegen runs them. An activation's collectives are
+priced as a step meets them, right after compute (the profile's ``in_step`` fits); a
+parameter's (bucketed gathers, reduce-scatters and gradient all-reduces) as timed
+back to back.
 
 A value moved to the same layout for several consumers is moved once (codegen shares
 the move, and its gradient's collective, among them). Consumers that are alike (the
@@ -239,8 +242,9 @@ class _Pricer:
             steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
             if grad is not None:
                 steps += costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
-            t = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective))
-                    for s in steps)
+            # an activation's move waits right after compute; a parameter's travels bucketed
+            t = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective),
+                                               in_step=not bucketed) for s in steps)
             if bucketed:
                 t += sum(costmodels.compute_time(0.0, copied, _dtype(meta), self.profile, "aten.copy_.default")
                          for s in steps

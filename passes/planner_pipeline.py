@@ -134,7 +134,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
            memory_limit: float, schedules=("gpipe", "1f1b", "interleaved_1f1b")):
     """Best pipeline option (with or without recomputation) for ``stages`` ranks on axis 0."""
     count = len(num.act_time)
-    send = lambda nbytes: costmodels.collective_time("send_recv", nbytes, 0, pp_profile)  # noqa: E731
+    send = lambda nbytes: costmodels.collective_time("send_recv", nbytes, 0, pp_profile, in_step=True)  # noqa: E731
     results = []
     for recompute in (False, True):
         def layer_costs(p: int, m: int, recompute=recompute) -> LayerCosts:

@@ -46,7 +46,9 @@ def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int, grad_
             steps += costmodels.backward_reshard_plan(shape, size, have, need, mesh, gradient_spec(need, strategy.outputs))
         for s in steps:
             key = f"{s.collective} on {names[s.axis]}"
-            out[key] = out.get(key, 0.0) + costmodels.collective_time(s.collective, s.bytes, s.axis, profile)
+            t = costmodels.collective_time(s.collective, s.bytes, s.axis, profile,
+                                           in_step=src.name not in graph.captured.params)
+            out[key] = out.get(key, 0.0) + t
     return out
 
 

@@ -194,6 +194,30 @@ def test_recomputed_layers_pay_their_forward_again(gpt_costs):
     assert np.array_equal(again.forward[v], costs.forward[v])
 
 
+def test_activation_moves_are_priced_after_compute_and_parameter_moves_back_to_back(gpt_costs):
+    """With in-step fits 10x slower than back to back, every edge carrying an activation
+    costs more (or nothing, where nothing moves) and every parameter's edge (bucketed
+    gathers and gradient reductions) costs what it did."""
+    import copy
+
+    costs = gpt_costs
+    slow = copy.deepcopy(costs.profile)
+    for axis in slow.axes:
+        axis.in_step = {c: costmodels.CollectiveFit(alpha_s=10 * f.alpha_s, beta_bytes_per_s=f.beta_bytes_per_s / 10)
+                        for c, f in axis.collectives.items()}
+    again = build_costs(costs.graph, slow, memory_limit=80e9)
+    params = costs.graph.captured.params
+    slower = 0
+    for (src, _, _), (_, _, before), (_, _, after) in zip(costs.edge_inputs, costs.problem.edges, again.problem.edges):
+        if src.name in params:
+            assert np.array_equal(before, after), src.name
+        else:
+            moving = before > 0
+            assert np.allclose(after[~moving], 0) and np.all(after[moving] > before[moving]), src.name
+            slower += int(moving.any())
+    assert slower > 10
+
+
 def test_alike_consumers_share_one_move(gpt_costs):
     """q, k and v read one normed activation: codegen moves it once for the three (and
     reduces its gradient once), so each edge pays a third of the move."""

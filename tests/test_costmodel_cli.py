@@ -52,6 +52,7 @@ def test_profile_is_cached_reused_and_remeasured_when_bad(one_rank, tmp_path, ca
     assert measured and path.is_file() and path.parent == cache
     assert p1.backend == "gloo" and p1.mesh_shape == (1,) and p1.axes[0].link == "intra_node"
     assert all(r.rate > 0 for r in p1.device.matmul.values())
+    assert p1.axes[0].in_step == {}  # a collective over one rank is free wherever it is called
     p2, _, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
     assert not measured and p2 == p1
     # a corrupt cache entry is re-measured, with a message saying why
@@ -129,9 +130,15 @@ def test_two_rank_gloo_profile_under_torchrun(tmp_path):
     ]
     run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "measured and saved" in run.stdout and "| dp | 2 |" in run.stdout
+    assert "measured and saved" in run.stdout and "| dp | 2 |" in run.stdout and "after compute" in run.stdout
     p = HardwareProfile.load(tmp_path / "out.json")
     assert p.mesh_shape == (2,) and p.backend == "gloo"
+    # every collective also timed after compute: fitted, or where the times would not fit
+    # the back-to-back fit, saying so
+    assert set(p.axes[0].in_step) == set(p.axes[0].collectives)
+    for kind, fit in p.axes[0].in_step.items():
+        assert fit.source.startswith(("after 2 matmuls 64x64x64", "back to back (after compute")), (kind, fit.source)
+        assert fit.alpha_s >= 0 and 0 < fit.beta_bytes_per_s < float("inf")
     for fit in p.axes[0].collectives.values():
         assert fit.alpha_s >= 0 and 0 < fit.beta_bytes_per_s < float("inf")
     assert len(list(tmp_path.glob("*-gloo-2-dp.json"))) == 1

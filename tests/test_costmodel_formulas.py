@@ -69,6 +69,19 @@ def test_collective_time_by_hand(collective, factor):
     assert collective_time(collective, 1e6, 0, p) == pytest.approx(1e-5 + factor * 1e6 / 1e9)
 
 
+def test_a_step_prices_collectives_as_timed_after_compute():
+    p = make_profile((4,))
+    back_to_back = collective_time("all_reduce", 1e6, 0, p)
+    # no in-step fits (a preset): a step prices them as back to back
+    assert collective_time("all_reduce", 1e6, 0, p, in_step=True) == back_to_back
+    p.axes[0].in_step = {"all_reduce": CollectiveFit(alpha_s=3e-5, beta_bytes_per_s=5e8)}
+    assert collective_time("all_reduce", 1e6, 0, p, in_step=True) == pytest.approx(3e-5 + 1.5 * 1e6 / 5e8)
+    assert collective_time("all_reduce", 1e6, 0, p, 0.5, in_step=True) == pytest.approx(1.5e-5 + 1.5 * 1e6 / 5e8)
+    assert collective_time("all_reduce", 1e6, 0, p) == back_to_back  # single collectives: as they were timed
+    # a collective the in-step fits leave out is priced back to back
+    assert collective_time("all_gather", 1e6, 0, p, in_step=True) == collective_time("all_gather", 1e6, 0, p)
+
+
 def test_collective_on_axis_of_size_one_is_free():
     p = make_profile((1, 4))
     assert collective_time("all_reduce", 1e9, 0, p) == 0.0

@@ -7,6 +7,7 @@ import pytest
 
 from costmodels import (
     POINTWISE_KINDS,
+    CollectiveFit,
     HardwareProfile,
     ProfileError,
     Rate,
@@ -25,6 +26,14 @@ def test_json_round_trip_is_exact(tmp_path):
     assert q == p and q.to_json() == p.to_json()
     p.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == p
+
+
+def test_in_step_fits_round_trip(tmp_path):
+    p = h100((2, 4), axis_names=("dp", "tp"))
+    p.axes[1].in_step = {c: CollectiveFit(alpha_s=1e-4, beta_bytes_per_s=2e9, source="after compute")
+                         for c in p.axes[1].collectives}
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p and q.axes[1].in_step["all_to_all"].beta_bytes_per_s == 2e9 and q.axes[0].in_step == {}
 
 
 def test_a_size_one_axis_writes_strict_json_and_round_trips(tmp_path):
@@ -130,9 +139,9 @@ def test_missing_file(tmp_path):
     [
         ("{not json", "must be JSON"),
         ("[1, 2]", "must be a JSON object"),
-        ('{"version": 3}', "must hold machine"),
+        ('{"version": 4}', "must hold machine"),
         ('{"version": 99}', "format version 99"),
-        ('{"version": 1, "machine": "m"}', "format version 1; this autopar reads version 3"),
+        ('{"version": 1, "machine": "m"}', "format version 1; this autopar reads version 4"),
     ],
 )
 def test_corrupt_profiles_are_clear_errors(tmp_path, text, match):
@@ -162,6 +171,10 @@ def test_inconsistent_profiles_are_rejected():
     d = json.loads(h100((2,)).to_json())
     d["device"]["attention"]["backward"].pop("fp16")
     with pytest.raises(ProfileError, match="no attention backward rate for \\['fp16'\\]"):
+        HardwareProfile.from_dict(d)
+    d = json.loads(h100((2,)).to_json())
+    d["axes"][0]["in_step"] = {"broadcast": d["axes"][0]["collectives"]["all_reduce"]}
+    with pytest.raises(ProfileError, match="in-step fits for unknown collectives \\['broadcast'\\]"):
         HardwareProfile.from_dict(d)
 
 

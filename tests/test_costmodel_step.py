@@ -2,7 +2,7 @@
 
 import pytest
 
-from costmodels import Op, Step, adamw_ops, step_time
+from costmodels import CollectiveFit, Op, Step, adamw_ops, step_time
 from costmodels.step import ADAMW_OPS, dual_steps
 from tests.test_costmodel_formulas import make_profile
 
@@ -33,6 +33,18 @@ def test_step_time_by_hand():
         "optimizer",
         "total",
     }
+
+
+def test_blocking_collectives_are_priced_as_met_after_compute():
+    p = make_profile((4,))
+    p.axes[0].in_step = {"all_reduce": CollectiveFit(alpha_s=3e-5, beta_bytes_per_s=5e8)}
+    blocking = Step("all_reduce", 0, 1_000_000, in_step=True)  # Megatron's g after a row-parallel layer
+    bucket = Step("all_reduce", 0, 1_000_000)  # a gradient bucket
+    cost = step_time([], p, forward_comm=[blocking], backward_extra=[bucket])
+    after_compute, back_to_back = 3e-5 + 1.5 * 1e6 / 5e8, 1e-5 + 1.5 * 1e6 / 1e9
+    assert cost.forward_comm == pytest.approx(after_compute)
+    # the dual (Megatron's f) is blocking too; the bucket is priced as timed back to back
+    assert cost.backward_comm == pytest.approx(after_compute + back_to_back)
 
 
 def test_backward_is_priced_op_by_op():

@@ -77,15 +77,19 @@ def test_every_pointwise_kind_runs_in_every_dtype():
 
 def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
     """A collective's batch time is bimodal under time sharing: its fit takes the median of
-    ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``."""
+    ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``; so does the fit
+    of each collective timed after compute (the compute alone timed in turns with it)."""
     from costmodels import profiler
 
-    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11)
+    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
     seen = []
 
     def fake_timed(calls, device, repeats, warmup, **kw):
         seen.append(repeats)
-        return [1e-4 + 1e-9 * b for b in sweep.comm_bytes]  # alpha 100 us, 1 ns per byte
+        if len(calls) == len(sweep.comm_bytes):  # back to back: alpha 100 us, 1 ns per byte
+            return [1e-4 + 1e-9 * b for b in sweep.comm_bytes]
+        # the compute alone (5 ms), then each size after it: alpha 300 us, 2 ns per byte
+        return [5e-3] + [5e-3 + 3e-4 + 2e-9 * b for b in sweep.in_step_bytes]
 
     class Bar:  # the progress bar's two methods the profiler calls
         def set_postfix_str(self, *a, **k):
@@ -96,10 +100,14 @@ def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
 
     monkeypatch.setattr(profiler, "timed", fake_timed)
     monkeypatch.setattr(profiler, "collective_call", lambda kind, group, nbytes, device: None)
+    monkeypatch.setattr(profiler, "matmul_call", lambda *a: None)
     monkeypatch.setattr(profiler, "_axis_link", lambda group, device: "intra_node")
     run = profiler._Measure(torch.device("cpu"), sweep, Bar(), lambda what, key: None)
     axis = run.axis(0, "dp", 2, group=None)
-    assert seen == [11] * 5  # every collective kind, 11 batches
+    assert seen == [11] * 10  # every collective kind back to back and after compute, 11 batches
     fit = axis.collectives["all_reduce"]
     assert fit.alpha_s == pytest.approx(1e-4) and "median of 11 batches" in fit.source
+    step = axis.in_step["all_reduce"]  # bus factor 2 (N - 1) / N = 1 on 2 ranks
+    assert step.alpha_s == pytest.approx(3e-4) and step.beta_bytes_per_s == pytest.approx(5e8)
+    assert step.source.startswith("after 2 matmuls 64x64x64") and "median of 11 batches" in step.source
     assert profiler.Sweep().comm_repeats > profiler.Sweep().repeats

@@ -233,9 +233,10 @@ def recompute_case(spec: str) -> dict:
 
 def moves_case() -> dict:
     """moves (4 ranks): every move of a tensor between two placements of a 2x2 mesh that
-    codegen runs axis by axis (``AxisMove.chain``) gives the same forward values and the
-    same input gradient as DTensor's redistribute (the reference), for each gradient layout
-    a consumer can hand back (its own placement, or shares where it is replicated)."""
+    codegen runs axis by axis (``AxisMove.chain``) over more than one axis, or with an
+    all-to-all (``S(i) -> S(j)`` on an axis), gives the same forward values and the same
+    input gradient as DTensor's redistribute (the reference), for each gradient layout a
+    consumer can hand back (its own placement, or shares where it is replicated)."""
     import itertools
 
     from torch.distributed.tensor import Partial, distribute_tensor
@@ -257,12 +258,16 @@ def moves_case() -> dict:
     gen = torch.Generator().manual_seed(0)
     value, gradient = (torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(2))
     placements = [Replicate(), Shard(0), Shard(1), Partial()]
-    checked, mismatched = 0, []
+    checked, all_to_alls, mismatched = 0, 0, []
     for src, dst in itertools.product(itertools.product(placements, repeat=2), repeat=2):
         for grad in itertools.product(*[[grad_side(d)] + ([Partial()] if isinstance(d, Replicate) else []) for d in dst]):
             chained = Reshard(mesh, src, dst, grad)
-            if chained.fast is None or len(chained.fast) < 2:
-                continue  # one-axis moves are the other cases' business; DTensor's own needs no check
+            if chained.fast is None:
+                continue  # DTensor's own needs no check
+            swaps = any(isinstance(s.src, Shard) and isinstance(s.dst, Shard) for s in chained.fast)
+            if len(chained.fast) < 2 and not swaps:
+                continue  # other one-axis moves are the other cases' business
+            all_to_alls += swaps
             reference = Reshard(mesh, src, dst, grad)
             reference.fast = None
             results = []
@@ -274,7 +279,7 @@ def moves_case() -> dict:
             checked += 1
             if not all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(*results)):
                 mismatched.append(chained.extra_repr())
-    return {"case": "moves", "checked": checked, "mismatched": mismatched}
+    return {"case": "moves", "checked": checked, "all_to_alls": all_to_alls, "mismatched": mismatched}
 
 
 def error_cases(nproc: int) -> dict:
