@@ -17,7 +17,7 @@ kernel runs a bigger head at a higher FLOP rate.
 An axis also keeps each collective as a training step meets it (``AxisProfile.in_step``):
 called right after compute, where the ranks arrive apart and the buffers and the
 communication threads are cold, a collective takes longer than back to back (on 2 or 4
-gloo ranks sharing 2 cores, a 2 MiB all-reduce 1.5-1.9x). The profiler fits those the
+gloo ranks sharing 2 cores, a 2 MiB all-reduce 1.4-1.9x). The profiler fits those the
 same way from collectives timed after a burst of matmuls. Plans and steps price an
 activation's moves by them (``collective_time(..., in_step=True)``); a parameter's
 bucketed collectives, and single collectives timed back to back, by the others. A

@@ -20,6 +20,7 @@ compute are too noisy to fit, the back-to-back fit stands in (said in its ``sour
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -291,8 +292,7 @@ class _Measure:
             try:
                 fit = _measure_and_fit(measure, sw.in_step_bytes, sw.comm_repeats, f"{kind} after compute on {name!r}")
             except ProfileError as e:
-                out[kind] = CollectiveFit(alpha_s=fits[kind].alpha_s, beta_bytes_per_s=fits[kind].beta_bytes_per_s,
-                                          source=f"back to back (after compute: {e})")
+                out[kind] = dataclasses.replace(fits[kind], source=f"back to back (after compute: {e})")
                 continue
             out[kind] = _collective_fit(kind, size, fit, sw.in_step_bytes, sw.comm_repeats,
                                         f"after {sw.in_step_units} matmuls {m}x{k}x{n}: ")

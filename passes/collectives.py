@@ -1,9 +1,10 @@
 """One-axis placement moves as direct torch.distributed collectives, differentiable.
 
 Most resharding edges change a single mesh axis: an all-gather (``S(d) -> R``), an
-all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), an all-to-all (``S(i) -> S(j)``),
-a local slice (``R -> S(d)``) or a zeroing of all but one part (``R -> P``); a gradient-only edge (``R -> R`` whose
-consumer hands back a share) all-reduces in backward alone. DTensor's
+all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), an all-to-all
+(``S(i) -> S(j)``), a local slice (``R -> S(d)``) or a zeroing of all but one part
+(``R -> P``); a gradient-only edge (``R -> R`` whose consumer hands back a share)
+all-reduces in backward alone. DTensor's
 ``redistribute`` runs the same collectives but spends more Python time per call than
 a small tensor's collective takes, so :class:`AxisMove` calls them directly on the
 axis's process group. Backward is the same vocabulary in the other direction: the
