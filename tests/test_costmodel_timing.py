@@ -75,21 +75,19 @@ def test_every_pointwise_kind_runs_in_every_dtype():
             assert isinstance(out, (torch.Tensor, tuple))
 
 
-def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
-    """A collective's batch time is bimodal under time sharing: its fit takes the median of
-    ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``; so does the fit
-    of each collective timed after compute (the compute alone timed in turns with it)."""
+def _axis_from_fake_times(monkeypatch, sweep, after_compute):
+    """``_Measure.axis`` on 2 ranks with every timing faked: back to back, alpha 100 us and
+    1 ns per byte; the compute alone 5 ms, and each size after it ``after_compute(X)``.
+    Returns the axis and the repeats each timed sweep asked for."""
     from costmodels import profiler
 
-    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
     seen = []
 
     def fake_timed(calls, device, repeats, warmup, **kw):
         seen.append(repeats)
-        if len(calls) == len(sweep.comm_bytes):  # back to back: alpha 100 us, 1 ns per byte
+        if len(calls) == len(sweep.comm_bytes):
             return [1e-4 + 1e-9 * b for b in sweep.comm_bytes]
-        # the compute alone (5 ms), then each size after it: alpha 300 us, 2 ns per byte
-        return [5e-3] + [5e-3 + 3e-4 + 2e-9 * b for b in sweep.in_step_bytes]
+        return [5e-3] + [5e-3 + after_compute(b) for b in sweep.in_step_bytes]
 
     class Bar:  # the progress bar's two methods the profiler calls
         def set_postfix_str(self, *a, **k):
@@ -103,7 +101,18 @@ def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
     monkeypatch.setattr(profiler, "matmul_call", lambda *a: None)
     monkeypatch.setattr(profiler, "_axis_link", lambda group, device: "intra_node")
     run = profiler._Measure(torch.device("cpu"), sweep, Bar(), lambda what, key: None)
-    axis = run.axis(0, "dp", 2, group=None)
+    return run.axis(0, "dp", 2, group=None), seen
+
+
+def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
+    """A collective's batch time is bimodal under time sharing: its fit takes the median of
+    ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``; so does the fit
+    of each collective timed after compute (the compute alone timed in turns with it)."""
+    from costmodels import profiler
+
+    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
+    # after compute: alpha 300 us, 2 ns per byte
+    axis, seen = _axis_from_fake_times(monkeypatch, sweep, lambda b: 3e-4 + 2e-9 * b)
     assert seen == [11] * 10  # every collective kind back to back and after compute, 11 batches
     fit = axis.collectives["all_reduce"]
     assert fit.alpha_s == pytest.approx(1e-4) and "median of 11 batches" in fit.source
@@ -111,3 +120,17 @@ def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
     assert step.alpha_s == pytest.approx(3e-4) and step.beta_bytes_per_s == pytest.approx(5e8)
     assert step.source.startswith("after 2 matmuls 64x64x64") and "median of 11 batches" in step.source
     assert profiler.Sweep().comm_repeats > profiler.Sweep().repeats
+
+
+def test_collectives_after_compute_that_cannot_be_fitted_keep_the_back_to_back_fit(monkeypatch):
+    """Times after compute that do not grow with size are measured again with 3x the
+    batches, then the back-to-back fit stands in, saying why."""
+    from costmodels import profiler
+
+    sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=5, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
+    axis, seen = _axis_from_fake_times(monkeypatch, sweep, lambda b: 2e-3 - 1e-9 * b)  # shrinking
+    assert seen == [5] * 5 + [5, 15] * 5  # back to back; then after compute, and again with 3x
+    for kind, step in axis.in_step.items():
+        back_to_back = axis.collectives[kind]
+        assert (step.alpha_s, step.beta_bytes_per_s) == (back_to_back.alpha_s, back_to_back.beta_bytes_per_s)
+        assert step.source.startswith("back to back (after compute:") and "do not grow with size" in step.source
