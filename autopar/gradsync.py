@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,26 @@ class _Bucket:
     ready: int = 0
 
 
+def buckets_of(names: Sequence[str], key: Callable[[str], tuple],
+               nbytes: Callable[[str], int]) -> list[tuple[tuple, list[str]]]:
+    """DDP's bucketing: ``names`` in order (backward's), grouped by ``key`` (axes summed
+    over, dtype); a key's open bucket is closed when the next tensor would take it past
+    its cap (the first buckets ``FIRST_BUCKET_BYTES``, then ``BUCKET_BYTES``). Returns
+    (key, names) per bucket, in the order the buckets were opened."""
+    buckets: list[tuple[tuple, list[str]]] = []
+    open_names: dict[tuple, list[str]] = {}
+    open_bytes: dict[tuple, int] = {}
+    for name in names:
+        k, size = key(name), nbytes(name)
+        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+        if k not in open_names or open_bytes[k] + size > cap:
+            open_names[k], open_bytes[k] = [], 0
+            buckets.append((k, open_names[k]))
+        open_names[k].append(name)
+        open_bytes[k] += size
+    return buckets
+
+
 class GradientSync:
     """Sum the gradient shares of ``grad_sync``'s parameters (placeholder -> axes).
 
@@ -85,23 +105,17 @@ class GradientSync:
         self._flatten = flatten
         self.buckets: list[_Bucket] = []
         self._index: dict[int, int] = {}  # id(parameter) -> its bucket
-        open_buckets: dict[tuple, _Bucket] = {}
-        for name in order:
-            if name not in grad_sync:
-                continue
-            p = params[name]
-            key = (grad_sync[name], p.dtype)
-            bucket = open_buckets.get(key)
-            size = p.numel() * p.element_size()
-            cap = FIRST_BUCKET_BYTES if len(self.buckets) <= 1 else BUCKET_BYTES
-            if bucket is None or (bucket.params and bucket.nbytes + size > cap):
-                bucket = open_buckets[key] = _Bucket(*key)
-                self.buckets.append(bucket)
-            bucket.params.append(p)
-            bucket.nbytes += size
-            self._index[id(p)] = len(self.buckets) - 1
-            if overlap and p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._ready)
+        synced = [name for name in order if name in grad_sync]
+        for key, names in buckets_of(synced, lambda n: (grad_sync[n], params[n].dtype),
+                                     lambda n: params[n].numel() * params[n].element_size()):
+            bucket = _Bucket(*key)
+            for p in (params[n] for n in names):
+                bucket.params.append(p)
+                bucket.nbytes += p.numel() * p.element_size()
+                self._index[id(p)] = len(self.buckets)
+                if overlap and p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._ready)
+            self.buckets.append(bucket)
         # the group of every set of axes summed over, made now: on every rank, in the same order
         self._groups = {axes: axes_group(mesh, axes, flatten) for axes in dict.fromkeys([b.axes for b in self.buckets])}
         self._active = False

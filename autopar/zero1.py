@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from autopar.gradsync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from autopar.gradsync import buckets_of
 from passes.buckets import Gather, GatherBucket
 from passes.codegen import gathered_axes
 from passes.collectives import Axis, grad_side
@@ -39,20 +39,10 @@ class OptimizerSlices:
         self.slices: dict[str, nn.Parameter] = {}
         self._buckets: list[tuple[GatherBucket, list[str]]] = []
         # buckets as GradientSync makes them: by axes and dtype, in backward order, DDP's sizes
-        current: dict[tuple, list[str]] = {}
-        nbytes: dict[tuple, int] = {}
-        buckets: list[tuple[tuple[int, ...], list[str]]] = []
-        for name in [n for n in order if n in wholes] + sorted(set(wholes) - set(order)):
-            whole = wholes[name]
-            axes = self._axes(name, whole.shape, used[name], stored[name], mesh)
-            key, size = (axes, whole.dtype), whole.numel() * whole.element_size()
-            cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
-            if key not in current or nbytes[key] + size > cap:
-                current[key], nbytes[key] = [], 0
-                buckets.append((axes, current[key]))
-            current[key].append(name)
-            nbytes[key] += size
-        for axes, names in buckets:
+        axes_of = {n: self._axes(n, w.shape, used[n], stored[n], mesh) for n, w in wholes.items()}
+        ordered = [n for n in order if n in wholes] + sorted(set(wholes) - set(order))
+        for (axes, _), names in buckets_of(ordered, lambda n: (axes_of[n], wholes[n].dtype),
+                                           lambda n: wholes[n].numel() * wholes[n].element_size()):
             steps = [Gather(a, Axis.of(mesh, a), tuple(stored[n][a].dim for n in names), reduce=False) for a in axes]
             bucket = GatherBucket(names, steps, keep=True)
             views = bucket.scatter([wholes[n].detach() for n in names])  # this rank's slices, as views
