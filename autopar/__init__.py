@@ -11,5 +11,7 @@ from passes.strategies import StrategyGraph, build_strategy_graph
 from passes.plan import Plan
 from autopar import layouts
 from autopar.planning import plan
+from autopar.dryrun import DryRunResult, dry_run
 
-__all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "layouts", "plan"]
+__all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "layouts", "plan",
+           "dry_run", "DryRunResult"]

@@ -48,8 +48,7 @@ from autopar.bench_models import MODELS, build
 from autopar.runtime import WithLoss
 from passes.capture import capture
 from passes.costing import build_costs
-from passes.planner import Solved, build_plan, complete, plan_captured
-from passes.solve import plan_costs
+from passes.planner import complete, layout_plan, plan_captured
 from passes.strategies import NoRuleWarning, build_strategy_graph
 
 __all__ = ["MODELS", "MESHES", "run"]
@@ -236,10 +235,8 @@ def layout_plans(captured, profile: costmodels.HardwareProfile, names: Sequence[
         if choice is None:
             out[name] = (None, time.perf_counter() - started, NOT_APPLICABLE if hint is None else CONTRADICTS)
             continue
-        a = costs.assignment(choice, hint.zero)
-        pc = plan_costs(costs.problem, a)
-        plan = build_plan(Solved(costs, None, {name: (pc.total_time, float(pc.node_memory.sum()))}), a,
-                          kind=name, axis_names=tuple(axis_names))
+        hint.choice = choice
+        plan, _ = layout_plan(costs, hint, costs.problem.memory_limit, axis_names)  # recomputing what must be
         out[name] = (plan, time.perf_counter() - started, None)
     return out
 

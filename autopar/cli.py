@@ -2,6 +2,7 @@
 
     autopar plan llama-70b --mesh 8x8 --hardware h100     # plan, explain, write plan.json + pictures
     autopar plan mypkg.models:build --mesh 2x4 --out plans/run1
+    autopar plan gpt-small --mesh 8x8 --dry-run               # and step every distinct rank on fake tensors
     autopar explain autopar-plan/plan.json --pictures pics/
     autopar diff a.json b.json
     autopar bench --models gpt-small --meshes gloo-4 --quick
@@ -233,6 +234,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result.save(out / "plan.json")
     print(f"\nplan: {out / 'plan.json'}")
     _write_pictures(result, out)
+    if args.dry_run:
+        from autopar.dryrun import dry_run
+
+        print()
+        checked = dry_run(result, model, inputs)
+        print(checked.table())
+        checked.raise_if_failed()  # an autopar: line naming the rank, exit status 1
     return 0
 
 
@@ -375,6 +383,8 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=None, metavar="NAME",
                    help=f"cost this manual layout instead of searching: {', '.join(LAYOUTS)}")
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
+    p.add_argument("--dry-run", action="store_true", help="then run one training step of every distinct rank at "
+                   "the mesh's full size on fake tensors (autopar.dry_run): check it and measure its peak memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_plan)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -18,8 +21,9 @@ from passes.strategies import build_strategy_graph
 def compile(  # noqa: A001  (the public name users expect)
     model: nn.Module,
     mesh: DeviceMesh,
-    example_inputs: tuple,
+    example_inputs: tuple = (),
     *,
+    example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     plan: Plan | None = None,
@@ -36,19 +40,80 @@ def compile(  # noqa: A001  (the public name users expect)
     runs alongside the step; a mismatch is an ``autopar:`` error raised before the
     optimizer step). Pass False to skip it when the batches are known to agree (one
     seeded loader on every rank); ``local=True`` steps are never checked.
+
+    ``example_kwargs``: keyword inputs (Hugging Face ``input_ids=``, ``labels=``); steps
+    then take the inputs as a dict (or a pair (positional tuple, keyword dict) when both
+    are used). ``loss_fn`` None: the model's own loss is trained (an output's ``.loss``,
+    e.g. with ``labels=`` among the inputs; steps take target None), laid out like any
+    loss. ``pm.data_parallel`` says how the plan splits the batch, for per-rank data.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"autopar: expected a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh), "
             f"found {type(mesh).__name__}; to plan without devices use autopar.plan(model, shape, ...)"
         )
+    if optimizer is not None:
+        optimizer = _checked_factory(optimizer)
+    planned_here = plan is None
     if plan is None:
-        plan = plan_once(model, mesh, example_inputs, hardware)
+        # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
+        keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
+        plan = plan_once(model, mesh, example_inputs, hardware, **keywords)
     if plan.pipeline is not None:
-        return _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan)
-    captured = capture(model, example_inputs)
-    graph = build_strategy_graph(captured, tuple(mesh.shape))
-    return ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
+        if example_kwargs or loss_fn is None:
+            raise ValueError(
+                "autopar: a pipeline plan takes positional example inputs and a loss_fn; found "
+                f"{'example_kwargs ' + str(sorted(example_kwargs)) if example_kwargs else 'loss_fn=None'}; pass "
+                "the inputs positionally with a loss_fn, or use a plan without a pipeline"
+            )
+        pm = _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan)
+    else:
+        captured = capture(model, example_inputs, example_kwargs)
+        if loss_fn is None and optimizer is not None:
+            _require_own_loss(captured)
+        graph = build_strategy_graph(captured, tuple(mesh.shape))
+        pm = ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
+    if planned_here:
+        _say_data_parallel(pm)
+    return pm
+
+
+def _checked_factory(factory: Callable) -> Callable:
+    """The optimizer factory, with the check that it made an optimizer."""
+    @functools.wraps(factory)
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        made = factory(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(
+                f"autopar: expected the optimizer factory to return a torch.optim.Optimizer for the parameters it "
+                f"is given; it returned {type(made).__name__}; return the optimizer, e.g. "
+                "lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+        return made
+    return make
+
+
+def _require_own_loss(captured: Any) -> None:
+    """loss_fn None trains the model's own loss: its output must carry one."""
+    keys = getattr(captured.out_spec, "context", None) or []
+    if "loss" not in keys:
+        raise ValueError(
+            f"autopar: compiled with an optimizer and loss_fn=None, so the model's own loss is trained; expected "
+            f"an output with .loss (Hugging Face: pass labels= in example_kwargs); found outputs {list(keys)}; "
+            "pass labels=, or loss_fn="
+        )
+
+
+def _say_data_parallel(pm: Any) -> None:
+    """The auto plan may keep the batch whole on some axes (tensor parallel there): tell
+    the user who feeds per-rank data that not every rank gets its own rows."""
+    dp, ranks = pm.data_parallel, pm.mesh.size()
+    if dp.num_replicas < ranks and dist.get_rank() == 0:
+        names = pm.mesh.mesh_dim_names or tuple(str(a) for a in range(pm.mesh.ndim))
+        warnings.warn(
+            f"autopar: the plan splits the batch over {dp.num_replicas} of the {ranks} ranks ("
+            f"{'mesh axes ' + str([names[a] for a in dp.axes]) if dp.axes else 'no mesh axis'}); with per-rank data (local=True) give a DistributedSampler "
+            "pm.data_parallel.num_replicas and .rank, not the world size and rank", stacklevel=3)
 
 
 def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardware: Any = None,
@@ -60,10 +125,13 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     if hardware is None:
         from costmodels.profiler import profile_mesh
 
-        hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=False)
+        hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=True)  # a bar on rank 0
     text = [None]
     if dist.get_rank() == 0:
         from autopar.planning import plan as make_plan
+
+        print(f"autopar: planning {type(model).__name__} for mesh {tuple(mesh.shape)} on rank 0 ...",
+              file=sys.stderr, flush=True)
 
         text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
     dist.broadcast_object_list(text, src=0)

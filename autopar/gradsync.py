@@ -20,6 +20,7 @@ they are summed axis after axis after backward.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -97,6 +98,12 @@ class GradientSync:
     sums over several axes may use a flattened group made for them (:func:`axes_group`;
     every rank must then build its GradientSync at the same point with the same axes, as
     the ranks of one SPMD program do); without it, only groups that exist already.
+
+    Accumulation: backwards without :meth:`begin` (``no_sync``) leave this rank's shares
+    summing in ``.grad``; the next synced backward sums them all, once. A gradient that a
+    synced backward left summed, unchanged since, is set aside during the next synced
+    backward and added back after it, so that it is not summed twice (DDP's average of a
+    replicated sum is itself; a sum is not).
     """
 
     def __init__(self, grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor],
@@ -121,6 +128,11 @@ class GradientSync:
         self._active = False
         self._next = 0
         self._riders: list[Rider] = []
+        # id(parameter) -> (its summed gradient, weakly: zero_grad frees it, and that tensor's
+        # version) as the last finish left it; and, during a backward, the summed gradients
+        # set aside to be added back after it
+        self._summed: dict[int, tuple[weakref.ref, int]] = {}
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         # per buffer in flight: its all-reduce (None: summed in finish), the buffer, the
         # parameters whose gradients it holds, the riders' tensors, the axes
         self._inflight: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor], list[torch.Tensor],
@@ -131,6 +143,11 @@ class GradientSync:
         or, where no bucket sums over those axes, on their own, starting now."""
         for bucket in self.buckets:
             bucket.ready = 0
+        # gradients summed by an earlier backward (and not changed since) are not summed
+        # again: set aside now, added back in finish, as DDP's average of a replicated sum is itself
+        self._held = [(p, p.grad) for p in self._params() if self._still_summed(p)]
+        for p, _ in self._held:
+            p.grad = None
         self._next = 0
         self._inflight = []
         self._riders = []
@@ -140,6 +157,24 @@ class GradientSync:
             elif r.axes:
                 self._start([], [r.tensor], r.axes)
         self._active = True
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for bucket in self.buckets for p in bucket.params]
+
+    def _still_summed(self, p: torch.Tensor) -> bool:
+        """``p.grad`` is the sum the last finish left, unchanged since."""
+        left = self._summed.get(id(p))
+        return left is not None and p.grad is not None and p.grad is left[0]() and p.grad._version == left[1]
+
+    def check_local(self) -> None:
+        """Before a backward that keeps its gradients local (``no_sync``): a gradient still
+        holding a sum would mix with local shares and be summed again; a clear error instead."""
+        if any(self._still_summed(p) for p in self._params()):
+            raise ValueError(
+                "autopar: a backward inside no_sync() after one outside it, with no zero_grad() between: the "
+                "summed gradients would be mixed with this rank's shares; expected the no_sync() backwards first, "
+                "then one outside it (DDP's order), or zero_grad() after the step"
+            )
 
     @staticmethod
     def _carries(bucket: _Bucket, r: Rider) -> bool:
@@ -200,7 +235,10 @@ class GradientSync:
                 p.grad = summed
             if others:
                 torch._foreach_copy_(others, list(sums[len(params):]))
-        self._inflight, self._riders, self._active = [], [], False
+        for p, held in self._held:
+            p.grad = held if p.grad is None else p.grad + held
+        self._summed = {id(p): (weakref.ref(p.grad), p.grad._version) for p in self._params() if p.grad is not None}
+        self._inflight, self._riders, self._held, self._active = [], [], [], False
 
 def sync_gradients(grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], mesh: DeviceMesh,
                    riders: Sequence[Rider] = (), flatten: bool = True) -> None:

@@ -16,8 +16,11 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
   dimension that divides, gathered before use;
 - ``tp``: Megatron tensor parallelism over every axis: the first linear of a pair
   split by output features (column), the one reading a split activation by input
-  features (row), embeddings split by vocabulary;
+  features (row), embeddings split by vocabulary; Hugging Face GPT-2's ``Conv1D``
+  (``addmm`` with a weight stored [in, out]) alike, on the transposed dims;
 - ``tp+dp``: Megatron on the last (fastest) axis, data parallel on the others;
+- ``tp+zero1``: ``tp+dp`` with the optimizer state sharded over the data-parallel axes
+  (Megatron-LM's distributed optimizer);
 - ``tp+sp``: ``tp+dp`` plus sequence parallelism (inputs split by sequence on tp);
 - ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others.
 
@@ -37,8 +40,9 @@ from passes.planner import Hint
 from passes.propagate import choose_by_propagation
 from passes.strategies import StrategyGraph
 
-LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+sp", "fsdp+tp")
-LINEAR = "aten.linear.default"
+LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp")
+LINEAR = "aten.linear.default"  # weight [out, in]
+ADDMM = "aten.addmm.default"  # Conv1D: addmm(bias, x, weight), weight [in, out]
 EMBEDDING = "aten.embedding.default"
 
 
@@ -50,7 +54,7 @@ def axis_roles(name: str, ndim: int) -> tuple[str, ...]:
         return ("dp",) * ndim
     if name == "tp":
         return ("tp",) * ndim
-    if name in ("tp+dp", "tp+sp", "fsdp+tp"):
+    if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp"):
         return ("dp",) * (ndim - 1) + ("tp",)
     raise ValueError(f"autopar: no layout named {name!r}; expected one of {LAYOUTS}")
 
@@ -61,20 +65,22 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
     Walks the graph in order, marking activations that are split by the tp axis: a
     linear reading an unsplit activation is column-parallel (weight and bias split
     on dim 0, output split); one reading a split activation is row-parallel (weight
-    split on dim 1, bias whole, output whole after its all-reduce). Embedding tables
-    are split by vocabulary (dim 0). Other ops pass the mark on.
+    split on dim 1, bias whole, output whole after its all-reduce). A Conv1D's
+    ``addmm(bias, x, weight)`` with its weight stored [in, out] is the same with the
+    weight's dims swapped (column: dim 1, row: dim 0). Embedding tables are split by
+    vocabulary (dim 0). Other ops pass the mark on.
     """
     split: set[fx.Node] = set()
     dims: dict[fx.Node, int] = {}
     params = graph.captured.params
     for node in graph.captured.nodes("call_function"):
         target = str(node.target)
-        if target == LINEAR:
-            x, w = node.args[0], node.args[1]
-            bias = node.args[2] if len(node.args) > 2 else None
+        weighted = _weighted(node, target, params)
+        if weighted is not None:
+            x, w, bias, out_dim = weighted
             row = x in split
             if isinstance(w, fx.Node) and w.name in params:
-                dims.setdefault(w, 1 if row else 0)
+                dims.setdefault(w, 1 - out_dim if row else out_dim)
             if isinstance(bias, fx.Node) and bias.name in params and not row:
                 dims.setdefault(bias, 0)
             if not row:
@@ -86,6 +92,18 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
         elif any(a in split for a in node.all_input_nodes):
             split.add(node)
     return dims
+
+
+def _weighted(node: fx.Node, target: str, params) -> tuple | None:
+    """(input, weight, bias or None, the weight's output-features dim) of a linear, or of a
+    Conv1D's addmm whose weight is a 2-D parameter; None for other ops."""
+    if target == LINEAR:
+        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
+    if target == ADDMM and len(node.args) >= 3:
+        bias, x, w = node.args[:3]
+        if isinstance(w, fx.Node) and w.name in params and w.meta["val"].dim() == 2:
+            return x, w, bias, 1
+    return None
 
 
 def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Spec], dict[fx.Node, int]]:
@@ -114,7 +132,7 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
             if name in ("fsdp", "fsdp+tp"):
                 dp_axes = [a for a, r in enumerate(roles) if r == "dp"]
                 spec = _fsdp(shape, spec, dp_axes, mesh)
-            zero[node] = {"zero1": 1, "zero2": 2}.get(name, 0)
+            zero[node] = {"zero1": 1, "zero2": 2, "tp+zero1": 1}.get(name, 0)
         fixed[node] = _fitting(shape, tuple(spec), mesh)
     return fixed, zero
 

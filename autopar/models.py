@@ -126,3 +126,23 @@ def llama3(size: str, seq: int = 4096, layers: int | None = None) -> nn.Module:
                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                       max_position_embeddings=seq, torch_dtype=torch.bfloat16)
     return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+MEGATRON_GPT = {  # Megatron-LM README's H100 table (Megatron-Core r0.8.0): layers, hidden, heads
+    "7.1b": (30, 4096, 32),
+    "177b": (96, 12288, 96),
+    "462b": (112, 18432, 144),
+}
+MEGATRON_VOCAB = 131072  # the README: "All models use a vocabulary size of 131,072 and a sequence length of 4096"
+
+
+def megatron_gpt(size: str, seq: int = 4096) -> nn.Module:
+    """A GPT of a Megatron-LM benchmark size ("7.1b", "177b", "462b") in bf16: this module's
+    ``GPT`` (learned positions, LayerNorm, GELU MLP of 4x hidden, biases, an output head apart
+    from the embedding, as Megatron's GPT), built on the current default device. Its
+    parameter count matches the size named (7.13B, 177.2B, 461.5B)."""
+    if size not in MEGATRON_GPT:
+        raise ValueError(f"autopar: no Megatron GPT size {size!r}; expected one of {sorted(MEGATRON_GPT)}")
+    layers, hidden, heads = MEGATRON_GPT[size]
+    cfg = GPTConfig(vocab_size=MEGATRON_VOCAB, max_seq_len=seq, dim=hidden, n_heads=heads, n_layers=layers)
+    return GPT(cfg).to(torch.bfloat16)

@@ -5,12 +5,19 @@ each stage receives the values that later stages need (passing on those it does 
 itself) and the state it owns. On each rank, every stage it holds is lowered on the
 intra-op mesh (the mesh without the pipeline axis), so a stage can itself be tensor or
 data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's schedules.
+
+Other micro-batch shapes (``train_step(accumulate=k)``: k schedule runs on 1/k of the
+batch each, one gradient sum and one optimizer step) and eval mode run stages of their
+own (``Stages``), captured again and cut and laid out by the same plan, on the same state.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,17 +25,33 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
+from autopar.clipping import clip_grad_norm_, replicas
 from autopar.gradsync import Rider, sync_gradients
-from autopar.runtime import build_loss_program, mesh_device, whole
-from passes.capture import Captured
+from autopar.runtime import DataParallel, build_loss_program, check_divisible, mesh_device, split_batch, whole
+from passes.capture import Captured, capture
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import Part, RankProgram, lower
-from passes.placements import local_slice
+from passes.placements import local_slice, parse_spec
 from passes.plan import Plan, choice_from_plan
-from passes.strategies import StrategyGraph
+from passes.strategies import StrategyGraph, build_strategy_graph
+
+@dataclass
+class Stages:
+    """This rank's stages of the model captured at one micro-batch shape in one mode (train,
+    or eval: dropout off), with their schedule and loss (made at first use). The variants
+    of a PipelineModule run on the same state (``PipelineModule.state``)."""
+
+    captured: Captured
+    parts: list[Part]
+    programs: list[RankProgram]
+    stages: list[PipelineStage]
+    stage_state: list[dict[str, torch.Tensor]]
+    schedule: Any = None
+    loss: tuple[RankProgram, Captured] | None = None
+
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
@@ -129,57 +152,162 @@ class PipelineModule(nn.Module):
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError("autopar: a pipeline plan needs a mesh with axis names (init_device_mesh(..., mesh_dim_names=...))")
-        self.plan, self.mesh, self.captured, self.loss_fn = plan, mesh, captured, loss_fn
+        self.plan, self.mesh, self.loss_fn = plan, mesh, loss_fn
         intra_names = tuple(n for i, n in enumerate(names) if i != pp.axis)
         self.intra = mesh[intra_names] if intra_names else None
         self.pp_group = mesh.get_group(pp.axis)
         self.pp_rank = mesh.get_coordinate()[pp.axis]
         # the stages' activations travel on the mesh's device (nccl: this rank's GPU)
         self.device = mesh_device(mesh)
-        n_stages = pp.stages * pp.chunks_per_rank
-        choice = choice_from_plan(graph, plan)
-        parts = stage_parts(captured, pp.stage_of, n_stages)
-        values = captured.state_values(model)
-        coord = tuple(self.intra.get_coordinate()) if self.intra is not None else ()
-        intra_shape = tuple(self.intra.shape) if self.intra is not None else ()
+        self._coord = tuple(self.intra.get_coordinate()) if self.intra is not None else ()
+        self._intra_shape = tuple(self.intra.shape) if self.intra is not None else ()
+        # the model is captured again for other micro-batch shapes and for eval (a partial, not a submodule)
+        self._capture = functools.partial(capture, model)
         self.params = nn.ParameterList()
         self.shard_names: list[str] = []
-        self.stages: list[PipelineStage] = []
-        self.programs: list[RankProgram] = []
-        self.stage_state: list[dict[str, torch.Tensor]] = []
-        self.parts = parts
-        layer_of = plan_layers(plan)
+        # placeholder -> this rank's shard of a state tensor and its placement, shared by every variant
+        self.state: dict[str, tuple[torch.Tensor, Any]] = {}
+        choice = choice_from_plan(graph, plan)
+        placeholders = {n.name: n for n in captured.nodes("placeholder")}
+        self._input_specs = [graph[placeholders[n]].strategies[choice[placeholders[n]]].output
+                             for n in captured.user_inputs]  # each micro-batch's split on the intra-op mesh
+        values = captured.state_values(model)
+        self._compiled = self._lower_stages(captured, graph, functools.partial(self._take_state, values))
+        micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
+        self._variants: dict[tuple, Stages] = {(micro, True): self._compiled}
+        self._variant = self._compiled
+        self.optimizer = optimizer(list(self.params))
+        self._loss_scale = 1.0 / pp.micro_batches  # of each micro-batch's loss: 1 / micro-batches per step
+
+    # --- stages per micro-batch shape and mode ------------------------------------------
+    # A call runs the stages for its micro-batches' shapes in this module's mode (train, or
+    # eval: captured with the model in eval mode), chosen by ``_running``; the methods below
+    # read them through these properties. Every variant runs on the same shards (``state``).
+    @property
+    def captured(self) -> Captured:
+        return self._variant.captured
+
+    @property
+    def parts(self) -> list[Part]:
+        return self._variant.parts
+
+    @property
+    def programs(self) -> list[RankProgram]:
+        return self._variant.programs
+
+    @property
+    def stages(self) -> list[PipelineStage]:
+        return self._variant.stages
+
+    @property
+    def stage_state(self) -> list[dict[str, torch.Tensor]]:
+        return self._variant.stage_state
+
+    @property
+    def schedule(self) -> Any:
+        return self._variant.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Any) -> None:
+        self._variant.schedule = schedule
+
+    @property
+    def _loss(self) -> tuple[RankProgram, Captured] | None:
+        return self._variant.loss
+
+    @_loss.setter
+    def _loss(self, loss: tuple[RankProgram, Captured]) -> None:
+        self._variant.loss = loss
+
+    def _lower_stages(self, captured: Captured, graph: StrategyGraph,
+                      take: Callable[[Captured, str, Any], torch.Tensor]) -> Stages:
+        """This rank's stages of ``captured``, cut where the plan cuts and lowered by its
+        strategies on the intra-op mesh; ``take(captured, placeholder, spec)`` gives each
+        stage's state."""
+        pp = self.plan.pipeline
+        n_stages = pp.stages * pp.chunks_per_rank
+        choice = choice_from_plan(graph, self.plan)
+        parts = stage_parts(captured, pp.stage_of, n_stages)
+        layer_of = plan_layers(self.plan)
+        state_names = {*captured.params, *captured.buffers, *captured.constant_values}
+        variant = Stages(captured, parts, [], [], [])
         for index in range(self.pp_rank, n_stages, pp.stages):
             part = parts[index]
             program = lower(graph, choice, self.intra, part=part)
-            mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
+            mine = layers_to_recompute(self.plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
             program.gm = recompute_layers(program.gm, layer_of, mine)
-            state, own, named = [], nn.ParameterList(), {}
-            for node in part.inputs:
-                if node.name not in values:
-                    continue
-                spec = program.input_specs.get(node.name)
-                local = values[node.name].detach()
-                local = (local_slice(local, spec, intra_shape, coord) if spec else local).to(self.device, copy=True)
-                if node.name in captured.params:
-                    local = nn.Parameter(local, requires_grad=values[node.name].requires_grad)
-                    own.append(local)
-                    self.params.append(local)
-                    self.shard_names.append(captured.params[node.name])
-                state.append(local)
-                named[node.name] = local
-            module = _Stage(program, state, own)
-            self.stage_state.append(named)
-            self.programs.append(program)
-            self.stages.append(PipelineStage(module, index, n_stages, self.device, group=self.pp_group))
-        self.optimizer = optimizer(list(self.params))
-        self._loss = None
-        self.schedule = None
+            named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
+                     for n in part.inputs if n.name in state_names}
+            own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
+            variant.stage_state.append(named)
+            variant.programs.append(program)
+            variant.stages.append(PipelineStage(_Stage(program, list(named.values()), own), index, n_stages,
+                                                self.device, group=self.pp_group))
+        return variant
 
-    def _build_schedule(self, target_micro: torch.Tensor) -> None:
+    def _take_state(self, values: dict[str, torch.Tensor], captured: Captured, name: str, spec: Any) -> torch.Tensor:
+        """This rank's shard of one of the model's state tensors (a parameter: also given to the optimizer)."""
+        local = values[name].detach()
+        local = (local_slice(local, spec, self._intra_shape, self._coord) if spec else local).to(self.device, copy=True)
+        if name in captured.params:
+            local = nn.Parameter(local, requires_grad=values[name].requires_grad)
+            self.params.append(local)
+            self.shard_names.append(captured.params[name])
+        self.state[name] = (local, spec)
+        return local
+
+    def _shared_state(self, captured: Captured, name: str, spec: Any) -> torch.Tensor:
+        """The compiled stages' shard of a state tensor, for a variant (checked: laid out alike);
+        a constant export lifted for this capture is its own."""
+        if name in captured.constant_values:
+            value = captured.constant_values[name]
+            return (local_slice(value, spec, self._intra_shape, self._coord) if spec else value).to(self.device)
+        if name not in self.state or self.state[name][1] != spec:
+            raise ValueError(
+                f"autopar: the model captured again (other micro-batch shapes or eval mode) holds {name} otherwise "
+                "than the compiled stages; expected the same parameters in the same layouts. Compile for these shapes"
+            )
+        return self.state[name][0]
+
+    @contextlib.contextmanager
+    def _running(self, inputs: Any) -> Iterator[Stages]:
+        """Inside: the stages for ``inputs``' (whole batch) micro-batches in this mode."""
+        previous, self._variant = self._variant, self._variant_for(inputs)
+        try:
+            yield self._variant
+        finally:
+            self._variant = previous
+
+    def _variant_for(self, inputs: Any) -> Stages:
+        flat = pytree.tree_leaves(inputs)
+        names = self._compiled.captured.user_inputs
+        if len(flat) != len(names):
+            raise ValueError(
+                f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
+            )
+        m = self.plan.pipeline.micro_batches
+        compiled = [tuple(n.meta["val"].shape) for n in self._compiled.captured.nodes("placeholder") if n.name in names]
+        shapes = [tuple(t.shape) for t in flat]
+        check_divisible(shapes, self._input_specs, [(s[0] * m, *s[1:]) for s in compiled], self._intra_shape, m)
+        micro = tuple((s[0] // m, *s[1:]) for s in shapes)
+        key = (micro, self.training)
+        if key not in self._variants:
+            device = next(iter(self._compiled.captured.nodes("placeholder"))).meta["val"].device
+            examples = tuple(torch.zeros(s, dtype=t.dtype, device=device) for s, t in zip(micro, flat))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                captured = self._capture(examples, train=self.training)
+            graph = build_strategy_graph(captured, self._intra_shape)
+            self._variants[key] = self._lower_stages(captured, graph, self._shared_state)
+        return self._variants[key]
+
+    def _build_schedule(self, target_micro: torch.Tensor | None) -> None:
+        """The schedule of the running stages; with ``target_micro`` None, one for forward
+        only (no loss). Gradients are not scaled by the schedule: each micro-batch's loss is
+        (``_loss_scale``), so that several schedule runs can accumulate in ``.grad``."""
         pp = self.plan.pipeline
         last = self.programs[-1] if self.stages[-1].is_last else None
-        if last is not None:
+        if last is not None and target_micro is not None:
             out_specs = last.output_specs
             out_metas = [n.meta["val"] for n in self.parts[-1].outputs]
             # a data-parallel loss stays this rank's share of the sum (backward from a share is
@@ -188,7 +316,8 @@ class PipelineModule(nn.Module):
                                             target_micro, self.intra, reduce_output=False)
         schedule_cls = SCHEDULES[pp.schedule]
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = schedule_cls(stage_arg, pp.micro_batches, loss_fn=self._micro_loss)
+        self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False,
+                                     loss_fn=self._micro_loss if target_micro is not None else None)
 
     def _micro_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss: this rank's share of it where the loss is a pending sum."""
@@ -196,7 +325,7 @@ class PipelineModule(nn.Module):
         outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         values = dict(zip(cap.user_inputs, [*outs, target]))
         flat = pytree.tree_leaves(program.gm(*[values[n] for n in cap.placeholders]))
-        return flat[cap.user_outputs[0]]
+        return flat[cap.user_outputs[0]] * self._loss_scale
 
     def _loss_axes(self) -> tuple[int, ...]:
         """The intra-op axes over which the loss is a pending sum (its shares' axes)."""
@@ -211,40 +340,144 @@ class PipelineModule(nn.Module):
             return torch.cat(pieces)
         return torch.cat([local_slice(p, spec, self.intra.shape, self.intra.get_coordinate()) for p in pieces])
 
-    def train_step(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
+    @functools.cached_property
+    def data_parallel(self) -> DataParallel:
+        """As ``ParallelModule.data_parallel``: the intra-op axes that split the batch of
+        every micro-batch (ranks of one data-parallel group, all its stages included, share
+        a ``rank``); ``axes`` are axes of the whole mesh."""
+        if self.intra is None:
+            return DataParallel(1, 0, ())
+        specs = [parse_spec(self.plan.strategies[name].split("->")[-1].strip()) for name in self._batch_inputs]
+        dp = DataParallel.of(specs, tuple(self.intra.shape), tuple(self.intra.get_coordinate()))
+        intra_axes = [a for a in range(self.mesh.ndim) if a != self.plan.pipeline.axis]
+        return DataParallel(dp.num_replicas, dp.rank, tuple(intra_axes[a] for a in dp.axes))
+
+    @functools.cached_property
+    def _batch_inputs(self) -> list[str]:
+        """Inputs that carry the batch: their first dim is the first input's."""
+        shapes = {n.name: tuple(n.meta["val"].shape) for n in self.captured.nodes("placeholder")}
+        first = shapes[self.captured.user_inputs[0]] if self.captured.user_inputs else ()
+        return [n for n in self.captured.user_inputs if first and shapes[n] and shapes[n][0] == first[0]]
+
+    def _whole_batch(self, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        """Per-rank rows (``local=True``) put together over the data-parallel axes: the
+        stages cut micro-batches from the whole batch (inputs are small next to activations)."""
+        spec = self.data_parallel.spec(self.mesh.ndim)
+        batch = set(self._batch_inputs)
+
+        def gathered(x: torch.Tensor, carries_batch: bool = True) -> torch.Tensor:
+            x = x.to(self.device)
+            if not carries_batch or not self.data_parallel.axes:
+                return x
+            return DTensor.from_local(x, self.mesh, spec, run_check=False).full_tensor()
+
+        flat, tree = pytree.tree_flatten(inputs)
+        flat = [gathered(x, name in batch) for x, name in zip(flat, self.captured.user_inputs)]
+        return pytree.tree_unflatten(flat, tree), gathered(target)
+
+    def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
+                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward of every micro-batch, then the optimizer step; returns the
-        mean loss over micro-batches (the batch mean for equal micro-batches) on every rank."""
+        mean loss over micro-batches (the batch mean for equal micro-batches) on every rank.
+        With ``max_norm``, the summed gradients are clipped first (``clip_grad_norm_``).
+        ``accumulate=k``: the batch runs as k schedule steps, each on 1/k of it (dim 0 of
+        every input and of the target), their gradients summed in place and synchronised
+        once, then one optimizer step: for a mean loss, the whole batch's step.
+        ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
+        if local:
+            inputs, target = self._whole_batch(inputs, target)
         pp = self.plan.pipeline
-        if self.schedule is None:
-            self._build_schedule(target.chunk(pp.micro_batches)[0])
         self.optimizer.zero_grad(set_to_none=True)
-        first = self.programs[0]
-        args = [self._micro_batched(x, first.input_specs.get(n.name))
-                for x, n in zip(pytree.tree_leaves(inputs), self.parts[0].inputs[-len(pytree.tree_leaves(inputs)):])]
-        kwargs: dict[str, Any] = {}
+        self._loss_scale = 1.0 / (pp.micro_batches * accumulate)
         losses: list[torch.Tensor] = []
-        if self.stages[-1].is_last:
-            program, cap = self._loss
-            kwargs["target"] = self._micro_batched(target, program.input_specs[cap.user_inputs[-1]])
-            kwargs["losses"] = losses
-        if self.stages[0].is_first:
-            self.schedule.step(*args, **kwargs)
-        else:
-            self.schedule.step(**kwargs)
-        if losses:
-            total = torch.stack(losses).mean().detach()
-        else:
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro_inputs, micro_target in split_batch(inputs, target, accumulate):
+            with self._running(micro_inputs):
+                if self.schedule is None:
+                    self._build_schedule(micro_target.chunk(pp.micro_batches)[0])
+                losses += self._run_schedule(micro_inputs, micro_target)
+                axes = self._loss_axes() if losses else ()
+        # each loss is its micro-batch's / (micro-batches in the step): their sum is the mean
+        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), dtype=torch.float64,
+                                                                              device=self.device)
         if self.intra is not None:
             for program, named in zip(self.programs, self.stage_state):
                 # the last stage's loss shares are summed along with its gradients
-                riders = [Rider(total, self._loss_axes())] if losses and program is self.programs[-1] else []
+                riders = [Rider(total, axes)] if losses and program is self.programs[-1] else []
                 # stages differ in their axes: no group is made for them (flatten=False)
                 sync_gradients(program.grad_sync, named, self.intra, riders, flatten=False)
+        # --- the gradients are summed; clipping goes here, before the optimizer step ---
+        if max_norm is not None:
+            self.clip_grad_norm_(max_norm, norm_type)
         self.optimizer.step()
         total = total.to(torch.float64)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it
         return total
+
+    def _run_schedule(self, inputs: tuple, target: torch.Tensor | None) -> list[torch.Tensor]:
+        """One run of the running stages' schedule over the batch ``inputs`` (forward only
+        when ``target`` is None); this rank's micro-batch losses (the last stage's)."""
+        flat = pytree.tree_leaves(inputs)
+        first = self.programs[0]
+        args = [self._micro_batched(x, first.input_specs.get(n.name))
+                for x, n in zip(flat, self.parts[0].inputs[-len(flat):])]
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if self.stages[-1].is_last and target is not None:
+            program, cap = self._loss
+            kwargs["target"] = self._micro_batched(target, program.input_specs[cap.user_inputs[-1]])
+            kwargs["losses"] = losses
+        run = self.schedule.step if target is not None else self.schedule.eval
+        if self.stages[0].is_first:
+            run(*args, **kwargs)
+        else:
+            run(**kwargs)
+        return losses
+
+    def forward(self, *inputs: Any) -> Any:
+        """The model's outputs, whole, on every rank (a forward through the pipeline, no
+        gradients), for a batch of any size that splits into the plan's micro-batches as
+        its splits need. In eval mode (``pm.eval()``; ``pm.train()`` to go back) the stages
+        captured with the model in eval mode run (dropout off)."""
+        with torch.no_grad(), self._running(inputs):
+            if self.schedule is None:
+                self._build_schedule(None)
+            self._run_schedule(inputs, None)
+            outputs = self._gathered_outputs() if self.stages[-1].is_last else None
+            pp = self.plan.pipeline
+            last = (pp.stages * pp.chunks_per_rank - 1) % pp.stages  # the pipeline rank of the last stage
+            box = [outputs]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
+            user = [box[0][i] for i in self.captured.user_outputs]
+            return pytree.tree_unflatten(user, self.captured.out_spec)
+
+    def _gathered_outputs(self) -> list[torch.Tensor]:
+        """The last stage's outputs of the schedule run just now, whole: each micro-batch's
+        gathered over the intra-op mesh, then the micro-batches put together along dim 0."""
+        chunks = self.stages[-1].output_chunks
+        specs = self.programs[-1].output_specs
+        wholes = []
+        for j, spec in enumerate(specs):
+            pieces = [chunk[j] if isinstance(chunk, tuple) else chunk for chunk in chunks]
+            if self.intra is not None and spec is not None:
+                pieces = [whole(p, spec, self.intra) for p in pieces]
+            wholes.append(torch.cat(pieces).cpu())
+        return wholes
+
+    def no_sync(self) -> None:
+        raise ValueError(
+            "autopar: a pipeline runs its micro-batches inside its schedule and has no pm.loss() for a loop "
+            "written by hand; expected train_step(inputs, target, accumulate=k) (k schedule runs, gradients "
+            "synchronised once, one optimizer step)"
+        )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every stage's
+        summed gradients, each element counted once (replicas on the intra-op axes once),
+        summed over the whole mesh and returned on every rank; this rank's gradient shards
+        scaled in place. A collective: every rank calls it, after the gradients are summed."""
+        held = [(shard, spec) for shard, spec in self.state.values() if isinstance(shard, nn.Parameter)]
+        copies = [replicas(spec, self._intra_shape) for _, spec in held]
+        return clip_grad_norm_([shard for shard, _ in held], copies, self.mesh, max_norm, norm_type, self.device)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on every rank (collectives over the whole mesh)."""

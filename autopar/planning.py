@@ -27,6 +27,7 @@ def plan(
     mesh_or_shape: Any,
     example_inputs: tuple,
     *,
+    example_kwargs: dict[str, Any] | None = None,
     hardware: costmodels.HardwareProfile | str = "h100",
     loss_fn: Callable | None = None,
     target: torch.Tensor | None = None,
@@ -44,7 +45,8 @@ def plan(
     search after capture (strategies, costs, solves, pipeline search); past it the best plan
     found so far is returned, with the solver's gap in ``plan.solver``. Capture time is
     reported in ``plan.solver["capture_seconds"]``. ``pipeline=False``
-    keeps the mesh as given (no pipeline axis). The result's ``candidates`` lists the
+    keeps the mesh as given (no pipeline axis); on a ``DeviceMesh`` (what ``autopar.compile``
+    plans on) a pipeline may take its whole outermost axis, the others staying intra-op. The result's ``candidates`` lists the
     manual layouts' predicted step times; the auto plan is never slower than the best.
     ``progress(phase, done, total)`` is told each phase as it starts: "capture" (total None),
     then the search's ``total`` steps ("strategies", "no pipeline", "pp2x8", ..., "done").
@@ -62,15 +64,15 @@ def plan(
         progress("capture", 0, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
-        captured = capture(model, example_inputs)
+        captured = capture(model, example_inputs, example_kwargs)
     left = time_limit_s  # the search's own limit: capture (torch.export) cannot be interrupted
     captured_in = time.perf_counter() - started
     with warnings.catch_warnings(record=True) as seen:  # each pipeline option lists strategies anew
         warnings.simplefilter("always", NoRuleWarning)
         result = plan_captured(
             captured, shape, hardware, hint_fn=layouts.hints, memory_limit=memory_limit, time_limit_s=left,
-            pipeline=pipeline and not _is_device_mesh(mesh_or_shape), layout=layout, axis_names=names,
-            progress=progress,
+            pipeline=pipeline, layout=layout, axis_names=names, progress=progress,
+            outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
         )
     for text in dict.fromkeys(str(w.message) for w in seen if issubclass(w.category, NoRuleWarning)):
         warnings.warn(text, NoRuleWarning, stacklevel=2)

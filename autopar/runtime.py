@@ -5,14 +5,23 @@ shards of the parameters, laid out as the plan says. The loss is a second, small
 program, captured at the first training step (when a target is first seen) and laid
 out by propagation from the model's output placements, so that a data-parallel loss is
 computed on local shards and only its sum and count are reduced.
+
+A batch of another size, and eval mode (``pm.eval()``: dropout off), run programs of
+their own (``Variant``): the model captured again at those shapes or in eval mode and laid
+out by the same plan (its strategies are found by node name), on the same shards. So
+``train_step(accumulate=k)`` runs the program for 1/k of the batch k times and sums the
+gradients once, and ``pm(x)`` runs at any batch the plan's splits divide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -20,12 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar.clipping import clip_grad_norm_, replicas
 from autopar.gradsync import GradientSync, Rider, sync_gradients
 from autopar.zero1 import OptimizerSlices, slice_axes
 from passes.capture import Captured, capture
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import RankProgram, lower
-from passes.placements import Spec, fits, is_partial, local_shape, local_slice, parse_spec, shard_offset, spec_str
+from passes.placements import (Spec, fits, is_partial, local_shape, local_slice, parse_spec, shard_counts,
+                               shard_offset, spec_str)
 from passes.plan import Plan, choice_from_plan
 from passes.propagate import choose_by_propagation, reshard_bytes
 from passes.strategies import StrategyGraph, build_strategy_graph, tensor_inputs
@@ -47,38 +58,23 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
-        self.captured = captured
         self.loss_fn = loss_fn
         self.check_inputs = check_inputs
-        per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
+        # the model is captured again for other input shapes and for eval (a partial, not a submodule:
+        # its whole parameters are neither this module's parameters nor in its state_dict)
+        self._capture = functools.partial(capture, model)
         stored = storage_specs(captured, plan)
-        choice = choice_from_plan(graph, plan)
-        # ZeRO-1 parameters are held as their ops use them (autopar.zero1); ZeRO-2 ones
-        # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
-        level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
-                                               if plan.zero.get(fqn, 0) == 1 and ph in stored})
-        self.program: RankProgram = lower(
-            graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1},
-        )
-        if plan.recompute:  # activation checkpointing of the plan's layers
-            self.program.gm = recompute_layers(self.program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
+        program, level1 = lower_plan(graph, captured, plan, mesh)
         self.coord = tuple(mesh.get_coordinate())
-        self.input_shapes = {
-            n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs
-        }
-        # this rank's cut of each whole input, worked out once (a step only compares shapes and narrows)
-        self._cuts = {name: Cut.of(shape, self.program.input_specs[name], tuple(mesh.shape), self.coord)
-                      for name, shape in self.input_shapes.items()}
-        self._target_cuts: dict[tuple[int, ...], Cut] = {}  # target shape -> its cut (the loss laid out)
         self.device = mesh_device(mesh)  # shards live where the mesh's collectives run (nccl: this GPU)
         self.local: dict[str, torch.Tensor] = {}
         for name, value in captured.state_values(model).items():
-            spec = self.program.input_specs.get(name)
+            spec = program.input_specs.get(name)
             local = value.detach() if spec is None else local_slice(value.detach(), spec, mesh.shape, self.coord)
             local = local.to(self.device, copy=True)
             self.local[name] = nn.Parameter(local, value.requires_grad) if name in captured.params else local
-        order = backward_order(self.program.gm)
-        self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, self.program.input_specs, stored,
+        order = backward_order(program.gm)
+        self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
                                      mesh, order)
         self._stored = {ph: stored[ph] for ph in level1}  # where the optimizer's slices lie
         # what the optimizer steps: the parameters, or (ZeRO-1) this rank's slices of them
@@ -88,9 +84,126 @@ class ParallelModule(nn.Module):
             self.shards.append(self.zero1.slices.get(ph, self.local[ph]))
             self.shard_names.append(captured.params[ph])
         self.optimizer = optimizer(list(self.shards)) if optimizer is not None else None
-        self.grads = GradientSync(self.program.grad_sync, self.local, order, mesh)
-        self._loss_program: RankProgram | None = None
-        self._loss_captured: Captured | None = None
+        self._level1 = level1
+        # the compiled program, and those for other input shapes and for eval (``_variant_for``);
+        # the one a call runs is ``_variant``, which the properties below read
+        self._compiled = Variant.of(captured, program, GradientSync(program.grad_sync, self.local, order, mesh),
+                                    tuple(mesh.shape), self.coord, self.device)
+        self._variants: dict[tuple, Variant] = {(self._compiled.shapes, True): self._compiled}
+        self._variant = self._compiled
+        self._sync_gradients = True  # False inside ``no_sync()``
+
+    # --- programs per input shapes and mode -------------------------------------------
+    # A call runs the program for its inputs' whole shapes in this module's mode (train, or
+    # eval after ``pm.eval()``: captured with the model in eval mode, dropout off), chosen by
+    # ``_running``; the methods below read it through these properties. Every program runs
+    # on the same shards (``local``), laid out by the same plan.
+    @property
+    def captured(self) -> Captured:
+        return self._variant.captured
+
+    @property
+    def program(self) -> RankProgram:
+        return self._variant.program
+
+    @property
+    def grads(self) -> GradientSync:
+        return self._variant.grads
+
+    @property
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._variant.input_shapes
+
+    @property
+    def _cuts(self) -> dict[str, Cut]:
+        return self._variant.cuts
+
+    @property
+    def _target_cuts(self) -> dict[tuple[int, ...], Cut]:
+        return self._variant.target_cuts
+
+    @property
+    def _loss_program(self) -> RankProgram | None:
+        return self._variant.loss_program
+
+    @_loss_program.setter
+    def _loss_program(self, program: RankProgram) -> None:
+        self._variant.loss_program = program
+
+    @property
+    def _loss_captured(self) -> Captured | None:
+        return self._variant.loss_captured
+
+    @_loss_captured.setter
+    def _loss_captured(self, captured: Captured) -> None:
+        self._variant.loss_captured = captured
+
+    @contextlib.contextmanager
+    def _running(self, inputs: Any, local: bool) -> Iterator[Variant]:
+        """Inside: the program for ``inputs`` (whole, or this rank's rows with ``local``) in this mode."""
+        previous, self._variant = self._variant, self._variant_for(inputs, local)
+        try:
+            yield self._variant
+        finally:
+            self._variant = previous
+
+    def _variant_for(self, inputs: Any, local: bool) -> Variant:
+        flat = self._flat_inputs(inputs)
+        names = self._compiled.captured.user_inputs
+        if len(flat) != len(names):
+            raise ValueError(
+                f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
+            )
+        shapes = tuple(self._whole_shape(name, tuple(t.shape), local) for name, t in zip(names, flat))
+        key = (shapes, self.training)
+        if key not in self._variants:
+            self._check_divisible(shapes)
+            self._variants[key] = self._build_variant(shapes, [t.dtype for t in flat], train=self.training)
+        return self._variants[key]
+
+    def _whole_shape(self, name: str, shape: tuple[int, ...], local: bool) -> tuple[int, ...]:
+        """The whole batch's shape of an input given as it is (``local``: this rank's rows)."""
+        if not local or name not in self._batch_inputs:
+            return shape
+        return (shape[0] * self.data_parallel.num_replicas, *shape[1:])
+
+    def _check_divisible(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        compiled = self._compiled
+        names = compiled.captured.user_inputs
+        check_divisible(shapes, [compiled.program.input_specs[n] for n in names],
+                        [compiled.input_shapes[n] for n in names], tuple(self.mesh.shape))
+
+    def _build_variant(self, shapes: tuple[tuple[int, ...], ...], dtypes: list[torch.dtype],
+                       train: bool) -> Variant:
+        """The model captured at ``shapes`` (in train or eval mode) and laid out by the plan:
+        the same strategies, found by node name, on the same shards (checked)."""
+        device = next(iter(self._compiled.captured.nodes("placeholder"))).meta["val"].device
+        examples = [torch.zeros(s, dtype=t, device=device) for s, t in zip(shapes, dtypes)]
+        in_spec = self._compiled.captured.in_spec
+        args, kwargs = ((tuple(examples), {}) if in_spec is None or in_spec.num_leaves != len(examples)
+                        else pytree.tree_unflatten(examples, in_spec))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            captured = self._capture(tuple(args), kwargs, train=train)
+        try:
+            graph = build_strategy_graph(captured, tuple(self.mesh.shape))
+            program, level1 = lower_plan(graph, captured, self.plan, self.mesh)
+        except ValueError as exc:
+            raise ValueError(f"autopar: the plan does not lay the model out for inputs of shapes {list(shapes)} "
+                             f"({'train' if train else 'eval'} mode): {exc}") from exc
+        state = [n for n in captured.placeholders if n in captured.params or n in captured.buffers]
+        compiled = self._compiled.program.input_specs
+        differs = [n for n in state if n not in self.local or program.input_specs.get(n) != compiled.get(n)]
+        if differs or level1 != self._level1:
+            raise ValueError(
+                f"autopar: the model captured for inputs of shapes {list(shapes)} ({'train' if train else 'eval'} "
+                f"mode) holds {differs or sorted(level1 ^ self._level1)} otherwise than the compiled program; "
+                "expected the same parameters in the same layouts. Compile for these shapes instead"
+            )
+        grads = self._compiled.grads
+        if program.grad_sync != self._compiled.program.grad_sync:
+            grads = GradientSync(program.grad_sync, self.local, backward_order(program.gm), self.mesh)
+        return Variant.of(captured, program, grads, tuple(self.mesh.shape), self.coord, self.device)
 
     # --- running ------------------------------------------------------------------
     @property
@@ -98,11 +211,14 @@ class ParallelModule(nn.Module):
         return self.program.gm
 
     def input_specs(self) -> list[Spec]:
-        """Placement of each user input: what to pass per rank with ``local=True``."""
+        """Placement of each user input in this rank's program (``local=True`` takes this
+        rank's rows of the batch instead: ``data_parallel``)."""
         return [self.program.input_specs[n] for n in self.captured.user_inputs]
 
-    def _local_inputs(self, inputs: tuple, local: bool) -> dict[str, torch.Tensor]:
-        flat = pytree.tree_leaves(inputs)
+    def _local_inputs(self, inputs: Any, local: bool) -> dict[str, torch.Tensor]:
+        """This rank's shard of each input, from the whole batch or (``local``) from this
+        rank's rows of it (``data_parallel``): any further split is cut here."""
+        flat = self._flat_inputs(inputs)
         names = self.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
@@ -111,31 +227,98 @@ class ParallelModule(nn.Module):
         values = {}
         for i, (name, value) in enumerate(zip(names, flat)):
             cut = self._cuts[name]
-            expected = cut.local if local else cut.whole
+            rows = self._rows(cut.whole) if local and name in self._batch_inputs else None
+            expected = rows.local if rows is not None else cut.whole
             if value.shape != expected:
                 raise ValueError(
                     f"autopar: expected input {i} of shape {expected} "
-                    f"({'this rank' + chr(39) + 's shard' if local else 'the whole batch, as at compile time'}), "
+                    f"({_rows_text(self.data_parallel) if rows is not None else 'the whole batch, as at compile time'}), "
                     f"found {tuple(value.shape)}; the plan is made for the example inputs' shapes — "
                     "re-compile for other shapes"
                 )
-            values[name] = (value if local else cut.take(value)).to(self.device)
+            want = self._input_dtypes[name]
+            if value.dtype != want:
+                raise ValueError(
+                    f"autopar: expected input {i} of dtype {want}, as in the example inputs; found {value.dtype}; "
+                    f"convert it (x.to({want})) or compile with an example of that dtype"
+                )
+            values[name] = self._cut_from(cut, rows, value.to(self.device))
         return values
 
+    def _flat_inputs(self, inputs: Any) -> list:
+        """The input tensors in the captured graph's order. ``inputs``: a tuple of positional
+        inputs; for a model compiled with ``example_kwargs``, a dict of keyword inputs, or a
+        pair (positional tuple, keyword dict) when it was compiled with both."""
+        keywords = self.captured.keyword_names()
+        if not keywords:
+            return pytree.tree_leaves(inputs)
+        if isinstance(inputs, dict):
+            return self.captured.flatten_inputs((), inputs)
+        if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):
+            return self.captured.flatten_inputs(inputs[0], inputs[1])
+        raise ValueError(
+            f"autopar: this model was compiled with keyword inputs {keywords}: expected them as a dict "
+            f"(or a pair (positional tuple, keyword dict)); found {type(inputs).__name__}"
+        )
+
+    def _cut_from(self, cut: Cut, rows: Cut | None, value: torch.Tensor) -> torch.Tensor:
+        """The plan's shard of a whole tensor (``rows`` None) or of this rank's batch rows."""
+        if rows is None:
+            return cut.take(value)
+        inner = cut.within(rows)
+        if inner is not None:
+            return inner.take(value)
+        # the plan splits this tensor's batch in an order that is not this rank's rows
+        # (over other axes first): put the batch together, then cut
+        spec = self.data_parallel.spec(self.mesh.ndim)
+        return cut.take(DTensor.from_local(value, self.mesh, spec, run_check=False).full_tensor())
+
+    # --- per-rank data ----------------------------------------------------------------
+    @cached_property
+    def _batch_inputs(self) -> frozenset[str]:
+        """Inputs that carry the batch: their first dim is the first input's (the batch size)."""
+        shapes = [self.input_shapes[n] for n in self.captured.user_inputs]
+        if not shapes or not shapes[0]:
+            return frozenset()
+        return frozenset(n for n, shape in zip(self.captured.user_inputs, shapes) if shape and shape[0] == shapes[0][0])
+
+    @cached_property
+    def _input_dtypes(self) -> dict[str, torch.dtype]:
+        return {n.name: n.meta["val"].dtype for n in self.captured.nodes("placeholder")
+                if n.name in self.captured.user_inputs}
+
+    @cached_property
+    def data_parallel(self) -> DataParallel:
+        """How this plan splits the batch: give ``num_replicas`` and ``rank`` to a
+        ``DistributedSampler`` and pass ``train_step(..., local=True)`` this rank's rows
+        (``global batch / num_replicas`` of them) of every input and of the target."""
+        specs = [self.program.input_specs[n] for n in self.captured.user_inputs if n in self._batch_inputs]
+        return DataParallel.of([s for s in specs if s is not None], tuple(self.mesh.shape), self.coord)
+
+    def _rows(self, shape: Sequence[int]) -> Cut:
+        """This rank's rows of a whole batch tensor of ``shape``."""
+        return Cut.of(shape, self.data_parallel.spec(self.mesh.ndim), tuple(self.mesh.shape), self.coord)
+
     def _run_model(self, inputs: tuple, local: bool, observe: Callable | None = None) -> list[torch.Tensor]:
-        values = dict(self.local)
+        values = {**self.local, **self._variant.constants}
         values.update(self._local_inputs(inputs, local))
         with self.program.saving(observe):
             outs = self.gm(*[values[n] for n in self.captured.placeholders])
         return pytree.tree_leaves(outs)
 
-    def forward(self, *inputs: Any) -> Any:
-        """Inference: the model's outputs, whole, on every rank."""
-        flat = self._run_model(inputs, local=False)
-        user = [flat[i] for i in self.captured.user_outputs]
-        specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
-        wholes = [whole(t, s, self.mesh) if s is not None else t for t, s in zip(user, specs)]
-        return pytree.tree_unflatten(wholes, self.captured.out_spec)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The model's outputs, whole, on every rank, for a batch of any size the plan's
+        splits divide (a program is captured and laid out for each new size, once). In eval
+        mode (``pm.eval()``; ``pm.train()`` to go back) the program captured with the model
+        in eval mode runs (dropout off), under ``torch.no_grad()``: nothing is kept for backward.
+        Keyword inputs as compiled (``example_kwargs``) are passed as keywords."""
+        inputs = (inputs, kwargs) if kwargs else inputs
+        with torch.no_grad() if not self.training else contextlib.nullcontext(), self._running(inputs, False):
+            flat = self._run_model(inputs, local=False)
+            user = [flat[i] for i in self.captured.user_outputs]
+            specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
+            wholes = [whole(t, s, self.mesh) if s is not None else t for t, s in zip(user, specs)]
+            return pytree.tree_unflatten(wholes, self.captured.out_spec)
 
     def loss(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
              observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
@@ -146,44 +329,120 @@ class ParallelModule(nn.Module):
         if check is not None:
             sync_gradients({}, {}, self.mesh, [check.rider])
             check.confirm()
-        value, spec = self._local_loss(inputs, target, local, observe)
+        with self._running(inputs, local) as variant:
+            value, spec = self._local_loss(inputs, target, local, observe)
+        if value.requires_grad:  # its backward sums the gradients, unless inside no_sync() (decided here, as DDP does)
+            value = _AtBackward.apply(value, functools.partial(self._at_backward, variant, self._sync_gradients))
         return whole(value, spec, self.mesh)
 
     def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
+                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int = 1,
                    observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
         """Forward, backward and optimizer step; returns the global mean loss on every rank.
+        With ``max_norm``, the summed gradients are clipped first (``clip_grad_norm_``).
 
         ``inputs`` and ``target`` are the whole batch, the same on every rank; with
-        ``local=True`` each rank passes only its shard, laid out as ``input_specs()``
-        (and ``target_spec()`` once known) say. The check that every rank was given the
+        ``local=True`` each rank passes its rows of the batch (``data_parallel``: a
+        ``DistributedSampler``'s share), of the inputs and of the target alike. The check that every rank was given the
         same batch (``check_inputs``) runs alongside the step and raises before the
         optimizer changes anything.
+
+        ``accumulate=k``: the batch runs as k micro-batches (dim 0 of every input and of the
+        target cut into k equal parts, each run by the program for that batch size), their
+        gradients summed in place and synchronised once, after the last backward. Each
+        backward starts from its micro-batch's loss / k and the loss returned is the mean of
+        the micro-batches' losses: for a mean loss over equal micro-batches (and equal counts
+        of counted targets) that is the whole batch's mean, and the step is the whole-batch step.
         """
         if self.optimizer is None:
             raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.zero1.zero_grad()
+        self.zero_grad()
         check = self._check(inputs, target, local)
-        value, spec = self._local_loss(inputs, target, local, observe)
-        # the loss may still be this rank's share of a sum: backward from the share is
-        # backward from the sum (its all-reduce's backward is the identity), and the value
-        # is summed with the gradients, in the same all-reduce; so is the input check
-        loss = value.detach().clone()
-        riders = [Rider(loss, tuple(a for a, p in enumerate(spec) if isinstance(p, Partial)))]
-        self.grads.begin(riders + ([check.rider] if check is not None else []))
-        value.backward()
-        self.grads.finish()
+        micro = split_batch(inputs, target, accumulate)
+        loss = None
+        for i, (micro_inputs, micro_target) in enumerate(micro):
+            with self._running(micro_inputs, local) as variant:
+                value, spec = self._local_loss(micro_inputs, micro_target, local, observe)
+            value = value / accumulate if accumulate > 1 else value
+            loss = value.detach().clone() if loss is None else loss + value.detach()
+            if i == len(micro) - 1:
+                # the loss may still be this rank's share of a sum: backward from the share is
+                # backward from the sum (its all-reduce's backward is the identity), and the value
+                # is summed with the gradients, in the same all-reduce; so is the input check
+                riders = [Rider(loss, tuple(a for a, p in enumerate(spec) if isinstance(p, Partial)))]
+                variant.grads.begin(riders + ([check.rider] if check is not None else []))
+            value.backward()  # before the last: the shares sum in .grad, nothing is sent
+        self._gradients_synced(variant)
         if check is not None:
             check.confirm()
-        self.zero1.take_gradients()
+        # --- the gradients are summed; clipping goes here, before the optimizer step ---
+        if max_norm is not None:
+            self.clip_grad_norm_(max_norm, norm_type)
+        self.step()
+        return loss
+
+    def step(self) -> None:
+        """The optimizer step on the summed gradients, then what the layout needs after it
+        (ZeRO-1: the whole parameters gathered from the updated slices). Every rank calls it."""
+        if self.optimizer is None:
+            raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
         self.optimizer.step()
         self.parameters_updated()
-        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients: the shards' and (ZeRO-1) the whole parameters' they are views of."""
+        super().zero_grad(set_to_none)
+        self.zero1.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's ``no_sync``: the backward of a loss computed inside (``pm.loss``) leaves
+        this rank's gradient shares in the shards' ``.grad``, summed there across backwards,
+        without sending them; the backward of the next loss computed outside sums everything
+        accumulated, once. Then ``clip_grad_norm_``, ``step()``, ``zero_grad()``. (ZeRO-2/3
+        parameters' gradients are reduce-scattered as each backward leaves their gathers,
+        and those shards accumulate: the same sum, sent once per backward.)"""
+        before, self._sync_gradients = self._sync_gradients, False
+        try:
+            yield
+        finally:
+            self._sync_gradients = before
+
+    def _at_backward(self, variant: Variant, sync: bool) -> None:
+        """As a loss's backward starts: outside ``no_sync()``, start summing the gradients as
+        backward makes them, and finish when it is done (queued, as DDP's reducer does); inside,
+        check that no gradient holds a sum already."""
+        if not sync:
+            variant.grads.check_local()
+            return
+        variant.grads.begin()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._gradients_synced(variant))
+
+    def _gradients_synced(self, variant: Variant) -> None:
+        """After the last backward: the data-parallel shares summed, and (ZeRO-1) the
+        optimizer's slices of the summed gradients taken (views)."""
+        variant.grads.finish()
+        self.zero1.take_gradients()
 
     def parameters_updated(self) -> None:
         """After ``shards`` were written (by the optimizer, or a checkpoint's load): ZeRO-1's
         whole parameters gathered from the updated slices. Every rank calls it."""
         self.zero1.gather()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every
+        parameter's summed gradient, each element counted once over all shards and ranks,
+        returned (the same on every rank); the local gradient shards scaled in place.
+        A collective: every rank calls it, after backward (outside ``no_sync``)."""
+        if not self._sync_gradients:
+            raise ValueError(
+                "autopar: clip_grad_norm_ was called inside no_sync(), where the gradients are this rank's unsummed "
+                "shares; expected it after the last backward, outside no_sync() (DDP's order), before step()"
+            )
+        self.zero1.take_gradients()  # ZeRO-1: the optimizer's slices of the summed gradients (views)
+        specs = self.parameter_specs()
+        copies = [replicas(specs[name], self.mesh.shape) for name in self.shard_names]
+        return clip_grad_norm_(list(self.shards), copies, self.mesh, max_norm, norm_type, self.device)
 
     def measure_memory(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> dict[str, int]:
         """Run one ``train_step`` and return this rank's bytes by kind, as measured on any
@@ -224,36 +483,48 @@ class ParallelModule(nn.Module):
     def _check(self, inputs: tuple, target: torch.Tensor, local: bool) -> "SameInputs | None":
         if not self.check_inputs or local:
             return None
-        return SameInputs((*inputs, target), self.mesh, self.coord)
+        return SameInputs((inputs, target), self.mesh, self.coord)
 
     def _local_loss(self, inputs: tuple, target: torch.Tensor, local: bool,
                     observe: Callable | None) -> tuple[torch.Tensor, Spec]:
         """This rank's loss, and its placement (a Partial axis: a share of the sum)."""
-        if self.loss_fn is None:
-            raise ValueError("autopar: this ParallelModule was compiled without loss_fn; pass loss_fn to compile")
+        if self.loss_fn is None and target is not None:
+            raise ValueError(
+                "autopar: this ParallelModule was compiled without loss_fn but was given a target; pass loss_fn "
+                "to compile, or give target None to train on the model's own loss (Hugging Face: labels= input)"
+            )
         flat = self._run_model(inputs, local, observe)
         user = [flat[i] for i in self.captured.user_outputs]
         program, loss_cap = self._loss_program_for(target, local)
-        values = dict(zip(loss_cap.user_inputs, [*user, self._local_target(program, loss_cap, target, local)]))
+        targets = [] if target is None else [self._local_target(program, loss_cap, target, local)]
+        values = dict(zip(loss_cap.user_inputs, [*user, *targets]))
         with program.saving(observe):
             out = pytree.tree_leaves(program.gm(*[values[n] for n in loss_cap.placeholders]))
         index = loss_cap.user_outputs[0]
         return out[index], program.output_specs[index]
 
     # --- the loss program ---------------------------------------------------------
-    def _loss_program_for(self, target: torch.Tensor, local: bool) -> tuple[RankProgram, Captured]:
+    def _loss_program_for(self, target: torch.Tensor | None, local: bool) -> tuple[RankProgram, Captured]:
+        """The loss laid out at the first step, for the whole target's shape (from this
+        rank's rows with ``local``); with no loss_fn and no target, the model's own loss."""
         if self._loss_program is None:
-            if local:
-                raise ValueError(
-                    "autopar: call train_step once with the whole batch (local=False) before passing "
-                    "per-rank shards, so that the loss can be laid out"
-                )
             out_specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
             out_metas = [self._output_meta(i) for i in self.captured.user_outputs]
+            example = None if target is None else torch.empty(
+                self._whole_target_shape(target, local), dtype=target.dtype, device="meta")
             self._loss_program, self._loss_captured = build_loss_program(
-                self.loss_fn, self.captured.out_spec, out_metas, out_specs, target, self.mesh, reduce_output=False
+                self.loss_fn or model_loss, self.captured.out_spec, out_metas, out_specs, example, self.mesh,
+                reduce_output=False,
             )
         return self._loss_program, self._loss_captured
+
+    def _whole_target_shape(self, target: torch.Tensor, local: bool) -> tuple[int, ...]:
+        shape = tuple(target.shape)
+        if not local:
+            return shape
+        if not shape:
+            raise ValueError("autopar: with local=True the target is this rank's rows of the batch; found a 0-d target")
+        return (shape[0] * self.data_parallel.num_replicas, *shape[1:])
 
     def _output_meta(self, index: int) -> torch.Tensor:
         output_node = next(iter(self.captured.nodes("output")))
@@ -261,17 +532,18 @@ class ParallelModule(nn.Module):
         return node.meta["val"]
 
     def _local_target(self, program: RankProgram, cap: Captured, target: torch.Tensor, local: bool) -> torch.Tensor:
-        shape = tuple(target.shape)
+        """This rank's shard of the target, from the whole target or (``local``) its rows."""
+        shape = self._whole_target_shape(target, local)
         cut = self._target_cuts.get(shape)
         if cut is None:
             spec = program.input_specs[cap.user_inputs[-1]]
             if not fits(shape, spec, self.mesh.shape):
                 raise ValueError(
-                    f"autopar: target of shape {shape} cannot be split as {spec_str(spec)} "
-                    f"on mesh {tuple(self.mesh.shape)}; give a target shaped as at the first step"
+                    f"autopar: target of shape {shape}{' (whole batch)' if local else ''} cannot be split as "
+                    f"{spec_str(spec)} on mesh {tuple(self.mesh.shape)}; give a target shaped as at the first step"
                 )
             cut = self._target_cuts[shape] = Cut.of(shape, spec, tuple(self.mesh.shape), self.coord)
-        return target if local else cut.take(target)
+        return self._cut_from(cut, self._rows(shape) if local else None, target.to(self.device))
 
     def target_spec(self) -> Spec | None:
         if self._loss_program is None:
@@ -306,33 +578,69 @@ class WithLoss(nn.Module):
 
 
 class _LossOf(nn.Module):
-    def __init__(self, loss_fn: Callable, out_spec: Any):
+    """``loss_fn(model_output, target)``, or ``loss_fn(model_output)`` with no target."""
+
+    def __init__(self, loss_fn: Callable, out_spec: Any, takes_target: bool = True):
         super().__init__()
         self.loss_fn = loss_fn
         self.out_spec = out_spec
+        self.takes_target = takes_target
 
     def forward(self, *outputs_and_target: Any) -> torch.Tensor:
-        *outputs, target = outputs_and_target
+        outputs, target = (outputs_and_target[:-1], outputs_and_target[-1:]) if self.takes_target else (
+            outputs_and_target, ())
         model_output = pytree.tree_unflatten(list(outputs), self.out_spec) if self.out_spec else outputs
-        return self.loss_fn(model_output, target)
+        return self.loss_fn(model_output, *target)
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """``loss_fn=None``: the model's own loss (a Hugging Face output's ``.loss``, computed
+    when ``labels=`` is among the inputs)."""
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"autopar: with loss_fn=None the model's own loss is trained, expected an output with .loss (Hugging "
+            f"Face: pass labels= among the inputs); found {type(output).__name__} without one; pass labels or loss_fn"
+        )
+    return loss
 
 
 def build_loss_program(
     loss_fn: Callable, out_spec: Any, out_metas: list[torch.Tensor], out_specs: list[Spec],
-    target: torch.Tensor, mesh: DeviceMesh | None, reduce_output: bool = True,
+    target: torch.Tensor | None, mesh: DeviceMesh | None, reduce_output: bool = True,
 ) -> tuple[RankProgram, Captured]:
-    """Capture ``loss_fn(outputs, target)`` and lay it out from the outputs' placements.
+    """Capture ``loss_fn(outputs, target)`` (``loss_fn(outputs)`` with target None) and lay
+    it out from the outputs' placements; only ``target``'s shape and dtype are read.
     ``reduce_output`` False: a loss that is a pending sum is returned as this rank's share."""
-    example = (*[torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas],
-               torch.empty(target.shape, dtype=target.dtype, device="meta"))
+    example = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas)
+    if target is not None:
+        example += (torch.empty(target.shape, dtype=target.dtype, device="meta"),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cap = capture(_LossOf(loss_fn, out_spec), example)
+        cap = capture(_LossOf(loss_fn, out_spec, takes_target=target is not None), example)
+    _require_scalar_loss(cap)
     graph = build_strategy_graph(cap, tuple(mesh.shape) if mesh is not None else ())
     placeholders = {n.name: n for n in cap.nodes("placeholder")}
     fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
-    choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
+    if target is None:
+        choice = choose_by_propagation(graph, fixed)
+    else:
+        choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
     return lower(graph, choice, mesh, reduce_outputs=reduce_output), cap
+
+
+def _require_scalar_loss(cap: Captured) -> None:
+    """Backward starts from one number: a loss of any other shape is refused here, at capture."""
+    output_node = next(iter(cap.nodes("output")))
+    leaves = pytree.tree_leaves(output_node.args[0])
+    value = leaves[cap.user_outputs[0]].meta.get("val") if cap.user_outputs else None
+    if len(cap.user_outputs) != 1 or not isinstance(value, torch.Tensor) or value.numel() != 1:
+        found = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) and len(
+            cap.user_outputs) == 1 else f"{len(cap.user_outputs)} outputs"
+        raise ValueError(
+            f"autopar: expected loss_fn to return one scalar loss (a 0-d tensor); found {found}; reduce it "
+            "(reduction='mean', or .mean()) so that backward starts from one number"
+        )
 
 
 def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:
@@ -353,6 +661,116 @@ def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> d
         if cost < best_cost:
             best, best_cost = choice, cost
     return best
+
+
+def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
+               mesh: DeviceMesh) -> tuple[RankProgram, set[str]]:
+    """This rank's program for ``plan`` (strategies found by node name: the same for every
+    capture of one model, at any batch size and in eval mode), and the ZeRO-1 parameters
+    it holds as their ops use them."""
+    per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
+    stored = storage_specs(captured, plan)
+    choice = choice_from_plan(graph, plan)
+    # ZeRO-1 parameters are held as their ops use them (autopar.zero1); ZeRO-2 ones
+    # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
+    level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
+                                           if plan.zero.get(fqn, 0) == 1 and ph in stored})
+    program = lower(graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1})
+    if plan.recompute:  # activation checkpointing of the plan's layers
+        program.gm = recompute_layers(program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
+    return program, level1
+
+
+@dataclass
+class Variant:
+    """The model captured and laid out for one set of whole input shapes in one mode (train,
+    or eval: dropout off). The variants of a ParallelModule run on the same parameter
+    shards; each has its own cuts of the inputs and its own loss program."""
+
+    captured: Captured
+    program: RankProgram
+    grads: GradientSync  # sums the data-parallel gradient shares its backward leaves
+    input_shapes: dict[str, tuple[int, ...]]  # whole
+    cuts: dict[str, Cut]  # this rank's cut of each whole input
+    constants: dict[str, torch.Tensor]  # this rank's shards of the tensors export lifted as constants
+    target_cuts: dict[tuple[int, ...], Cut] = field(default_factory=dict)  # whole target shape -> its cut
+    loss_program: RankProgram | None = None  # laid out when the first target is seen
+    loss_captured: Captured | None = None
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.input_shapes[n] for n in self.captured.user_inputs)
+
+    @staticmethod
+    def of(captured: Captured, program: RankProgram, grads: GradientSync, mesh_shape: tuple[int, ...],
+           coord: tuple[int, ...], device: torch.device) -> Variant:
+        shapes = {n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder")
+                  if n.name in captured.user_inputs}
+        cuts = {name: Cut.of(shape, program.input_specs[name], mesh_shape, coord) for name, shape in shapes.items()}
+        constants = {}
+        for name, value in captured.constant_values.items():
+            spec = program.input_specs.get(name)
+            constants[name] = (value if spec is None else local_slice(value, spec, mesh_shape, coord)).to(device)
+        return Variant(captured, program, grads, shapes, cuts, constants)
+
+
+def check_divisible(shapes: Sequence[tuple[int, ...]], specs: Sequence[Spec], compiled: Sequence[tuple[int, ...]],
+                    mesh_shape: tuple[int, ...], micro_batches: int = 1) -> None:
+    """A clear error for whole inputs of ``shapes`` that the plan's splits of the compiled
+    inputs (``specs``, on ``mesh_shape``, of each of ``micro_batches`` equal parts of the
+    batch) do not divide."""
+    for i, (shape, spec, before) in enumerate(zip(shapes, specs, compiled)):
+        if len(shape) != len(before):
+            raise ValueError(f"autopar: expected input {i} with {len(before)} dims, as in the example "
+                             f"inputs ({before}); found shape {shape}")
+        counts = shard_counts(spec, mesh_shape, len(shape))
+        if counts:  # the micro-batches are cut along dim 0
+            counts[0] *= micro_batches
+        bad = [(d, c) for d, (size, c) in enumerate(zip(shape, counts)) if size % c or size < c]
+        if bad:
+            d, c = bad[0]
+            layout = f"{spec_str(spec)} on mesh {mesh_shape}" if mesh_shape else "whole on each stage"
+            parts = f"{micro_batches} micro-batches, each " if micro_batches > 1 else ""
+            raise ValueError(
+                f"autopar: input {i} of shape {shape} does not split as the plan splits it ({parts}{layout}): "
+                f"expected dim {d} to be a multiple of {c} (sizes that work: {c}, "
+                f"{2 * c}, {3 * c}, ...; compiled with {before[d]}); pass such a batch, or pad it"
+            )
+
+
+def split_batch(inputs: Any, target: torch.Tensor | None, k: int) -> list[tuple[Any, torch.Tensor | None]]:
+    """``k`` equal micro-batches: dim 0 of every input tensor and of the target cut in k."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"autopar: expected accumulate to be a positive int (micro-batches per step); found {k!r}")
+    if k == 1:
+        return [(inputs, target)]
+    tensors = [t for t in pytree.tree_leaves((inputs, target)) if isinstance(t, torch.Tensor)]
+    bad = sorted({tuple(t.shape) for t in tensors if t.dim() == 0 or t.shape[0] % k})
+    if bad:
+        raise ValueError(
+            f"autopar: accumulate={k} cuts dim 0 (the batch) of every input and of the target into {k} equal "
+            f"micro-batches; found shapes {bad}, which do not divide; pick an accumulate that divides the batch"
+        )
+
+    def piece(i: int) -> Callable[[Any], Any]:
+        return lambda t: t.narrow(0, i * (t.shape[0] // k), t.shape[0] // k) if isinstance(t, torch.Tensor) else t
+
+    return [pytree.tree_map(piece(i), (inputs, target)) for i in range(k)]
+
+
+class _AtBackward(torch.autograd.Function):
+    """The identity; ``at_backward()`` runs when backward reaches it: on a loss, before any
+    gradient of the parameters is made."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, at_backward: Callable[[], None]) -> torch.Tensor:
+        ctx.at_backward = at_backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.at_backward()
+        return grad, None
 
 
 def storage_specs(captured: Captured, plan: Plan) -> dict[str, Spec]:
@@ -425,6 +843,52 @@ class Cut:
         for dim, start, length in self.narrows:
             value = value.narrow(dim, start, length)
         return value
+
+    def within(self, outer: Cut) -> Cut | None:
+        """The same shard taken from ``outer``'s piece (a rank's rows of the batch) instead of
+        from the whole tensor; None where the shard does not lie inside that piece."""
+        mine = {dim: (start, length) for dim, start, length in self.narrows}
+        narrows = []
+        for dim, start, length in outer.narrows:
+            s, n = mine.pop(dim, (0, self.whole[dim]))
+            if s < start or s + n > start + length:
+                return None
+            if n != length:
+                narrows.append((dim, s - start, n))
+        narrows += [(dim, s, n) for dim, (s, n) in mine.items()]
+        return Cut(outer.local, self.local, tuple(sorted(narrows)))
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """A plan's data parallelism as a ``DistributedSampler`` sees it: ``num_replicas``
+    distinct shards of the batch and this rank's index ``rank`` among them (ranks that
+    hold the same rows, e.g. tensor-parallel peers, have the same ``rank``). ``axes``:
+    the mesh axes that split the batch of every input; on the others each rank sees the
+    same rows (and the plan splits other dims there, or keeps copies)."""
+
+    num_replicas: int
+    rank: int
+    axes: tuple[int, ...]
+
+    @staticmethod
+    def of(specs: list[Spec], mesh_shape: Sequence[int], coord: Sequence[int]) -> DataParallel:
+        """From the placements of the inputs that carry the batch (split on dim 0)."""
+        axes = tuple(a for a in range(len(mesh_shape))
+                     if specs and all(isinstance(s[a], Shard) and s[a].dim == 0 for s in specs))
+        num_replicas, rank = 1, 0
+        for a in axes:  # axis 0 outermost, as shards of one dim are laid out (shard_offset)
+            num_replicas, rank = num_replicas * mesh_shape[a], rank * mesh_shape[a] + coord[a]
+        return DataParallel(num_replicas, rank, axes)
+
+    def spec(self, n_axes: int) -> Spec:
+        """The placement of this rank's rows: the batch split over ``axes``, whole otherwise."""
+        return tuple(Shard(0) if a in self.axes else Replicate() for a in range(n_axes))
+
+
+def _rows_text(dp: DataParallel) -> str:
+    return (f"this rank's rows of the batch: the whole batch / data_parallel.num_replicas "
+            f"({dp.num_replicas}), rank {dp.rank}")
 
 
 def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:

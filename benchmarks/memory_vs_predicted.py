@@ -4,9 +4,11 @@
 
 For the small GPT of ``runtime_vs_manual.py`` on 4 ranks: DP, ZeRO-1, ZeRO-2, ZeRO-3
 (the same layouts as that benchmark: DP's ops, parameters stored split on dim 0), Megatron
-TP, and the automatic plan (``autopar.plan`` with the H100 preset, no pipeline). Each
-layout's prediction is ``plan.predicted.memory`` from the planner's own cost model
-(``passes.costing``, ``passes.planner.predict``; bytes per device by kind).
+TP, the same with every layer recomputed in backward (``+recompute``: activation
+checkpointing, ``passes.recompute``), and the automatic plan (``autopar.plan`` with the
+H100 preset, no pipeline). Each layout's prediction is ``plan.predicted.memory`` from the
+planner's own cost model (``passes.costing``, ``passes.planner.predict``; bytes per
+device by kind).
 
 There is no allocator to ask on CPU, so each kind is measured as what it is, per rank,
 by ``ParallelModule.measure_memory`` on the step after a warm-up step, and the table
@@ -24,7 +26,12 @@ gives the largest over the ranks:
   at the end of forward (``saved_tensors_hooks``), leaving out the parameters' own
   storages (a weight saved by a matmul is not an activation) and the gathered copies
   counted above. The loss's are included; the plans here are of the model alone, and
-  the predictor counts its logits instead.
+  the predictor counts its logits instead. A checkpointed layer keeps no activation
+  through autograd's hooks (its own hooks hold them), so for recomputed layouts two more
+  parts are measured (``Checkpoints``): the distinct storages each checkpointed layer
+  holds as inputs from forward to its backward, and the most one layer's rebuild keeps
+  while backward runs it again (the layer's forward run once more, on every rank alike,
+  under the same hooks), which is the transient the predictor charges once.
 
 Transient buffers (a bucket's flat all-gather, a gradient bucket in flight, the one
 ZeRO-3 bucket gathered at a time) are not measured, and not predicted either.
@@ -49,32 +56,90 @@ from costmodels.presets import preset  # noqa: E402
 from passes.capture import capture  # noqa: E402
 from passes.costing import build_costs  # noqa: E402
 from passes.plan import Plan, choice_from_plan  # noqa: E402
-from passes.planner import predict, storage_specs, zero_levels  # noqa: E402
+from passes.buckets import gathered  # noqa: E402
+from passes.planner import node_breakdown, predict, storage_specs, zero_levels  # noqa: E402
+from passes.recompute import Recomputed  # noqa: E402
 from passes.strategies import build_strategy_graph  # noqa: E402
 from runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
-LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "auto")
+LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+recompute", "zero3+recompute", "tp+recompute", "auto")
+RECOMPUTE = "+recompute"
 TOLERANCE = 0.15
 
 
 def costed(model, tokens, layout: str, n: int) -> Plan:
     """The layout's plan with the planner's prediction (ZeRO-1/2: DP's ops, the optimizer
-    state (and, at 2, gradients) sharded, parameters stored split as the planner stores them)."""
-    plan = plan_for(model, tokens, "dp" if layout in ("zero1", "zero2") else layout, (n,))
+    state (and, at 2, gradients) sharded, parameters stored split as the planner stores them;
+    ``+recompute``: every repeated layer recomputed in backward)."""
+    base = layout.removesuffix(RECOMPUTE)
+    plan = plan_for(model, tokens, "dp" if base in ("zero1", "zero2") else base, (n,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cap = capture(model, (tokens,))
     graph = build_strategy_graph(cap, (n,))
-    costs = build_costs(graph, preset("h100", (n,)))  # memory does not depend on the hardware
-    level = {"zero1": 1, "zero2": 2}.get(layout, 0)
+    # memory does not depend on the hardware
+    costs = build_costs(graph, preset("h100", (n,)), recompute=layout.endswith(RECOMPUTE))
+    level = {"zero1": 1, "zero2": 2}.get(base, 0)
     zero = {node: level for node in graph.nodes if node.name in cap.params}
     assignment = costs.assignment(choice_from_plan(graph, plan), zero)
     plan.predicted = predict(costs, assignment)
     plan.zero = zero_levels(costs, assignment)
     plan.params = storage_specs(costs, assignment)
+    plan.breakdown = node_breakdown(costs, assignment)  # each node's layer, which recomputation reads
+    plan.recompute = [f"layer {k}" for k in sorted(costs.recompute)]
     plan.kind = layout
     return plan
+
+
+class Checkpoints:
+    """What checkpointed layers keep outside autograd's hooks, measured on one step: the
+    storages each holds as inputs (``held``), and the most one layer's forward, run again,
+    keeps for backward (``rebuilt``: the transient of backward's recomputation)."""
+
+    def __init__(self, pm, own: set[int]):
+        self.own, self.held, self.rebuilt = own, {}, 0
+        self.handles = [m.register_forward_pre_hook(self._inputs) for m in pm.gm.modules()
+                        if isinstance(m, Recomputed)]
+
+    def _storages(self, tensors) -> dict[int, int]:
+        out = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and gathered(t) is None and t.untyped_storage().data_ptr() not in self.own:
+                out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return out
+
+    def _inputs(self, module: Recomputed, args: tuple) -> None:
+        self.held.update(self._storages(args))
+        kept: list[torch.Tensor] = []
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            module.segment(*args)  # what backward rebuilds for this layer (collectives alike on every rank)
+        inside = self._storages(kept)
+        self.rebuilt = max(self.rebuilt, sum(b for ptr, b in inside.items() if ptr not in self.held))
+
+    def bytes_beyond(self, kept: set[int]) -> int:
+        """Held inputs autograd does not keep anyway, plus the largest rebuild."""
+        for h in self.handles:
+            h.remove()
+        return sum(b for ptr, b in self.held.items() if ptr not in kept) + self.rebuilt
+
+
+def measure(pm, tokens, target) -> dict[str, float]:
+    """``pm.measure_memory``'s kinds; for recomputed layouts, activations as checkpointing keeps them."""
+    if not pm.plan.recompute:
+        return pm.measure_memory((tokens,), target)
+    own = {p.untyped_storage().data_ptr() for p in pm.shards}
+    kept: dict[int, int] = {}
+
+    def observe(t: torch.Tensor, is_weight: bool) -> None:
+        if not is_weight and t.untyped_storage().data_ptr() not in own:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    out = pm.measure_memory((tokens,), target)
+    checkpoints = Checkpoints(pm, own)
+    pm.train_step((tokens,), target, observe=observe)
+    out["activations"] = sum(kept.values()) + checkpoints.bytes_beyond(set(kept))
+    return out
 
 
 def auto_plan(model, tokens, n: int) -> Plan:
@@ -96,7 +161,7 @@ def main() -> None:
         plan = auto_plan(base, tokens, n) if layout == "auto" else costed(base, tokens, layout, n)
         pm = autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
         pm.train_step((tokens,), target)  # warm-up: the loss program and the optimizer state exist after it
-        mine = pm.measure_memory((tokens,), target)
+        mine = measure(pm, tokens, target)
         peak = torch.tensor([mine[k] for k in KINDS], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows.append((layout if layout != "auto" else f"auto ({plan.kind}, ZeRO {sorted(set(plan.zero.values()))})",

@@ -3,7 +3,8 @@
 ``compute_time(flops, bytes_moved, dtype, profile, op)`` is ``formulas.COMPUTE_TIME``:
 the op is bound by its FLOP rate or its byte rate, whichever takes longer, and pays
 the fixed cost (launch, dispatch) measured for that bound. Which rates, by the op's
-kind (``opkinds.op_kind``): a matmul's FLOPs at the matmul rate against memory
+kind (``opkinds.op_kind``): a matmul's FLOPs at the matmul rate (less for a small or
+skinny one, where the profile says how much: ``matmul_efficiency``) against memory
 bandwidth; fused attention head by head (``formulas.ATTENTION_TIME``: each of its
 batch x heads heads at the measured per-head rate of its size, between the measured
 head sizes), against memory bandwidth; a pointwise op's bytes at its kind's measured
@@ -65,6 +66,33 @@ def rates(op: str, dtype: str, profile: HardwareProfile) -> tuple[Rate, Rate]:
     return dev.matmul[dtype], dev.pointwise[kind][dtype]
 
 
+def matmul_size(flops: float, bytes_moved: float, itemsize: int) -> float:
+    """A matmul's size d = 3 / (1/m + 1/n + 1/k), read off its FLOPs (2mnk per product) and
+    the bytes it moves (mk + kn + mn elements per product): m for an m-cube, about 3m for
+    a skinny one with m much below n and k. The same for the two backward matmuls, whose
+    m, n, k are the forward's permuted; infinite where no bytes are known."""
+    return 3.0 * itemsize * flops / (2.0 * bytes_moved) if bytes_moved > 0 else math.inf
+
+
+def matmul_efficiency(rate: Rate, flops: float, bytes_moved: float, itemsize: int) -> float:
+    """Fraction of ``rate.rate`` a matmul of ``flops`` FLOPs moving ``bytes_moved`` bytes
+    reaches: the lower of w / (1 + w), with w = (flops / work_half)^(2/3), and d / (d +
+    dim_half). For an n-cube the first is n^2 / (n^2 + n_half^2): its n^2 / tile-area output
+    tiles against what fills every SM once (wave quantization); the second is the share of
+    its tiles' rows a short dimension d fills (tile quantization). The lower, not the
+    product: a tiny matmul's few tiles are its short dimensions' partly empty ones, one
+    loss counted once (and the time still shrinks with the work). 1 where the profile has
+    no shape fit (``work_half``, ``dim_half`` 0). Continuous and non-decreasing in size."""
+    fill = 1.0
+    if rate.work_half > 0 and flops > 0:
+        w = (flops / rate.work_half) ** (2.0 / 3.0)
+        fill = w / (1.0 + w)
+    d = matmul_size(flops, bytes_moved, itemsize)
+    if rate.dim_half > 0 and d != math.inf:
+        fill = min(fill, d / (d + rate.dim_half))
+    return fill
+
+
 def compute_time(
     flops: float, bytes_moved: float, dtype: torch.dtype | str, profile: HardwareProfile, op: str = "",
     heads: float = 0.0,
@@ -81,7 +109,10 @@ def compute_time(
     if op_kind(op) in ("attention", "attention_backward"):
         t_h, r = fr.segment(flops / heads, start=0.0) if heads > 0 and fr.points else (0.0, fr.rate)
         return _attention_fn()(flops, bytes_moved, r, w, fr.latency_s, t_w, heads, t_h)
-    return _compute_fn()(flops, bytes_moved, fr.rate, w, fr.latency_s, t_w)
+    r = fr.rate
+    if flops > 0 and op_kind(op) == "matmul":  # named matmuls only: "" may be an optimizer's FLOPs
+        r *= matmul_efficiency(fr, flops, bytes_moved, ITEMSIZE[d])
+    return _compute_fn()(flops, bytes_moved, r, w, fr.latency_s, t_w)
 
 
 def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> int:

@@ -3,7 +3,13 @@
 ``h100(mesh_shape)`` and ``a100(mesh_shape)`` build a profile for nodes of 8 GPUs: the
 innermost mesh axes ride the intra-node link (NVLink) while the product of their sizes
 fits in one node, every axis further out rides the inter-node link (InfiniBand, one NIC
-per GPU). ``preset(name, mesh_shape)`` looks one up by name.
+per GPU, rail-aligned): a group of an inter-node axis with g members in each node drives g
+NICs at once (``group_nics``). ``preset(name, mesh_shape)`` looks one up by name.
+
+Rates are what a PyTorch training step achieves, not datasheet peaks: matmuls by shape
+(``compute.matmul_efficiency``), fused attention forward and backward apart, elementwise
+ops at achievable memory bandwidth, a fixed cost per kernel, collectives at the bus
+bandwidths nccl-tests measures.
 
 Every number below cites its source. Where no published *achieved* figure was found the
 datasheet peak is used and the comment says so: such a number is an upper bound, and a
@@ -18,6 +24,7 @@ send/recv.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,9 +34,16 @@ from costmodels.profile import AxisProfile, CollectiveFit, DeviceProfile, Hardwa
 GB = 1e9
 TFLOPS = 1e12
 
-# Per-op fixed cost (kernel launch) of matmuls and pointwise ops: no published figure
-# adopted, so presets leave it out (0); a measured profile fits it.
-OP_LATENCY_S = 0.0
+# Fixed cost of every kernel (launch, prologue, tail): "a few microseconds" per launch
+# (torchedup.dev "kernel launch overhead"); one dispatch on a B200 measured 5 us through
+# cuLaunchKernel (dogacel.github.io, 2026-03-14, "GPU kernel dispatch overhead"). The
+# measured figure is used.
+OP_LATENCY_S = 5e-6
+# Achievable share of HBM bandwidth for streaming elementwise kernels. One published H100
+# Nsight Compute study measured 2.8 TB/s (84%) for coalesced loads, ECC costing about 6%
+# (mikamirai.com, "GPU memory bandwidth", 2026); no benchmark table of elementwise kernels
+# adopted, so 90% (between that and the peak) is assumed: an upper bound.
+HBM_ACHIEVED = 0.9
 
 NCCL_TUNING = "NCCL src/graph/tuning.cc, Ring/Simple"
 NCCL_BASE_LATENCY_S = 8.4e-6  # NCCL tuning.cc baseLat[Ring][Simple]
@@ -56,16 +70,40 @@ def bandwidth_bound(bandwidth: float) -> dict[str, dict[str, Rate]]:
             for k in POINTWISE_KINDS}
 
 
-# Fused attention's FLOP/s here count every score (torch.utils.flop_counter); the
-# FlashAttention papers count half of them under a causal mask, so for causal attention
-# these rates are up to 2x low and predict up to 2x the time.
-def attention_rates(half: float, fp32: float) -> dict[str, dict[str, Rate]]:
-    """Forward and backward attention rates: ``half`` for bf16 / fp16, ``fp32`` for fp32.
-    No published per-head-size figures adopted: no points, one rate for every head size
-    (a measured profile keeps points per head)."""
-    rates = {"fp32": Rate(latency_s=OP_LATENCY_S, rate=fp32)}
-    rates |= {d: Rate(latency_s=OP_LATENCY_S, rate=half) for d in ("bf16", "fp16")}
-    return {"forward": dict(rates), "backward": dict(rates)}
+# Fused attention's FLOP/s here count every score (torch.utils.flop_counter), for causal
+# attention, as the profiler times it (timing.attention_calls): the FlashAttention papers
+# count half the scores under a causal mask, so a causal rate of theirs is doubled here.
+# Non-causal attention (encoders) is then priced up to 2x fast.
+CAUSAL_FLOP_COUNT = 2.0
+
+
+def attention_rates(forward: float, backward: float, fp32: float) -> dict[str, dict[str, Rate]]:
+    """Attention rates by direction: ``forward`` / ``backward`` for bf16 / fp16, ``fp32``
+    both ways. No published per-head-size figures adopted: no points, one rate for every
+    head size (a measured profile keeps points per head)."""
+    def by_dtype(half: float) -> dict[str, Rate]:
+        return {"fp32": Rate(latency_s=OP_LATENCY_S, rate=fp32)} | {
+            d: Rate(latency_s=OP_LATENCY_S, rate=half) for d in ("bf16", "fp16")}
+    return {"forward": by_dtype(forward), "backward": by_dtype(backward)}
+
+
+A100_N_HALF = 1250.0  # m = n = k at half the large-size rate (NVIDIA CUDA 11 blog, Figure 6)
+A100_SMS = 108  # NVIDIA A100 Tensor Core GPU architecture whitepaper
+TILE_EDGE = 128.0  # cuBLAS tile short edge (NVIDIA Matrix Multiplication Background guide)
+
+
+def matmul_rate(rate: float, sms: int) -> Rate:
+    """A tensor-core matmul rate: ``rate`` for large matmuls, less for small or skinny ones
+    (``compute.matmul_efficiency``). work_half: NVIDIA's bf16 cuBLAS curve on an A100
+    (NVIDIA blog "CUDA 11 features revealed", 2020, Figure 6, m = n = k) reaches half its
+    large-size rate (~145 of 290 TFLOP/s) near n = 1250 (about 2 * 1250^3 = 3.9 GFLOP):
+    where its 128x256 output tiles (n^2 / 32768 = 48) fill under half the A100's 108 SMs
+    (ml-engineering, training/performance "Tile and wave quantization"). The wave fills at
+    the same tiles per SM on another GPU, so n_half scales with sqrt(SMs). dim_half: 128,
+    the short edge of cuBLAS's tiles (NVIDIA "Matrix Multiplication Background User's
+    Guide", sec. 2.3): a dimension of d elements fills about d / (d + 128) of its tiles."""
+    n_half = A100_N_HALF * math.sqrt(sms / A100_SMS)
+    return Rate(latency_s=OP_LATENCY_S, rate=rate, work_half=2.0 * n_half**3, dim_half=TILE_EDGE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,109 +119,113 @@ class NodeSpec:
 
 def _h100_node() -> NodeSpec:
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP32 67 TFLOPS; BF16 / FP16 tensor
-    # 1,979 TFLOPS *with sparsity*, so 989.5 dense; 80 GB HBM3 at 3.35 TB/s.
+    # 1,979 TFLOPS *with sparsity*, so 989.5 dense; 80 GB HBM3 at 3.35 TB/s; 132 SMs.
     peak = {"fp32": 67 * TFLOPS, "bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS}
+    sms = 132
     matmul = {
         # no published achieved fp32 GEMM figure adopted: datasheet peak (upper bound)
-        "fp32": Rate(latency_s=OP_LATENCY_S, rate=67 * TFLOPS),
+        "fp32": matmul_rate(67 * TFLOPS, sms),
         # stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
-        # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (torch 2.7.0+cu126)
-        "bf16": Rate(latency_s=OP_LATENCY_S, rate=794.5 * TFLOPS),
+        # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (80.3% of peak, torch
+        # 2.7.0+cu126), the best of a search over large shapes
+        "bf16": matmul_rate(794.5 * TFLOPS, sms),
         # fp16 runs on the same tensor cores at the same datasheet rate as bf16; the MAMF
         # table reports bf16 only, so the bf16 measurement is used
-        "fp16": Rate(latency_s=OP_LATENCY_S, rate=794.5 * TFLOPS),
+        "fp16": matmul_rate(794.5 * TFLOPS, sms),
     }
-    # no published achieved pointwise bandwidth adopted: datasheet 3.35 TB/s (upper bound),
-    # for every pointwise kind (bandwidth-bound on GPUs, see bandwidth_bound)
-    pointwise = bandwidth_bound(3350 * GB)
-    # FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, abstract): FP16 forward up to
-    # 740 TFLOP/s on H100 (75% utilisation); no backward figure adopted, the forward one
-    # is used (upper bound). fp32 has no flash kernel: the fp32 matmul peak (upper bound).
-    attention = attention_rates(740 * TFLOPS, 67 * TFLOPS)
+    hbm = 3350 * GB  # datasheet: 3.35 TB/s
+    # FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), H100 80GB SXM5, head
+    # dim 128, sequence 8k, FlashAttention-2 (PyTorch's flash SDPA kernel): forward with a
+    # causal mask 333 TFLOP/s, forward without 370, backward without 318; the causal
+    # backward is taken as 318 * 333 / 370 = 286. Doubled for the flop counter's causal
+    # count (CAUSAL_FLOP_COUNT). (FlashAttention-3 reaches 602-646 forward, 559 backward;
+    # cuDNN 529-600 / 518: faster kernels than a default SDPA run uses.)
+    attention = attention_rates(CAUSAL_FLOP_COUNT * 333 * TFLOPS, CAUSAL_FLOP_COUNT * 286 * TFLOPS,
+                                67 * TFLOPS)  # fp32 has no flash kernel: fp32 peak
     device = DeviceProfile(
         name="NVIDIA H100 80GB SXM5",
         memory_bytes=80 * 10**9,  # datasheet: 80 GB HBM3
         matmul=matmul,
-        pointwise=pointwise,
+        pointwise=bandwidth_bound(HBM_ACHIEVED * hbm),
         attention=attention,
         peak_matmul_flops=peak,
-        peak_memory_bandwidth=3350 * GB,  # datasheet: 3.35 TB/s
+        peak_memory_bandwidth=hbm,
         peak_source="NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)",
     )
-    nvlink = (450 * GB, "NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction (datasheet), upper bound")
-    ib = (50 * GB, "ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per GPU (line rate), upper bound")
+    # nccl-tests all_reduce_perf on 8x H100 SXM5 over NVLink 4, large messages: busbw about
+    # 370 GB/s with the ring algorithm, up to about 480 GB/s with NVLink SHARP (NVLS)
+    # (NVIDIA/nccl-tests issues 212 and 290). Ring figure for every collective: NVLS
+    # accelerates all-reduce only, and not on every NCCL setup.
+    nvlink = (370 * GB, "nccl-tests busbw 8x H100 NVLink 4, ring: ~370 GB/s (nccl-tests #212, #290)")
+    # 400 Gb/s NDR InfiniBand (ConnectX-7, one per GPU): nccl-tests busbw 46-48 GB/s per NIC,
+    # up to ~396 GB/s for a node's 8 NICs (nccl-tests issues 290, 319); the low end
+    ndr = (46 * GB, "nccl-tests busbw per 400 Gb/s NDR NIC: 46-48 GB/s (nccl-tests #290, #319)")
     return NodeSpec(
         name="h100",
         gpus_per_node=8,  # DGX H100 / HGX H100 8-GPU baseboard
         device=device,
-        busbw={
-            "intra_node": {
-                # nccl-tests all_reduce_perf reference on 8x H100 SXM5 NVLink: busbw
-                # 460-480 GB/s at large sizes (docs.alayanew.com, "NCCL-tests in
-                # practice", 2026); the low end is used
-                "all_reduce": (460 * GB, "nccl-tests all_reduce busbw 8xH100 SXM5 (460-480 GB/s)"),
-                "all_gather": nvlink,
-                "reduce_scatter": nvlink,
-                "all_to_all": nvlink,
-                "send_recv": nvlink,
-            },
-            "inter_node": {c: ib for c in RING_STEPS},
-        },
+        busbw={"intra_node": {c: nvlink for c in RING_STEPS}, "inter_node": {c: ndr for c in RING_STEPS}},
     )
 
 
 def _a100_node() -> NodeSpec:
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TFLOPS; BF16 / FP16
-    # tensor 312 TFLOPS dense; 80 GB HBM2e at 2,039 GB/s.
+    # tensor 312 TFLOPS dense; 80 GB HBM2e at 2,039 GB/s; 108 SMs.
     peak = {"fp32": 19.5 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}
     matmul = {
         # no published achieved fp32 GEMM figure adopted: datasheet peak (upper bound)
-        "fp32": Rate(latency_s=OP_LATENCY_S, rate=19.5 * TFLOPS),
+        "fp32": matmul_rate(19.5 * TFLOPS, A100_SMS),
         # stas00/ml-engineering MAMF table: A100 SXM BF16 271.2 TFLOPS (torch 2.6.0+cu126)
-        "bf16": Rate(latency_s=OP_LATENCY_S, rate=271.2 * TFLOPS),
+        "bf16": matmul_rate(271.2 * TFLOPS, A100_SMS),
         # same tensor cores and datasheet rate as bf16; bf16 measurement used
-        "fp16": Rate(latency_s=OP_LATENCY_S, rate=271.2 * TFLOPS),
+        "fp16": matmul_rate(271.2 * TFLOPS, A100_SMS),
     }
-    # no published achieved pointwise bandwidth adopted: datasheet 2,039 GB/s (upper bound),
-    # for every pointwise kind (bandwidth-bound on GPUs, see bandwidth_bound)
-    pointwise = bandwidth_bound(2039 * GB)
-    # FlashAttention-2 (Dao 2023, arXiv:2307.08691, abstract): 50-73% of the A100's
-    # theoretical maximum FLOP/s; the low end, 50% of 312 TFLOP/s, for both directions.
-    # fp32 has no flash kernel: the fp32 matmul peak (upper bound).
-    attention = attention_rates(0.5 * 312 * TFLOPS, 19.5 * TFLOPS)
+    hbm = 2039 * GB  # datasheet: 2,039 GB/s
+    # FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1) on A100: up to 73% of the
+    # 312 TFLOP/s peak in the forward pass and up to 63% in the backward pass, in the
+    # paper's count (half the scores under a causal mask): doubled for the flop counter's
+    # causal count (CAUSAL_FLOP_COUNT). fp32 has no flash kernel: the fp32 peak.
+    attention = attention_rates(CAUSAL_FLOP_COUNT * 0.73 * 312 * TFLOPS, CAUSAL_FLOP_COUNT * 0.63 * 312 * TFLOPS,
+                                19.5 * TFLOPS)
     device = DeviceProfile(
         name="NVIDIA A100 80GB SXM4",
         memory_bytes=80 * 10**9,  # datasheet: 80 GB HBM2e
         matmul=matmul,
-        pointwise=pointwise,
+        pointwise=bandwidth_bound(HBM_ACHIEVED * hbm),
         attention=attention,
         peak_matmul_flops=peak,
-        peak_memory_bandwidth=2039 * GB,  # datasheet: 2,039 GB/s
+        peak_memory_bandwidth=hbm,
         peak_source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM, dense)",
     )
     # NCCL's tuning model caps A100 (compute capability 8.0) bus bandwidth at 235 GB/s
     # (tuning.cc: `if (compCap80) busBw = std::min(busBw, 235.0f)`), matching published
-    # nccl-tests all_reduce busbw of 230-250 GB/s on 8x A100 SXM4 (docs.alayanew.com)
-    nccl_cap = (235 * GB, "NCCL tuning.cc A100 busBw cap 235 GB/s; nccl-tests 230-250 GB/s")
+    # nccl-tests all_reduce busbw of 230-250 GB/s on 8x A100 SXM4 (docs.alayanew.com);
+    # the 230 GB/s low end
+    nvlink = (230 * GB, "nccl-tests all_reduce busbw 8x A100 NVLink 3: 230-250 GB/s; NCCL tuning.cc cap 235")
     # nccl-tests sendrecv_perf on 8x A100 NVLink, 1 GiB: busbw 195 GB/s
     # (github.com/li-plus/playground, cuda/nccl.md)
     sendrecv = (195 * GB, "nccl-tests sendrecv_perf 8xA100 NVLink, 1 GiB: 195 GB/s")
-    ib = (25 * GB, "ConnectX-6 InfiniBand HDR 200 Gb/s = 25 GB/s per GPU (line rate), upper bound")
+    # 200 Gb/s HDR InfiniBand (ConnectX-6, one per GPU) is 25 GB/s line rate; nccl-tests
+    # reach the same ~92% of it as on NDR (46 of 50 GB/s): 23 GB/s per NIC
+    hdr = (23 * GB, "HDR 200 Gb/s per NIC: 25 GB/s line rate at nccl-tests' ~92% (as NDR's 46 of 50)")
     return NodeSpec(
         name="a100",
         gpus_per_node=8,  # DGX A100 / HGX A100 8-GPU baseboard
         device=device,
         busbw={
-            "intra_node": {
-                "all_reduce": nccl_cap,
-                "all_gather": nccl_cap,
-                "reduce_scatter": nccl_cap,
-                "all_to_all": nccl_cap,
-                "send_recv": sendrecv,
-            },
-            "inter_node": {c: ib for c in RING_STEPS},
+            "intra_node": {c: nvlink for c in RING_STEPS} | {"send_recv": sendrecv},
+            "inter_node": {c: hdr for c in RING_STEPS},
         },
     )
+
+
+def group_nics(mesh_shape: Sequence[int], axis: int, gpus_per_node: int) -> int:
+    """NICs one group of an inter-node ``axis`` drives at once: its members in one node,
+    each with its own NIC (rail-aligned, one NIC per GPU). The axes inside ``axis`` fill
+    ``inner`` GPUs of a node, so a group has gpus_per_node // inner members per node (1
+    where the inner axes fill the node)."""
+    inner = math.prod(mesh_shape[axis + 1:])
+    return max(1, min(mesh_shape[axis], gpus_per_node // inner))
 
 
 def axis_links(mesh_shape: Sequence[int], gpus_per_node: int) -> list[str]:
@@ -214,10 +256,14 @@ def build(
             f"{mesh_shape}; give one name per axis."
         )
     axes = []
-    for name, size, link in zip(names, mesh_shape, axis_links(mesh_shape, node.gpus_per_node)):
+    links = axis_links(mesh_shape, node.gpus_per_node)
+    for i, (name, size, link) in enumerate(zip(names, mesh_shape, links)):
         fits = {}
+        nics = group_nics(mesh_shape, i, node.gpus_per_node) if link == "inter_node" else 1
         for coll, steps in RING_STEPS.items():
             bw, src = node.busbw[link][coll]
+            if nics > 1:  # no faster than the NVLink ring it also runs through
+                bw, src = min(nics * bw, node.busbw["intra_node"][coll][0]), f"{nics} NICs x ({src})"
             alpha = NCCL_BASE_LATENCY_S + steps(size) * NCCL_STEP_LATENCY_S[link]
             fits[coll] = CollectiveFit(
                 alpha_s=alpha, beta_bytes_per_s=bw, source=f"alpha: {NCCL_TUNING}; beta: {src}"

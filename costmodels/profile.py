@@ -67,12 +67,19 @@ class Rate:
     latency_s: float
     rate: float
     points: list[list[float]] = field(default_factory=list)
+    # matmul rates only, 0 where not known (measured profiles): ``rate`` is then the rate
+    # of large matmuls, and a smaller one runs slower (``compute.matmul_efficiency``): at
+    # half the rate for a square one of ``work_half`` FLOPs (too few tiles to fill the
+    # GPU), and by d / (d + ``dim_half``) where d is its size (3 / (1/m + 1/n + 1/k)).
+    work_half: float = 0.0
+    dim_half: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.rate > 0 and self.latency_s >= 0):
+        if not (self.rate > 0 and self.latency_s >= 0 and self.work_half >= 0 and self.dim_half >= 0):
             raise ProfileError(
-                f"autopar: a Rate needs rate > 0 and latency_s >= 0; found rate={self.rate}, "
-                f"latency_s={self.latency_s}. Re-measure with `autopar profile --force`."
+                f"autopar: a Rate needs rate > 0 and latency_s, work_half, dim_half >= 0; found "
+                f"rate={self.rate}, latency_s={self.latency_s}, work_half={self.work_half}, "
+                f"dim_half={self.dim_half}. Re-measure with `autopar profile --force`."
             )
         self.points = sorted([float(x), float(t)] for x, t in self.points)
         if any(not (x > 0 and t > 0) for x, t in self.points):

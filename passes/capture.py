@@ -45,6 +45,7 @@ class Captured:
     user_inputs: list[str] = field(default_factory=list)
     user_outputs: list[int] = field(default_factory=list)  # positions among the graph's outputs
     out_spec: Any = None  # pytree spec of the model's own output structure
+    in_spec: Any = None  # pytree spec of (positional inputs, keyword inputs), as exported
     model_name: str = ""
 
     @property
@@ -64,16 +65,32 @@ class Captured:
         values.update(self.constant_values)
         return values
 
-    def placeholder_values(self, model: torch.nn.Module, inputs: tuple) -> list[Any]:
+    def keyword_names(self) -> list[str]:
+        """The keyword inputs of the example, in the order their tensors are placeholders."""
+        return list(self.in_spec.child(1).context) if self.in_spec is not None else []
+
+    def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
+        """The tensors of ``model(*args, **kwargs)`` in ``user_inputs`` order (keyword
+        inputs as named in the example, in any order)."""
+        kwargs = kwargs or {}
+        names = self.keyword_names()
+        if set(kwargs) != set(names):
+            raise ValueError(
+                f"autopar: expected the keyword inputs {names}, as in example_kwargs; found {sorted(kwargs)}; "
+                "pass the same keywords as at compile time"
+            )
+        return pytree.tree_leaves(args) + pytree.tree_leaves([kwargs[k] for k in names])
+
+    def placeholder_values(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None) -> list[Any]:
         values = self.state_values(model)
-        flat_inputs = pytree.tree_leaves(inputs)
+        flat_inputs = self.flatten_inputs(inputs, kwargs)
         values.update(zip(self.user_inputs, flat_inputs))
         return [values[name] for name in self.placeholders]
 
-    def run(self, model: torch.nn.Module, inputs: tuple) -> Any:
+    def run(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None) -> Any:
         """Run the captured graph with the model's current weights; returns the model's
         own output structure (a ``ModelOutput`` for Hugging Face models)."""
-        flat = self.gm(*self.placeholder_values(model, inputs))
+        flat = self.gm(*self.placeholder_values(model, inputs, kwargs))
         return self.unflatten_outputs(flat)
 
     def unflatten_outputs(self, flat: Any) -> Any:
@@ -111,11 +128,12 @@ def capture(
             "autopar: expected example_inputs as a tuple of positional arguments, found "
             f"{type(example_inputs).__name__}; wrap a single tensor as (tensor,)"
         )
+    example_inputs, example_kwargs = _distinct_tensors((example_inputs, example_kwargs or {}))
     was_training = model.training
     model.train(train)
     try:
         with _huggingface_quirks(model):
-            ep = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # turned into one clear error that points at the model's code
         raise CaptureError(_capture_message(model, exc)) from exc
     finally:
@@ -129,10 +147,27 @@ class CaptureError(RuntimeError):
     pass
 
 
+def _distinct_tensors(tree: Any) -> Any:
+    """One tensor given as two inputs (Hugging Face's ``labels=input_ids``) would be traced
+    as one input feeding both: each later use gets its own copy, so each is an input."""
+    seen: set[int] = set()
+
+    def distinct(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+
+    return pytree.tree_map(distinct, tree)
+
+
 def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Captured:
     gm = ep.graph_module
     sig = ep.graph_signature
-    captured = Captured(gm=gm, placeholders=[], out_spec=ep.call_spec.out_spec, model_name=model_name)
+    captured = Captured(gm=gm, placeholders=[], out_spec=ep.call_spec.out_spec, in_spec=ep.call_spec.in_spec,
+                        model_name=model_name)
     kinds = {
         InputKind.PARAMETER: captured.params,
         InputKind.BUFFER: captured.buffers,

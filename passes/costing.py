@@ -16,8 +16,11 @@ price. Per strategy of an op node, on local shapes:
               gelu, nothing for an add; 2x the forward for ops the table does not
               know, Kaplan et al. 2020), each at its own kind's measured rate;
               ``Costs.forward`` keeps the forward alone (what recomputation repeats)
-    memory  = bytes of the local outputs kept for backward (non-view ops on a
-              gradient path; an over-estimate: every such output counts as saved)
+    memory  = bytes of the local outputs some backward keeps (``passes.saved``); in a
+              recomputed layer (activation checkpointing), its inputs whole (the
+              checkpoint holds them), what leaves it as usual, and what stays inside
+              divided by the number of recomputed layers: backward rebuilds one
+              layer's activations at a time, so together they charge one layer's
 
 Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shard
 (``model_state_bytes``), the AdamW step on the local optimizer shard, and the
@@ -351,9 +354,9 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                 pricer: "_Pricer | None" = None, grad_inputs: Iterable[str] = ()) -> Costs:
     """The SolveProblem of ``graph`` on ``profile`` (see the module docstring).
 
-    ``recompute``: the repeated layers (True: all; or their numbers) that keep only the
-    activations that leave them and run their forward again in backward (activation
-    checkpointing per layer). ``grad_inputs``: placeholders, by name, that carry a
+    ``recompute``: the repeated layers (True: all; or their numbers) run under activation
+    checkpointing: they keep their inputs and what leaves them, run their forward again in
+    backward, and together hold one layer's activations while they do. ``grad_inputs``: placeholders, by name, that carry a
     gradient back (``requires_grad``).
     """
     if tuple(profile.mesh_shape) != graph.mesh_shape:
@@ -368,7 +371,12 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     compute, forward, state, activation, comm = [], [], [], [], []
-    kept = kept_for_backward(graph.captured.graph.nodes, grad_nodes)  # outputs some backward reads
+    # one ZeRO node per parameter, after the graph's nodes
+    zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
+    layer_of, ties = find_layers(graph, index, zero_node)
+    recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
+    # outputs some backward reads, and what a checkpointed layer holds to run again: its inputs
+    kept = kept_for_backward(graph.captured.graph.nodes, grad_nodes, checkpoint_inputs(nodes, layer_of, recomputed))
     followers: list[Follower] = []
     for node in nodes:
         ns = graph.nodes[node]
@@ -392,9 +400,6 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
-    # one ZeRO node per parameter, after the graph's nodes
-    zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
-    layer_of, ties = find_layers(graph, index, zero_node)
     shares = parameter_shares(graph, layer_of)
     for node in nodes:
         if node.name not in params:
@@ -429,14 +434,16 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
     ties = [group for group in ties if len(group) > 1]
-    recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
-    if recomputed:
-        for node in nodes:
-            if layer_of.get(node) in recomputed and node.op != "placeholder" and node in grad_nodes:
-                v = index[node]
-                compute[v] = compute[v] + forward[v]  # its forward runs again in backward
-                if all(layer_of.get(u) == layer_of[node] for u in node.users):
-                    activation[v] = np.zeros_like(activation[v])
+    for node in nodes:
+        if layer_of.get(node) in recomputed and node.op != "placeholder" and node in grad_nodes:
+            v = index[node]
+            compute[v] = compute[v] + forward[v]  # its forward runs again in backward
+            if all(layer_of.get(u) == layer_of[node] for u in node.users):
+                # Backward rebuilds one recomputed layer's activations at a time and frees them
+                # before the next: the recomputed layers together hold one layer's worth (the
+                # repeated layers are alike, so 1/R of each of R layers' sums to one layer's;
+                # unlike layers are charged their mean). Its outputs, read outside, stay whole.
+                activation[v] = activation[v] / len(recomputed)
     problem = SolveProblem(
         node_time=[c + m for c, m in zip(compute, comm)],
         node_memory=[s + a for s, a in zip(state, activation)],
@@ -445,6 +452,21 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     )
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, edge_inputs,
                  layer_of, precision, frozenset(recomputed), pricer, forward)
+
+
+def checkpoint_inputs(nodes, layer_of: dict[fx.Node, int], recomputed: set[int]) -> set[fx.Node]:
+    """Values made outside a recomputed layer and read inside it: the checkpoint holds them
+    from forward until the layer's backward runs it again (``torch.utils.checkpoint`` keeps
+    its inputs, whether or not an op's backward would). Parameters are state, not activations."""
+    held: set[fx.Node] = set()
+    for node in nodes:
+        layer = layer_of.get(node)
+        if layer not in recomputed or node.op == "placeholder":
+            continue
+        held.update(src for src in node.all_input_nodes
+                    if layer_of.get(src) != layer and src.op == "call_function"
+                    and isinstance(src.meta.get("val"), torch.Tensor))
+    return held
 
 
 def _alike_consumers(graph: StrategyGraph, nodes, params) -> dict[tuple[fx.Node, fx.Node, int], int]:

@@ -33,6 +33,33 @@ class Pipeline:
     schedule: str  # "GPipe", "1F1B", "Interleaved1F1B"
     stage_of: dict[str, int] = field(default_factory=dict)  # node name -> stage
     chunks_per_rank: int = 1
+    # The whole batch (sequences per step) and the number every micro-batch's sequence count
+    # must be a multiple of: the devices the plan's strategies split the batch over
+    # (``passes.microbatch.batch_split``); 0 = not recorded (a hand-written plan), not checked.
+    batch_size: int = 0
+    batch_split: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.micro_batches < 1 or self.chunks_per_rank < 1 or self.batch_split < 1:
+            raise ValueError(
+                f"autopar: a pipeline expects positive stages, micro-batches, chunks per rank and batch split; "
+                f"found {self.stages}, {self.micro_batches}, {self.chunks_per_rank}, {self.batch_split}")
+        self.check_micro_batches(self.micro_batches)
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        """Raise unless ``micro_batches`` splits the batch into micro-batches that each divide
+        over the ``batch_split`` devices the plan splits the batch over."""
+        if not self.batch_size:
+            return
+        if self.batch_size % (micro_batches * self.batch_split):
+            whole = self.batch_size // self.batch_split if self.batch_size % self.batch_split == 0 else 0
+            fix = (f"use a micro-batch count that divides {whole}" if whole else
+                   f"use a batch that is a multiple of {self.batch_split}")
+            raise ValueError(
+                f"autopar: a pipeline of {micro_batches} micro-batches over a batch of {self.batch_size} gives "
+                f"{self.batch_size / micro_batches:g} sequences per micro-batch, and the plan splits the batch over "
+                f"{self.batch_split} devices; expected a multiple of {self.batch_split} sequences per micro-batch. "
+                f"Re-plan, or {fix}")
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,10 @@ Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole 
 2. manual layouts (the caller's hints: fixed placeholder placements and ZeRO levels,
    completed by ``complete`` with the solver's heuristic) evaluated on the same costs and handed to ``passes.solve.solve`` as candidate solutions, so the result
    is never predicted slower than the best layout that fits;
-3. the intra-op solve (followers, tied layers, chain DP or CP-SAT, wall-clock limit);
+3. the intra-op solve (followers, tied layers, chain DP or CP-SAT, a deterministic search
+   budget: the same call gives the same plan; the wall clock only a reported safety net);
+   manual layouts that fit only with layers recomputed are costed so (``cost_layout``), and
+   one predicted faster than the solver's plan is the plan (``fastest_of``);
 4. the pipeline search (``passes.planner_pipeline``) over device factorisations into a
    pipeline axis times intra-op axes (``pipeline_factorisations``: with a preset every
    split of the outermost axis, with a measured profile the whole outermost axis, the
@@ -28,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import costmodels
 from passes.costing import Costs, build_costs, state_breakdown
@@ -117,7 +120,7 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
             key = ("uses", id(strategies), position, want)
             if key not in tables:
                 tables[key] = np.array([0.0 if s.inputs[position] is None or (
-                    all(s.inputs[position][a] == want[a] for a in hint.keep_axes)
+                    all(_used_where_it_lies(s.inputs[position][a], want[a]) for a in hint.keep_axes)
                     and all(isinstance(s.inputs[position][a], Replicate)
                             and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
                     for s in strategies])
@@ -142,6 +145,13 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
         return None
     choice, _ = costs.choice(restricted.expand(decisions))
     return choice
+
+
+def _used_where_it_lies(need, have) -> bool:
+    """A parameter placed ``have`` on an axis is read there as it lies: as placed, or, when
+    whole, as a pending sum (a row-parallel layer's bias is added once, after the reduction:
+    Replicate -> Partial moves nothing)."""
+    return need == have or (isinstance(have, Replicate) and isinstance(need, Partial))
 
 
 @dataclass
@@ -284,6 +294,9 @@ def build_plan(solved: Solved, assignment: Sequence[int], *, kind: str, axis_nam
         r = solved.result
         plan.solver = {"status": r.status, "method": r.method, "gap": r.gap, "seconds": r.solve_seconds,
                        "decisions": r.num_decision_nodes}
+        if r.clock_cut:  # the wall clock, a safety net, stopped the deterministic search
+            plan.solver["clock_cut"] = True
+            plan.notes.extend(n for n in r.notes if "wall clock" in n)
     return plan
 
 
@@ -305,27 +318,119 @@ def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hin
             raise PlanningError(f"autopar: layout {layout!r} contradicts this model's structure on mesh "
                                 f"{graph.mesh_shape} (its placements break tied layers or followers); "
                                 "expected a layout that places repeated layers alike; pick another layout")
-        a = costs.assignment(chosen[0].choice, chosen[0].zero)
-        pc = plan_costs(costs.problem, a)
-        solved = Solved(costs, None, {layout: (pc.total_time, float(pc.node_memory.sum()))})
-        return build_plan(solved, a, kind=layout, axis_names=names), solved
-    started = time.perf_counter()
+        return layout_plan(costs, chosen[0], memory_limit, names)
+    # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
+    # never what the wall clock left over.
     solved = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s)
+    built: dict[int, Costs] = {}  # costs by number of recomputed layers, shared by the layouts
+    manual = [cost_layout(solved.costs, h, memory_limit, built) for h in solved.hints]
     if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
-        left = time_limit_s - (time.perf_counter() - started)
-        retry = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=max(left, 1.0),
+        retry = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s,
                             recompute=True, pricer=solved.costs.pricer)
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
-        left = time_limit_s - (time.perf_counter() - started)
-        solved = fewest_recomputed(retry, memory_limit, time_limit_s=max(left, 1.0))
+        solved = fewest_recomputed(retry, memory_limit, time_limit_s=max(time_limit_s / 2, 0.5))
+    solved = fastest_of(solved, manual)
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
-    if solved.costs.recompute:
-        layers = sorted(set(solved.costs.layer_of.values()))
-        plan.recompute = [f"layer {k}" for k in sorted(solved.costs.recompute)]
+    _record_recompute(plan, solved.costs)
+    if solved.result.method.startswith("layout "):
+        plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
+                            "fastest plan that fits; the solver found none faster")
+    return plan, solved
+
+
+def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
+                axis_names: Sequence[str]) -> tuple[Plan, Solved]:
+    """A completed manual layout's Plan, costed with the fewest recomputed layers that fit."""
+    laid = cost_layout(costs, hint, memory_limit)
+    solved = Solved(laid.costs, None, {hint.name: (laid.time, laid.memory)})
+    plan = build_plan(solved, laid.assignment, kind=hint.name, axis_names=tuple(axis_names))
+    _record_recompute(plan, laid.costs)
+    return plan, solved
+
+
+def _record_recompute(plan: Plan, costs: Costs) -> None:
+    if costs.recompute:
+        layers = sorted(set(costs.layer_of.values()))
+        plan.recompute = [f"layer {k}" for k in sorted(costs.recompute)]
         plan.reasons.append(f"activations do not fit: {len(plan.recompute)} of {len(layers)} repeated layers "
                             "are recomputed in backward (the fewest that fit)")
-    return plan, solved
+
+
+@dataclass
+class Laid:
+    """A manual layout costed as it would run: with the fewest recomputed layers that fit."""
+
+    name: str
+    costs: Costs  # with its recomputed layers (``costs.recompute``)
+    assignment: list[int]
+    time: float
+    memory: float
+    fits: bool
+
+
+def cost_layout(costs: Costs, hint: Hint, memory_limit: float | None, built: dict[int, Costs] | None = None) -> Laid:
+    """``hint`` (completed) on ``costs``; where it does not fit, re-costed with the fewest
+    repeated layers recomputed that make it fit (its placements kept), as auto plans are.
+    ``built``: as ``recompute_to_fit``'s."""
+    assignment = costs.assignment(hint.choice, hint.zero)
+    fitted = recompute_to_fit(costs, assignment, memory_limit, built)
+    used = fitted if fitted is not None else costs
+    pc = plan_costs(used.problem, assignment)
+    return Laid(hint.name, used, assignment, pc.total_time, float(pc.node_memory.sum()), fitted is not None)
+
+
+def fastest_of(solved: Solved, manual: Sequence[Laid]) -> Solved:
+    """``solved``, or the fastest manual layout that fits where it is predicted faster (a
+    layout that fits only with layers recomputed is a different problem from the solver's,
+    so the solver cannot see it as a candidate); ``hint_times`` from each layout's own costing."""
+    hint_times = {laid.name: (laid.time, laid.memory) for laid in manual}
+    mine = plan_costs(solved.costs.problem, solved.result.assignment).total_time if solved.result.feasible \
+        else math.inf
+    best = min((laid for laid in manual if laid.fits), key=lambda laid: laid.time, default=None)
+    if best is None or best.time >= mine:
+        return replace(solved, hint_times=hint_times)
+    best.costs.problem.hints = [laid.assignment for laid in manual]
+    result = replace(solved.result, status="feasible", assignment=list(best.assignment), objective=best.time,
+                     memory=best.memory, method=f"layout {best.name}", gap=math.inf)  # no bound on its problem
+    return Solved(best.costs, result, hint_times, solved.hints)
+
+
+def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: float | None,
+                     built: dict[int, Costs] | None = None) -> Costs | None:
+    """Costs under which ``assignment`` fits ``memory_limit`` with the fewest repeated layers
+    recomputed (``costs`` itself when it fits as it is; the first k layers, which are alike);
+    None when it does not fit even with every layer recomputed. Memory falls as layers are
+    added (each one's activations leave, one layer's worth stays for backward to rebuild in),
+    so k is estimated from none and every layer recomputed and then walked to the fewest.
+    ``built``: costs by k already built for this graph and profile (shared among layouts)."""
+    limit = (memory_limit or math.inf) * (1 + 1e-9)
+    layers = sorted(set(costs.layer_of.values()))
+    built = {} if built is None else built
+    if set(costs.recompute) == set(layers[:len(costs.recompute)]):
+        built.setdefault(len(costs.recompute), costs)
+    memory: dict[int, float] = {}
+
+    def at(k: int) -> float:
+        """The assignment's bytes with the first k layers recomputed."""
+        if k not in built:
+            built[k] = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=layers[:k],
+                                   pricer=costs.pricer)
+        if k not in memory:
+            memory[k] = float(plan_costs(built[k].problem, assignment).node_memory.sum())
+        return memory[k]
+
+    if at(0) <= limit:
+        return built[0]
+    if not layers or at(len(layers)) > limit:
+        return None
+    per_layer = (at(0) - at(len(layers))) / max(len(layers) - 1, 1)
+    k = max(1, min(len(layers), math.ceil((at(0) - limit) / per_layer) + 1)) if per_layer > 0 else len(layers)
+    while k < len(layers) and at(k) > limit:
+        k += 1
+    while k > 1 and at(k - 1) <= limit:
+        k -= 1
+    return built[k]
 
 
 def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:
@@ -343,27 +448,10 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     kept placements as a candidate (so it is never worse), and the better one is kept.
     """
     costs, assignment = solved.costs, solved.result.assignment
-    layers = sorted(set(costs.layer_of.values()))
-    if not layers or memory_limit is None:
+    if not costs.layer_of or memory_limit is None:
         return solved
-
-    def memory(recompute) -> tuple[Costs, float]:
-        c = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=recompute,
-                        pricer=costs.pricer)
-        return c, float(plan_costs(c.problem, assignment).node_memory.sum())
-
-    _, none = memory(())
-    every = float(plan_costs(costs.problem, assignment).node_memory.sum())
-    per_layer = (none - every) / len(layers)
-    if per_layer <= 0:
-        return solved
-    k = max(0, min(len(layers), math.ceil((none - memory_limit) / per_layer)))
-    while k < len(layers):
-        fewer, used = memory(layers[:k])
-        if used <= memory_limit * (1 + 1e-9):
-            break
-        k += 1
-    else:
+    fewer = recompute_to_fit(costs, assignment, memory_limit)
+    if fewer is None or fewer is costs:
         return solved
     hints = costs.problem.hints
     fewer.problem.hints = hints + [list(assignment)]
@@ -423,11 +511,32 @@ def pipeline_factorisations(shape: tuple[int, ...], hardware) -> list[tuple[int,
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
 
 
+def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, profile, hint_fn, limit: float,
+                            axis_names) -> Plan:
+    """``best``, or the manual layout (without a pipeline) predicted faster, costed the same way
+    (the pipelines' own layouts already compete inside ``pipeline_plan``)."""
+    flat = {name: t for name, t in candidates.items() if "[" not in name}
+    if not flat or min(flat.values()) >= best.predicted.step_time * (1 - 1e-9):
+        return best
+    name = min(flat, key=flat.get)
+    try:
+        manual, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, layout=name, axis_names=axis_names)
+    except PlanningError:
+        return best
+    if manual.predicted.step_time >= best.predicted.step_time or sum(manual.predicted.memory.values()) > limit:
+        return best
+    manual.reasons.append(f"the {name} layout ({duration(manual.predicted.step_time)}) beat the search's best "
+                          f"({duration(best.predicted.step_time)}) under the same costing, so it is the plan")
+    return manual
+
+
 def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
                   time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
-                  axis_names: Sequence[str] | None = None, progress=None) -> Plan:
+                  axis_names: Sequence[str] | None = None, progress=None, outer_axis_only: bool = False) -> Plan:
     """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins.
-    ``progress(phase, done, total)``, if given, is called as each of the ``total`` search steps starts."""
+    ``progress(phase, done, total)``, if given, is called as each of the ``total`` search steps starts.
+    ``outer_axis_only``: pipelines only over the whole outermost axis (a plan for a given device
+    mesh keeps its shape); none on a 1-D mesh."""
     from passes.planner_pipeline import pipeline_plan
     from passes.strategies import build_strategy_graph
 
@@ -436,6 +545,8 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
     profile = _profile(hardware, shape, axis_names)
     limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
     options = pipeline_factorisations(shape, hardware) if pipeline and layout is None else []
+    if outer_axis_only:
+        options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
     report("strategies", 0, 1 + len(options))
     calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
     graph = build_strategy_graph(captured, shape, calls)
@@ -447,7 +558,9 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
         if k and remaining <= 0.02 * time_limit_s:
             tried[where] = "not tried: out of time"
             continue
-        solver_time = 0.5 * remaining / (1 + len(options) - k)  # the rest: costs, completion, stage search
+        # a fixed share, not what the clock left: the same call gets the same search (the rest of
+        # the time: costs, completion, stage search)
+        solver_time = 0.5 * time_limit_s / (1 + len(options))
         if p == 1:
             try:
                 candidate, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
@@ -467,7 +580,10 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
             best = candidate
     if best is None:
         raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
+    best = _no_slower_than_layouts(best, candidates, graph, profile, hint_fn, limit, axis_names)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
+    if any(v == "not tried: out of time" for v in tried.values()):
+        best.solver["clock_cut"] = True  # the wall clock, a safety net, left options out
     best.candidates = candidates
     best.solver["planning_seconds"] = time.perf_counter() - started
     best.solver["memory_limit"] = limit

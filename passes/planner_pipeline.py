@@ -19,8 +19,10 @@ runs its nodes there; ``passes.plan.choice_from_plan`` drops the pipeline axis).
 
 Nodes outside repeated layers go to the first layer (before it in graph order) or the
 last. ``passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
-schedule. Recomputation (all layers) is the same search with every layer's saved
-activations reduced to its input and one more forward pass of compute.
+schedule. Recomputation is decided per stage by the stage search: the fewest layers
+that make the stage fit for its micro-batches in flight, each keeping its inputs and
+running its forward again (``passes.solve.stages``). Micro-batch counts are those whose
+micro-batches divide over every axis that splits the batch (``passes.microbatch``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 import costmodels
-from passes.costing import Costs, state_breakdown
+from passes.costing import Costs, build_costs, state_breakdown
+from passes.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from passes.placements import local_shape
 from passes.solve.pipeline_search import LayerCosts, search_pipeline
 from passes.strategy import TensorMeta
@@ -54,7 +57,14 @@ class LayerNumbers:
     activation: np.ndarray  # bytes, whole batch
     boundary: np.ndarray  # bytes leaving each layer, whole batch
     layer_of_node: dict  # graph node -> layer number
-    forward: np.ndarray  # the forward compute alone (what recomputing a layer runs again)
+    forward: np.ndarray  # the forward compute of the repeated layer's own nodes (what recomputing it runs again)
+    recomputable: np.ndarray  # bytes, whole batch: the part of ``activation`` a repeated layer's own nodes keep
+    inputs: np.ndarray  # bytes, whole batch: what a recomputed repeated layer keeps (its inputs)
+
+    @property
+    def recompute_saving(self) -> np.ndarray:
+        """Bytes (whole batch) a layer keeps less when recomputed: its own activations less its inputs."""
+        return np.maximum(self.recomputable - self.inputs, 0.0)
 
 
 def node_layers(costs: Costs) -> tuple[dict, int]:
@@ -83,6 +93,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     act, compute, param, optimizer = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     forward = [0.0] * count
     static, activation, boundary = [0.0] * count, [0.0] * count, [0.0] * count
+    recomputable, inputs = [0.0] * count, [0.0] * count
+    repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     choice, zero = costs.choice(assignment)
     leads = {zi: ph for ph, zi in costs.zero_node.items()}
@@ -106,12 +118,16 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             continue
         act[layer] += float(node_time[v][s])
         compute[layer] += float(costs_compute[v][s])
-        forward[layer] += float(costs.forward[v][s])
         held = float(state_memory[v][s])
         static[layer] += held
         kinds[layer][0] += held
         activation[layer] += float(activation_memory[v][s])
+        if node in repeated and node.op != "placeholder":  # what recomputing the repeated layer reruns
+            forward[layer] += float(costs.forward[v][s])
+            recomputable[layer] += float(activation_memory[v][s])
     params = graph.captured.params
+    kept_by: dict = {}  # a tensor read by recomputed layers is kept once, by its first reader's layer
+    user_inputs = set(graph.captured.user_inputs)
     for (src, dst, _), (u, v, table) in zip(costs.edge_inputs, costs.problem.edges):
         t = float(table[assignment[u], assignment[v]])
         if src.name in params:
@@ -125,33 +141,62 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                 nbytes = math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize
                 for layer in range(where[src], where[dst]):
                     boundary[layer] = max(boundary[layer], nbytes)
+        entering = repeated.get(dst)
+        state = src.op == "placeholder" and src.name not in user_inputs  # weights, buffers, constants
+        if entering is not None and repeated.get(src) != entering and not state and src not in kept_by:
+            kept_by[src] = entering
+            inputs[entering] += _output_bytes(graph, src, choice, mesh)
     array = np.array
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
-                        array(activation), array(boundary, dtype=np.float64), where, array(forward))
+                        array(activation), array(boundary, dtype=np.float64), where, array(forward),
+                        array(recomputable), array(inputs))
+
+
+def _output_bytes(graph, node, choice, mesh) -> float:
+    """Bytes of ``node``'s (tensor) output on one device under its chosen placement."""
+    val = node.meta.get("val")
+    if not hasattr(val, "shape"):
+        return 0.0
+    ns = graph.nodes.get(node)
+    if ns is None:
+        return 0.0
+    producer, index = ns.follows if ns.follows is not None else (node, 0)
+    spec = graph.nodes[producer].strategies[choice[producer]].outputs[index]
+    return float(math.prod(local_shape(tuple(val.shape), spec, mesh)) * val.dtype.itemsize)
 
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
            memory_limit: float, schedules=("gpipe", "1f1b", "interleaved_1f1b")):
-    """Best pipeline option (with or without recomputation) for ``stages`` ranks on axis 0."""
+    """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
+
+    A stage that does not fit recomputes the fewest of its layers that make it fit
+    (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
+    and runs its forward again, and backward rebuilds one layer of one micro-batch at a time."""
     count = len(num.act_time)
     send = lambda nbytes: costmodels.collective_time("send_recv", nbytes, 0, pp_profile, in_step=True)  # noqa: E731
-    results = []
-    for recompute in (False, True):
-        def layer_costs(p: int, m: int, recompute=recompute) -> LayerCosts:
-            extra = num.forward if recompute else 0.0  # one more forward
-            activation = num.boundary if recompute else num.activation
-            return LayerCosts(
-                time=(num.act_time + extra) / m, static_memory=num.static, activation_memory=activation / m,
-                boundary_time=[send(b / m) for b in num.boundary[:-1]] if count > 1 else None,
-                step_overhead=float(num.param_time.sum()) / p,
-            )
-        found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
-                                schedules=schedules, chunks_per_rank=(2,), memory_limit=memory_limit)
-        if found.best is not None:
-            results.append((found.best, recompute, found))
-    if not results:
-        return None
-    return min(results, key=lambda r: r[0].step_time)
+    saving = num.recompute_saving
+
+    def layer_costs(p: int, m: int) -> LayerCosts:
+        return LayerCosts(
+            time=num.act_time / m, static_memory=num.static, activation_memory=num.activation / m,
+            boundary_time=[send(b / m) for b in num.boundary[:-1]] if count > 1 else None,
+            step_overhead=float(num.param_time.sum()) / p,
+            recompute_saving=saving / m, recompute_time=num.forward / m,
+        )
+
+    found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
+                            schedules=schedules, chunks_per_rank=(2,), memory_limit=memory_limit)
+    return None if found.best is None else (found.best, found)
+
+
+def recomputed_layers(num: LayerNumbers, cut) -> list[int]:
+    """The layers each stage recomputes: its ``cut.recomputed[s]`` with the largest saving."""
+    saving = num.recompute_saving
+    out = []
+    for s, k in enumerate(cut.recomputed):
+        ranked = sorted(cut.layers(s), key=lambda layer: (-saving[layer], layer))
+        out += ranked[:k]
+    return sorted(out)
 
 
 def pipeline_profile(hardware: costmodels.HardwareProfile | str, p: int,
@@ -203,55 +248,42 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: costmodels
     except PlanningError as exc:
         return None, f"intra-op part does not fit ({str(exc)[:80]}...)"
     costs = solved.costs
+    if costs.recompute:  # what a stage recomputes is the stage search's to decide, from what it holds
+        costs = build_costs(graph, intra_profile, memory_limit=memory_limit * p, pricer=costs.pricer)
     candidates = [("auto", solved.result.assignment)]
     hints = solved.hints
     candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
                    for h in hints]
     found = {}
     layers = node_layers(costs)
+    batch = batch_size(graph)
+    dims = batch_dims(graph, batch) if batch else {}
     for label, assignment in candidates:
         num = layer_numbers(costs, assignment, layers)
         if len(num.act_time) < p:
             return None, f"{len(num.act_time)} layers for {p} stages"
-        r = search(num, full, p, _microbatches(costs, assignment), memory_limit=memory_limit)
+        split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1
+        counts = valid_counts(batch, split) if batch else [1]
+        r = search(num, full, p, counts, memory_limit=memory_limit) if counts else None
         if r is not None:
-            found[label] = (r, num, assignment)
+            found[label] = (r, num, assignment, (batch or 0, split))
     if not found:
-        return None, "no stage cut fits in memory"
-    label, (r, num, assignment) = min(found.items(), key=lambda kv: kv[1][0][0].step_time)
-    out = _to_plan(costs, assignment, num, r, p, intra, names)
+        return None, "no stage cut fits in memory with micro-batches that divide over the batch split"
+    label, (r, num, assignment, batching) = min(found.items(), key=lambda kv: kv[1][0][0].step_time)
+    out = _to_plan(costs, assignment, num, r, p, intra, names, batching)
     out.candidates = {k: v[0][0].step_time for k, v in found.items() if k != "auto"}
     out.solver = dict(plan.solver)
-    out.reasons = [r for r in plan.reasons if r.startswith("layer ")] + out.reasons
+    out.reasons = [r for r in plan.reasons if r.startswith(("axes: ", "layer "))] + out.reasons
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
     return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
 
 
-def _microbatches(costs: Costs, assignment) -> list[int]:
-    """Micro-batch counts that split the batch evenly after its data-parallel split."""
-    graph = costs.graph
-    choice, _ = costs.choice(assignment)
-    batch, shards = None, 1
-    for name in graph.captured.user_inputs:
-        node = next(n for n in graph.nodes if n.name == name)
-        val = node.meta["val"]
-        if val.ndim:
-            batch = int(val.shape[0])
-            spec = graph.nodes[node].strategies[choice[node]].output
-            shards = math.prod(graph.mesh_shape[a] for a, q in enumerate(spec) if getattr(q, "dim", None) == 0)
-            break
-    if batch is None:
-        return [1]
-    return [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if batch % (m * shards) == 0] or [1]
-
-
-def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names):
+def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names, batching: tuple[int, int]):
     from passes.plan import Pipeline, Plan, Prediction
     from passes.planner import node_breakdown, param_layers, storage_specs, zero_levels
-    from passes.solve.stages import in_flight_microbatches
 
-    option, recompute, _ = found
+    option, _ = found
     graph = costs.graph
     choice, _ = costs.choice(assignment)
     stage_of_layer = {}
@@ -263,12 +295,11 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     bubble = (p - 1) * slowest
     overhead = float(num.param_time.sum()) / p
     rank = int(np.argmax(option.rank_memory))
-    in_flight = in_flight_microbatches(option.schedule, p, m, v)
     layers = [l for s in range(rank, p * v, p) for l in option.cut.layers(s)]
-    per_stage = [(s, list(option.cut.layers(s))) for s in range(rank, p * v, p)]
     kinds = num.kinds[layers].sum(axis=0)
-    act = num.boundary if recompute else num.activation
-    activations = sum(in_flight[s] * float(act[ls].sum()) / m for s, ls in per_stage)
+    # the stage search's own numbers: micro-batches in flight, recomputed layers' inputs and rebuild
+    activations = option.rank_memory[rank] - float(num.static[layers].sum())
+    recomputed = recomputed_layers(num, option.cut)
     busy = option.step_time - bubble - overhead
     frac = float(num.compute.sum() / max(num.act_time.sum(), 1e-300))
     optimizer = float(num.optimizer.sum()) / p
@@ -278,7 +309,6 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
         memory={"parameters": float(kinds[0]), "gradients": float(kinds[1]), "optimizer": float(kinds[2]),
                 "activations": activations},
     )
-    layer_names = sorted({str(k) for k in range(len(num.act_time))}, key=int)
     plan = Plan(
         model=graph.captured.model_name, mesh_shape=(p,) + tuple(intra), axis_names=names,
         strategies={n.name: str(ns.strategies[choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
@@ -286,8 +316,8 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
         zero=zero_levels(costs, assignment),
         pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=SCHEDULE_NAMES[option.schedule],
                           stage_of={n.name: stage_of_layer[num.layer_of_node[n]] for n in graph.nodes},
-                          chunks_per_rank=v),
-        recompute=[f"layer {k}" for k in layer_names] if recompute or costs.recompute else [],
+                          chunks_per_rank=v, batch_size=batching[0], batch_split=batching[1]),
+        recompute=[f"layer {k}" for k in recomputed],
         predicted=predicted, kind="auto",
     )
     plan.breakdown = node_breakdown(costs, assignment)
@@ -295,5 +325,6 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     plan.reasons.append(
         f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {SCHEDULE_NAMES[option.schedule]}"
         f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {duration(bubble)} of {duration(option.step_time)}"
-        + ("; every layer recomputed in backward to fit memory" if recompute else ""))
+        + (f"; {len(recomputed)} of {len(num.act_time)} layers recomputed in backward (per stage the fewest "
+           "that fit its micro-batches in flight)" if recomputed else ""))
     return plan

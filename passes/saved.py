@@ -11,7 +11,7 @@ view keeps what it views.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import fx
@@ -77,10 +77,11 @@ def _same(saved: torch.Tensor, value: torch.Tensor) -> bool:
     return saved is value or saved is base or saved._base is base
 
 
-def kept_for_backward(graph_nodes, on_grad_path: set[fx.Node]) -> set[fx.Node]:
-    """The nodes (of ``graph_nodes``, in graph order) whose output some backward keeps."""
+def kept_for_backward(graph_nodes, on_grad_path: set[fx.Node], held: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """The nodes (of ``graph_nodes``, in graph order) whose output some backward keeps;
+    ``held``: nodes kept for another reason (a checkpointed layer's inputs)."""
     cache: dict = {}
-    kept: set[fx.Node] = set()
+    kept: set[fx.Node] = set(held)
     nodes = [n for n in graph_nodes if n.op == "call_function"]
     for node in nodes:
         if node not in on_grad_path and not any(u in on_grad_path for u in node.users):

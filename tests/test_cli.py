@@ -26,13 +26,15 @@ def is_png(path) -> bool:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Two saved plans of gpt-small on 2x2 (the search's, and the dp layout), and the plan output."""
+    """Saved plans of gpt-small on 2x2 (the search's, the dp and the tp layouts), and the plan output."""
     out = tmp_path_factory.mktemp("plans")
     printed = StringIO()
     with redirect_stdout(printed):
         assert main(["plan", "gpt-small", "--mesh", "2x2", "--no-pipeline", "--time-limit", "2",
                      "--out", str(out / "auto"), "--no-progress"]) == 0
         assert main(["plan", "gpt-small", "--mesh", "2x2", "--layout", "dp", "--out", str(out / "dp"),
+                     "--no-progress"]) == 0
+        assert main(["plan", "gpt-small", "--mesh", "2x2", "--layout", "tp", "--out", str(out / "tp"),
                      "--no-progress"]) == 0
     return out, printed.getvalue()
 
@@ -56,7 +58,7 @@ def test_explain_and_diff_saved_plans(saved, tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("plan auto for GPT on mesh (2, 2)") and "why:" in text
     assert is_png(tmp_path / "memory.png") and is_png(tmp_path / "weights.png")
-    assert main(["diff", auto, dp]) == 0
+    assert main(["diff", dp, str(out / "tp" / "plan.json")]) == 0  # (auto may well be dp on a model this small)
     text = capsys.readouterr().out
     assert "predicted step" in text and "plans are identical" not in text
     assert main(["diff", auto, auto]) == 0

@@ -194,6 +194,35 @@ def test_recomputed_layers_pay_their_forward_again(gpt_costs):
     assert np.array_equal(again.forward[v], costs.forward[v])
 
 
+def _activations(costs, assignment, nodes):
+    return sum(float(costs.activation_memory[costs.index[n]][assignment[costs.index[n]]]) for n in nodes)
+
+
+def test_recomputed_layers_keep_their_inputs_and_one_layers_activations(gpt_costs):
+    """Checkpointed layers hold what enters them (whether or not an op's backward would) and,
+    while backward rebuilds them one at a time, one layer's activations: every layer
+    recomputed keeps one layer's inside activations in all, not none."""
+    from passes.costing import checkpoint_inputs
+
+    costs = gpt_costs
+    again = build_costs(costs.graph, costs.profile, memory_limit=80e9, recompute=True)
+    whole = costs.assignment({n: _whole(ns.strategies) for n, ns in costs.graph.nodes.items()})
+    layers = sorted(set(costs.layer_of.values()))
+    assert len(layers) >= 2
+    inside = {k: [n for n, layer in costs.layer_of.items() if layer == k and n.op != "placeholder"
+                  and all(costs.layer_of.get(u) == k for u in n.users)] for k in layers}
+    per_layer = [_activations(costs, whole, inside[k]) for k in layers]
+    assert min(per_layer) > 0
+    assert _activations(again, whole, [n for k in layers for n in inside[k]]) == pytest.approx(
+        sum(per_layer) / len(layers))
+    held = checkpoint_inputs(list(costs.graph.nodes), costs.layer_of, set(layers))
+    assert held and all(again.activation_memory[costs.index[n]][whole[costs.index[n]]] > 0
+                        for n in held if n in costs.index and costs.graph.nodes[n].follows is None)
+    # fewer layers recomputed: those keep one layer's worth between them, the others all of theirs
+    first = build_costs(costs.graph, costs.profile, memory_limit=80e9, recompute=[layers[0]])
+    assert _activations(first, whole, inside[layers[0]]) == pytest.approx(per_layer[0])
+
+
 def test_activation_moves_are_priced_after_compute_and_parameter_moves_back_to_back(gpt_costs):
     """With in-step fits 10x slower than back to back, every edge carrying an activation
     costs more (or nothing, where nothing moves) and every parameter's edge (bucketed

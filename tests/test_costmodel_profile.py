@@ -64,12 +64,12 @@ def test_measured_points_round_trip_and_are_checked():
         Rate(latency_s=0.0, rate=1.0, points=[[1.0, -1.0]])
 
 
-def test_gpu_presets_price_every_pointwise_kind_at_memory_bandwidth():
-    dev = h100((8,)).device
-    assert set(dev.pointwise) == set(POINTWISE_KINDS)
-    assert {r.rate for kind in dev.pointwise.values() for r in kind.values()} == {3350e9}
-    assert dev.attention["forward"]["bf16"].rate == 740e12
-    assert a100((8,)).device.attention["backward"]["bf16"].rate == 0.5 * 312e12
+def test_gpu_presets_price_every_pointwise_kind_at_one_achievable_bandwidth_below_peak():
+    for dev in (h100((8,)).device, a100((8,)).device):
+        assert set(dev.pointwise) == set(POINTWISE_KINDS)
+        achieved = {r.rate for kind in dev.pointwise.values() for r in kind.values()}
+        assert len(achieved) == 1
+        assert 0.8 * dev.peak_memory_bandwidth <= achieved.pop() < dev.peak_memory_bandwidth
 
 
 @pytest.mark.parametrize(
@@ -92,14 +92,16 @@ def test_inner_axes_ride_nvlink_while_they_fit_in_a_node(shape, links):
 def test_preset_numbers_and_sources():
     p = h100((8,))
     ar = p.fit("all_reduce", 0)
-    assert ar.beta_bytes_per_s == 460e9
+    assert 360e9 <= ar.beta_bytes_per_s <= 480e9  # nccl-tests: ring ~370, NVLS up to ~480
     assert ar.alpha_s == pytest.approx(8.4e-6 + 2 * 7 * 3.4e-6)  # NCCL ring/simple model
     assert p.fit("all_gather", 0).alpha_s == pytest.approx(8.4e-6 + 7 * 3.4e-6)
     assert "NCCL" in ar.source and "nccl-tests" in ar.source
     assert p.device.peak_matmul_flops["bf16"] == 989.5e12
-    assert p.device.matmul["bf16"].rate == 794.5e12
-    assert h100((2, 8)).fit("all_reduce", 0).beta_bytes_per_s == 50e9
-    assert a100((8,)).fit("all_reduce", 0).beta_bytes_per_s == 235e9
+    assert p.device.matmul["bf16"].rate == 794.5e12  # MAMF, ml-engineering
+    # one 400 Gb/s NDR NIC per group: nccl-tests 46-48 GB/s
+    assert 46e9 <= h100((2, 8)).fit("all_reduce", 0).beta_bytes_per_s <= 48e9
+    assert 230e9 <= a100((8,)).fit("all_reduce", 0).beta_bytes_per_s <= 250e9
+    assert 20e9 <= a100((2, 8)).fit("all_reduce", 0).beta_bytes_per_s <= 25e9  # 200 Gb/s HDR
 
 
 def test_h100_is_faster_than_a100():

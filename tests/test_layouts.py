@@ -78,3 +78,44 @@ def test_layout_plan_is_costed_and_replays(gpt_graph, tmp_path):
     assert zero2.predicted.memory["optimizer"] < dp.predicted.memory["optimizer"]
     assert "param blocks.0.attn.q.weight: RS(0) -> RR" in p.diff(dp)
     assert p.diff(p) == "plans are identical"
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    from tests.models import gpt2
+
+    model, inputs = gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, inputs, build_strategy_graph(capture(model, inputs), (2, 2))
+
+
+def test_megatron_splits_gpt2_conv1d_weights(gpt2_graph):
+    """HF GPT-2's Conv1D runs as addmm(bias, x, weight) with the weight stored [in, out]:
+    Megatron splits c_attn / c_fc by output features (weight dim 1, bias dim 0) and
+    attn.c_proj / mlp.c_proj by input features (weight dim 0, bias whole)."""
+    _, _, graph = gpt2_graph
+    dims = {graph.captured.params[n.name]: d for n, d in layouts.megatron_dims(graph).items()}
+    for layer in (0, 1):
+        h = f"transformer.h.{layer}"
+        for name in ("attn.c_attn", "mlp.c_fc"):
+            assert dims[f"{h}.{name}.weight"] == 1 and dims[f"{h}.{name}.bias"] == 0, name
+        for name in ("attn.c_proj", "mlp.c_proj"):
+            assert dims[f"{h}.{name}.weight"] == 0 and f"{h}.{name}.bias" not in dims, name
+    tp_dp = _param_specs(graph, layouts.hint("tp+dp", graph))
+    assert tp_dp["transformer.h.0.mlp.c_fc.weight"] == "RS(1)" and tp_dp["transformer.h.0.mlp.c_proj.weight"] == "RS(0)"
+
+
+def test_tp_zero1_is_megatrons_distributed_optimizer(gpt2_graph):
+    """``tp+zero1``: Megatron on the tp axis, parameters whole over dp, the optimizer state
+    (ZeRO-1) split over dp: each rank steps 1/(dp size) of its Megatron shard."""
+    model, inputs, graph = gpt2_graph
+    h = layouts.hint("tp+zero1", graph)
+    assert _param_specs(graph, h) == _param_specs(graph, layouts.hint("tp+dp", graph))
+    assert set(h.zero.values()) == {1}
+    p = layouts.build("tp+zero1", model, (2, 2), inputs, time_limit_s=2)
+    dp = layouts.build("tp+dp", model, (2, 2), inputs, time_limit_s=2)
+    assert set(p.zero.values()) == {1}
+    stored = p.params["transformer.h.0.mlp.c_fc.weight"]
+    assert stored.startswith("S(") and stored.endswith("S(1)"), stored  # dp slice of the tp shard
+    assert p.predicted.memory["optimizer"] == pytest.approx(dp.predicted.memory["optimizer"] / 2, rel=0.05)

@@ -168,7 +168,8 @@ def test_explain_says_what_and_why(gpt_plan):
     text = p.explain()
     assert "predicted step" in text and "predicted memory per device" in text
     assert "layers 0-1" in text or "layer 0" in text  # the per-layer table
-    assert "axes: axis0" in text
+    intra = p.axis_names[1:] if p.pipeline is not None else p.axis_names  # the roles of the intra-op axes
+    assert f"axes: {intra[0]} (" in text
     assert "best manual layout" in text and "auto / best = " in text
     loaded = Plan.from_json(p.to_json())
     assert loaded.explain() == text  # a saved plan explains itself
@@ -230,6 +231,32 @@ def test_only_as_many_layers_recomputed_as_memory_demands():
     assert f"{counts[0]} of {cfg.n_layers} repeated layers are recomputed" in squeezed[0].explain()
 
 
+def test_a_manual_layout_recomputes_the_fewest_layers_that_fit():
+    """``layout="fsdp"`` given half of its activations' memory recomputes some layers, as an
+    auto plan would, instead of reporting that it does not fit; the auto plan lists it as a
+    candidate costed so, and is no slower."""
+    cfg = GPTConfig(vocab_size=1024, max_seq_len=1024, dim=512, n_heads=8, n_layers=8)
+    from autopar.models import GPT
+
+    model = meta(lambda: GPT(cfg))
+    x = torch.zeros(64, 1024, dtype=torch.long, device="meta")
+    kwargs = dict(hardware=slow_axis(8), time_limit_s=LIMIT, pipeline=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = plan(model, (8,), (x,), layout="fsdp", **kwargs)
+        m = free.predicted.memory
+        limit = m["parameters"] + m["gradients"] + m["optimizer"] + 0.5 * m["activations"]
+        tight = plan(model, (8,), (x,), layout="fsdp", memory_limit=limit, **kwargs)
+        auto = plan(model, (8,), (x,), memory_limit=limit, **kwargs)
+    assert free.recompute == []
+    assert 0 < len(tight.recompute) < cfg.n_layers, tight.recompute
+    assert sum(tight.predicted.memory.values()) <= limit * (1 + 1e-9)
+    assert tight.params == free.params and tight.predicted.step_time > free.predicted.step_time
+    assert "recomputed in backward" in tight.explain()
+    assert auto.candidates["fsdp"] == pytest.approx(tight.predicted.step_time)
+    assert auto.predicted.step_time <= min(auto.candidates.values()) * (1 + 1e-9)
+
+
 def test_zero3_when_parameters_do_not_fit_otherwise():
     """Data parallel on a slow axis, given only the memory of FSDP (+5%): replicated or
     ZeRO-1/2 weights do not fit, Megatron's replicated activations do not either, so every
@@ -253,7 +280,8 @@ def test_one_device_that_cannot_hold_the_model_is_an_error():
     """On one device ZeRO has nothing to shard over: it must not look like a way to fit."""
     model = meta(lambda: WideMLP(dim=1024, hidden=4096, n_layers=2))
     x = torch.zeros(8, 128, 1024, device="meta")
-    with pytest.raises(PlanningError, match=r"^autopar: no plan fits in 0.1 GB per device.*about 3\+ devices"):
+    # 0.27 GB of state and, both layers recomputed, their inputs and one layer's activations: 0.32 GB
+    with pytest.raises(PlanningError, match=r"^autopar: no plan fits in 0.1 GB per device.*about 4\+ devices"):
         plan(model, (1,), (x,), time_limit_s=LIMIT, memory_limit=1e8, pipeline=False)
 
 
@@ -274,3 +302,29 @@ def test_an_op_without_a_rule_is_named_once():
     named = [w for w in seen if "aten.logcumsumexp" in str(w.message)]
     assert len(named) == 1 and str(named[0].message).startswith("autopar: no sharding rule")
     assert p.strategies  # and it still plans, the op replicated
+
+
+def _without_timings(p: Plan) -> dict:
+    import json
+
+    out = json.loads(p.to_json())
+    for key in ("seconds", "planning_seconds", "capture_seconds"):
+        out["solver"].pop(key, None)
+    return out
+
+
+def test_the_same_call_gives_the_same_plan():
+    """Planning is deterministic (a seeded, interleaved CP-SAT search with a deterministic
+    budget, fixed shares of the time limit): planned twice, a GPT on a 2 x 4 mesh — an
+    intra-op ILP (residual skips make it no chain) and a pipeline search — gives one plan."""
+    cfg = GPTConfig(vocab_size=1024, max_seq_len=512, dim=256, n_heads=8, n_layers=4)
+    from autopar.models import GPT
+
+    model = meta(lambda: GPT(cfg))
+    x = torch.zeros(32, 512, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first, second = (plan(model, (2, 4), (x,), hardware="h100", time_limit_s=60) for _ in range(2))
+    assert "clock_cut" not in first.solver and "clock_cut" not in second.solver, (first.solver, second.solver)
+    assert any(n.startswith("pp2x4: ") and "not tried" not in n for n in first.notes), first.notes
+    assert _without_timings(first) == _without_timings(second)

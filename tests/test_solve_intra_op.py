@@ -286,3 +286,22 @@ def test_plan_costs_add_up_and_summary_reads():
     assert costs.total_time == pytest.approx(result.objective)
     assert costs.node_memory.sum() == pytest.approx(result.memory)
     assert result.summary().startswith(f"{result.status} by {result.method}")
+
+
+def _dag(rng, n: int = 60, k: int = 6) -> SolveProblem:
+    """A chain with skip edges (no chain: the ILP runs) and a memory limit that binds."""
+    times = [rng.uniform(0, 1, size=k) for _ in range(n)]
+    memories = [rng.uniform(0, 1, size=k) for _ in range(n)]
+    pairs = [(v, v + 1) for v in range(n - 1)] + [(v - 3, v) for v in range(3, n, 3)]
+    edges = [(u, v, rng.uniform(0, 1, size=(k, k))) for u, v in pairs]
+    limit = sum(float(m.min()) for m in memories) + 0.3 * sum(float(np.ptp(m)) for m in memories)
+    return SolveProblem(times, memories, edges, memory_limit=limit)
+
+
+def test_the_ilp_search_is_deterministic_and_the_clock_only_a_reported_safety_net():
+    problem = _dag(np.random.default_rng(7))
+    first, second = (solve(problem, SolveOptions(time_limit_s=20)) for _ in range(2))
+    assert first.method == "ilp" and first.status == "optimal", first.summary()  # the ILP beat the warm start
+    assert not first.clock_cut and first.assignment == second.assignment and first.objective == second.objective
+    hurried = solve(problem, SolveOptions(time_limit_s=1e-4))  # the wall clock stops it before its budget
+    assert hurried.clock_cut and any("wall clock" in n for n in hurried.notes), hurried.notes

@@ -8,7 +8,17 @@ stored split, gathered once per step or at each use; ``zero3``: DP's ops with pa
 per-node strategies (every kind of resharding, gradients included). ``freed:``: ZeRO-3 keeps for backward what DP keeps, not its
 gathered weights (they are freed after use and gathered again in backward). ``recompute:``: a layout with layer 0
 recomputed in backward (activation checkpointing, as plans that must recompute to fit say) trains the same.
+``clip[-<norm type>][-loop]:``: ``train_step(max_norm=)`` (``loop``: ``pm.clip_grad_norm_`` in a hand-written loop)
+clips by the norm of all gradients, each element counted once whatever the layout, as ``torch.nn.utils.clip_grad_norm_``
+does on one process (the norms equal too, on every rank).
+``accum:``: a batch run as 2 micro-batches, by ``train_step(accumulate=2)`` and by DDP's loop (``no_sync()``, ``step()``,
+``zero_grad()``), trains like one process on the whole batch. ``eval:``: after ``pm.eval()`` the outputs of a model with
+dropout equal ``model.eval()``'s, at the compiled batch and at half of it; a batch of 3 is an ``autopar:`` error.
 Data parallel over two mesh axes (``2x2x2:gpt:tp+dp``, ``2x2:llama:dp``) sums gradients in one group over both.
+Per-rank data (``local:``): each rank loads its rows with a DistributedSampler given ``pm.data_parallel`` and passes
+inputs and targets with ``local=True`` from the first step (tp+sp: the sequence split is cut from those rows;
+auto: the planner's plan, a pipeline included). ``hf-loss:``: GPT-2 compiled with ``example_kwargs`` and
+``loss_fn=None`` trains its own ``.loss`` (``labels=``), whole batches then per-rank rows.
 Pipelines (``pp:``, and the planner's own ``pp-planned:``): GPipe, 1F1B and interleaved 1F1B from torch.distributed.pipelining,
 alone, with data parallel stages, and 3D (``pp:2x2x2:...:tp+dp``: stages of Megatron TP inside data parallelism). Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
 the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
@@ -28,11 +38,14 @@ import pytest
 
 LAUNCHES = {
     2: ["freed:2:gpt", "recompute:2:gpt:fsdp", "2:gpt:auto", "2:gpt:tp", "2:mlp:tp", "pp:2:gpt:GPipe:2:1", "pp:2:mlp:Interleaved1F1B:2:2", "resume:2:dp:2:fsdp", "2:mlp:zero1", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp-planned:2x2:gpt:recompute", "pp-planned:2x2:gpt:measured", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "errors", "moves", "resume:4:fsdp:2x2:random2", "resume:4:zero1:2x2:zero1", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp", "2x2:gpt:zero3", "freed:4:gpt", "recompute:2x2:gpt:tp+dp"],
+    4: ["local:4:gpt:fsdp", "local:2x2:gpt:tp+dp", "local:2x2:gpt:tp+sp", "local:2x2:mlp:auto", "local:2x2:gpt:pp", "hf-loss:4:dp", "clip:2x2:mlp:dp", "clip-inf:2x2:mlp:zero3", "clip-loop:2x2:mlp:zero1", "clip:2x2:gpt:tp+dp", "clip-3:2x2:mlp:tp+sp", "clip:pp:2x2:mlp:1F1B:2:1", "clip:2x2:mlp:auto", "2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp-planned:2x2:gpt:recompute", "pp-planned:2x2:gpt:measured", "compile-pp:2x2:mlp", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "errors", "moves", "resume:4:fsdp:2x2:random2", "resume:4:zero1:2x2:zero1", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp", "2x2:gpt:zero3", "freed:4:gpt", "recompute:2x2:gpt:tp+dp", "accum:2x2:gpt:dp", "accum:2x2:gpt:fsdp", "accum:2x2:gpt:tp+dp", "accum:2x2:gpt:auto", "accum:2x2:gpt:pp:GPipe:2:1", "eval:2x2:dp", "eval:2x2:fsdp", "eval:2x2:tp+dp", "eval:2x2:auto", "eval:2x2:pp:1F1B:2:1", "2x2:gpt2:tp+dp", "2x2:gpt2:tp+zero1"],
     8: ["pp:2x2x2:gpt:1F1B:2:1", "pp:2x2x2:gpt:1F1B:2:1:tp+dp", "2x2x2:gpt:random1", "2x2x2:mlp:dp", "2x2x2:gpt:tp+dp"],
 }
 
 TOLERANCE = {"llama": (1e-5, 2e-3)}  # (loss, parameters); float64 models: 1e-9 both
+# Hugging Face's own loss (labels=) computes cross-entropy on logits.float(): float32 values
+# (the gradients flow back in float64)
+TOLERANCE["hf-loss"] = (1e-5, 1e-9)
 
 
 def launch(nproc: int, cases: list[str]) -> dict[str, dict]:
@@ -50,6 +63,21 @@ def launch(nproc: int, cases: list[str]) -> dict[str, dict]:
             results[r["case"]] = r
     assert done.returncode == 0 and len(results) == len(cases), done.stdout[-3000:] + done.stderr[-3000:]
     return results
+
+
+# per-rank data: how many distinct batch shards each case's plan makes (None: the planner's choice)
+DATA_REPLICAS = {"dp": 4, "fsdp": 4, "tp+dp": 2, "tp+sp": 2, "pp": 2}
+
+
+def check_data_ranks(case: str, data_ranks: list, nproc: int) -> None:
+    """``pm.data_parallel`` on every rank: ``num_replicas`` shards, each held by the same
+    number of ranks, and the count the layout implies."""
+    replicas = {n for n, _ in data_ranks}
+    assert len(replicas) == 1, f"{case}: ranks disagree on num_replicas: {data_ranks}"
+    n = replicas.pop()
+    assert sorted(r for _, r in data_ranks) == sorted(list(range(n)) * (nproc // n)), f"{case}: {data_ranks}"
+    expected = DATA_REPLICAS.get(case.split(":")[-1])
+    assert expected is None or n == expected, f"{case}: expected {expected} batch shards, found {n}"
 
 
 @pytest.mark.parametrize("nproc", sorted(LAUNCHES))
@@ -71,18 +99,51 @@ def test_compiled_training_matches_single_process(nproc):
             assert r["buckets"] >= 3, "one gather per layer and per stretch between layers"
         if case.endswith(":recompute"):  # each rank's stages run their own layers under checkpointing
             assert r["recompute"] and r["recomputed_here"], r
+        if case.startswith("compile-pp:"):  # compile's own planning picked a pipeline over the outer axis
+            assert r["pipeline"] and r["pipeline"][0] == 2, r
         if case.endswith(":measured"):  # planned from a profile: its intra-op axis keeps the profile's name
             assert r["axis_names"] == ["pp", "gpus0"], r
         if case.startswith("resume:"):  # save, then load into another layout (and mesh)
             assert r["loss_err"] <= 1e-9, f"{case}: resumed losses {r['resumed']} vs {r['uninterrupted']}"
             continue
-        loss_tol, param_tol = TOLERANCE.get(case.split(":")[1], (1e-9, 1e-9))
+        if case.startswith("eval:"):  # pm.eval(): the program captured in eval mode, at any batch its splits divide
+            assert r["eval_err"] <= 1e-9 and r["half_err"] <= 1e-9, f"{case}: eval outputs differ: {r}"
+            assert r["train_mode_diff"] > 1e-3, f"{case}: after pm.train() dropout must be on again: {r}"
+            assert not r["grad_kept"], f"{case}: eval outputs must keep nothing for backward"
+            assert r["indivisible"].startswith("autopar:"), f"{case}: a batch of 3: {r['indivisible']}"
+            continue
+        if case.startswith("accum:"):  # accumulated steps: as one process on the whole batch
+            # ZeRO-2/3: gradients leave backward reduce-scattered, nothing is summed after it to mix
+            mixed = r["mixed"] or ("autopar:" if case.endswith((":fsdp", ":zero2", ":zero3")) else "nothing checked")
+            assert mixed.startswith("autopar:"), f"{case}: no_sync() after a summed backward: {r['mixed']}"
+            assert "accumulate" in r and ("manual" in r or "pipeline" in r["mixed"]), r
+            assert r["buckets_sent_inside_no_sync"] == 0, f"{case}: gradients sent inside no_sync(): {r}"
+            if r["mixed"] and "pipeline" not in r["mixed"]:  # gradients summed after backward: sent outside it
+                assert r["buckets_sent"] > 0, r
+            assert r["loss_err"] <= 1e-9 and r["param_err"] <= 1e-9, f"{case}: {r}"
+            continue
+        if case.startswith("clip"):  # train_step(max_norm=): torch's clip_grad_norm_ on one process
+            assert min(r["reference_norms"]) > r["max_norm"], f"{case}: every step must clip: {r['reference_norms']}"
+            assert r["norm_err"] <= 1e-9, f"{case}: norms {r['norms']} vs torch's {r['reference_norms']}"
+            assert r["norm_spread"] == 0, f"{case}: the ranks' norms differ by {r['norm_spread']:.3g}"
+            if "-loop" in case.split(":")[0]:
+                assert r["inside_no_sync"].startswith("autopar:"), f"{case}: clip inside no_sync(): {r['inside_no_sync']}"
+        if case.startswith(("local:", "hf-loss:")):  # per-rank data: a valid sampler split, as the plan splits
+            check_data_ranks(case, r["data_ranks"], nproc)
+        loss_tol, param_tol = TOLERANCE.get(case.split(":")[0]) or TOLERANCE.get(case.split(":")[1], (1e-9, 1e-9))
         assert r["loss_err"] <= loss_tol, f"{case}: losses differ by {r['loss_err']:.3g}"
         assert r["param_err"] <= param_tol, f"{case}: parameters differ by {r['param_err']:.3g}"
         if "random" in case:
             assert r["reshards"] > 10, f"{case}: a random layout should need resharding"
         if case in ("2:mlp:fsdp", "2:mlp:zero1", "2:mlp:zero2", "2x2:gpt2:zero1"):  # all split: 1/N of AdamW's state
             assert r["optimizer_numel_rank0"] * nproc == r["reference_optimizer_numel"]
+        if case.startswith("2x2:gpt2:tp+"):  # Megatron splits GPT-2's Conv1D weights ([in, out]) on the tp axis
+            p = r["params"]
+            assert p["transformer.h.0.mlp.c_fc.weight"].endswith("S(1)"), p
+            assert p["transformer.h.0.mlp.c_proj.weight"].endswith("S(0)"), p
+        if case == "2x2:gpt2:tp+zero1":  # Megatron's distributed optimizer: AdamW's state split over dp too
+            # (tp+dp keeps every state twice over its 2 dp replicas; here what tp splits is held once)
+            assert r["reference_optimizer_numel"] <= r["optimizer_numel_all"] < 2 * r["reference_optimizer_numel"], r
         if case.startswith("pp:") and case.endswith(":tp+dp"):  # 3D: Megatron on the last axis inside each stage
             specs = set(r["params"].values())
             assert "RS(0)" in specs and "RS(1)" in specs, r["params"]

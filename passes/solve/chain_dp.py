@@ -18,9 +18,11 @@ completion bound ``t + G[p][j] - lambda * (B - m)`` exceeds the incumbent, where
 ``B - m`` memory. ``lambda`` and the first incumbent come from Lagrangian relaxation
 (``lagrangian_chain``): Viterbi on ``time + lambda * memory`` over grids of lambda;
 its best dual value ``min(time + lambda * memory) - lambda * B`` is a lower bound.
-When a front would grow beyond ``max_labels`` only the labels with the least
+When a front would grow beyond ``max_labels``, or the work done (labels extended times
+strategies, ``work_budget``) passes half its budget, only the labels with the least
 completion bound are kept; the answer is then not proven and the dual bound is
-reported. ``solve_chain`` runs such a thin pass (256 labels) first: its plan is a
+reported. Both limits count work, not seconds, so the same problem gives the same plan;
+a wall-clock ``deadline`` is a safety net, reported as ``clock_cut`` when it thins. ``solve_chain`` runs such a thin pass (256 labels) first: its plan is a
 cutoff that prunes most of the exact pass.
 
 Measured here (2 shared cores): a 2000 x 8 chain with a memory limit is proven
@@ -40,6 +42,10 @@ from passes.solve.shrink import ShrunkProblem
 ROUGH_LABELS = 256  # per state in the first, heuristic pass
 THIN_LABELS = 64  # per state once out of time or label budget
 LABEL_BUDGET = 50_000_000  # labels kept in all, 6 bytes each for backtracking (300 MB)
+# Label extensions (labels times strategies) granted per second of the search budget. The
+# exact pass over benchmarks/solve_scale.py's 2000 x 8 chain extends fewer than 1.5e7 (it
+# is proven optimal with a 3e7 budget), so this thins only fronts far larger than those.
+WORK_PER_SECOND = 1e8
 
 
 @dataclass
@@ -48,6 +54,7 @@ class ChainSolution:
     objective: float  # node + link times, without the shrunk problem's constants
     bound: float  # lower bound on that objective
     proven_optimal: bool
+    clock_cut: bool = False  # the wall-clock safety net thinned the fronts
 
 
 def chain_order(shrunk: ShrunkProblem) -> list[int] | None:
@@ -160,12 +167,14 @@ def lagrangian_chain(times, memories, links, budget: float, num_lambdas: int = 2
 
 
 def constrained_chain_dp(times, memories, links, budget: float, incumbent: float = np.inf, max_labels: int = 2000,
-                         multiplier: float = 0.0, deadline: float | None = None, label_budget: int = LABEL_BUDGET):
-    """Exact (time, memory) Pareto DP; returns ``(choice or None, time, proven)``.
+                         multiplier: float = 0.0, deadline: float | None = None, label_budget: int = LABEL_BUDGET,
+                         work_budget: float = np.inf):
+    """Exact (time, memory) Pareto DP; returns ``(choice or None, time, proven, clock_cut)``.
 
     Fronts are thinned (and the result no longer proven) beyond ``max_labels`` per
-    state, when the labels kept so far approach ``label_budget``, or
-    after ``deadline`` (a ``perf_counter()`` value), so the DP always finishes.
+    state, when the labels kept so far approach ``label_budget`` or the label extensions
+    done approach ``work_budget`` (deterministic limits), or, a safety net reported as
+    ``clock_cut``, after ``deadline`` (a ``perf_counter()`` value), so the DP always finishes.
 
     A label (t, m) at state (p, j) is pruned when even the Lagrangian bound of its best
     completion, ``t + G[p][j] - multiplier * (budget - m)`` with ``G`` the least
@@ -181,6 +190,7 @@ def constrained_chain_dp(times, memories, links, budget: float, incumbent: float
     proven = True
     states_from = np.cumsum([len(t) for t in times][::-1])[::-1]  # states at positions >= p
     stored = 0
+    work, clock_cut = 0.0, False
     # Labels of the states (p - 1, j): arrays of time and memory. Every position keeps
     # only its labels' parents (strategy, label index): 6 bytes a label for backtracking.
     parents: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -200,7 +210,7 @@ def constrained_chain_dp(times, memories, links, budget: float, incumbent: float
         parent_strategy = np.concatenate([np.full(len(f[0]), i, np.int64) for i, f in enumerate(previous)])
         parent_label = np.concatenate([np.arange(len(f[0])) for f in previous])
         if len(label_time) == 0:
-            return None, np.inf, proven  # every partial plan is pruned: none beats the cutoff
+            return None, np.inf, proven, clock_cut  # every partial plan is pruned: none beats the cutoff
         order = np.lexsort((label_time, label_memory))
         label_time, label_memory = label_time[order], label_memory[order]
         parent_strategy, parent_label = parent_strategy[order], parent_label[order]
@@ -214,8 +224,12 @@ def constrained_chain_dp(times, memories, links, budget: float, incumbent: float
         cap = max_labels
         if stored > label_budget // 2:  # spread what is left over the states still to come
             cap = min(cap, max(THIN_LABELS, (label_budget - stored) // int(states_from[p])))
+        if work > work_budget / 2:  # spread what is left of the work over the positions to come
+            cap = min(cap, max(THIN_LABELS, int((work_budget - work) / (int(states_from[p]) * len(times[p])))))
         if deadline is not None and perf_counter() > deadline:
+            clock_cut = clock_cut or cap > THIN_LABELS
             cap = min(cap, THIN_LABELS)
+        work += float(candidate.size)
         current, links_back = [], []
         for j in range(len(times[p])):
             memory_j = label_memory + memories[p][j]
@@ -233,18 +247,18 @@ def constrained_chain_dp(times, memories, links, budget: float, incumbent: float
         parents.append(links_back)
     ends = [(float(f[0].min()), j, int(f[0].argmin())) for j, f in enumerate(previous) if len(f[0])]
     if not ends:
-        return None, np.inf, proven
+        return None, np.inf, proven, clock_cut
     best_time, strategy, label = min(ends)
     choice = [0] * n
     for p in range(n - 1, -1, -1):
         choice[p] = strategy
         strategy_back, label_back = parents[p][strategy]
         strategy, label = int(strategy_back[label]), int(label_back[label])
-    return choice, best_time, proven
+    return choice, best_time, proven, clock_cut
 
 
 def solve_chain(shrunk: ShrunkProblem, order: list[int], incumbent: float = np.inf, max_labels: int = 2000,
-                deadline: float | None = None) -> ChainSolution:
+                deadline: float | None = None, work_budget: float = np.inf) -> ChainSolution:
     """Optimal decisions for a chain-shaped shrunk problem.
 
     ``incumbent`` (without the shrunk constants) is the time of a known plan, e.g. a
@@ -261,13 +275,13 @@ def solve_chain(shrunk: ShrunkProblem, order: list[int], incumbent: float = np.i
         return _in_node_order(order, choice, time, time, True)  # the lambda = 0 optimum fits
     # A cheap pass with thin fronts finds a near-optimal plan; its time as the cutoff
     # lets the exact pass prune far more labels.
-    rough, rough_time, _ = constrained_chain_dp(times, memories, links, budget, min(incumbent, time), ROUGH_LABELS,
-                                                multiplier)
+    rough, rough_time, _, _ = constrained_chain_dp(times, memories, links, budget, min(incumbent, time),
+                                                   ROUGH_LABELS, multiplier)
     if rough is not None and rough_time < time:
         choice, time = rough, rough_time
     cutoff = min(incumbent, time)
-    exact, exact_time, proven = constrained_chain_dp(times, memories, links, budget, cutoff, max_labels, multiplier,
-                                                     deadline)
+    exact, exact_time, proven, clock_cut = constrained_chain_dp(times, memories, links, budget, cutoff, max_labels,
+                                                                multiplier, deadline, work_budget=work_budget)
     if exact is not None and exact_time <= time:
         choice, time = exact, exact_time
     if not proven:
@@ -277,8 +291,10 @@ def solve_chain(shrunk: ShrunkProblem, order: list[int], incumbent: float = np.i
     else:
         bound = cutoff  # nothing beats the cutoff
     if choice is None:
-        return ChainSolution([], np.inf, bound, proven)
-    return _in_node_order(order, choice, time, min(bound, time), proven and time <= bound + 1e-9 * abs(bound))
+        return ChainSolution([], np.inf, bound, proven, clock_cut)
+    solution = _in_node_order(order, choice, time, min(bound, time), proven and time <= bound + 1e-9 * abs(bound))
+    solution.clock_cut = clock_cut
+    return solution
 
 
 def _time_to_go(times, links, memories, multiplier: float) -> list[np.ndarray]:

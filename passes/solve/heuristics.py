@@ -67,7 +67,7 @@ def _solve_relaxed(shrunk: ShrunkProblem, edges, node_time, max_labels: int) -> 
         return solve_chain(relaxed, order)
     times, memories, links = chain_tables(relaxed, order)
     choice, time, bound, multiplier = lagrangian_chain(times, memories, links, budget, num_lambdas=16, rounds=3)
-    thin, thin_time, _ = constrained_chain_dp(times, memories, links, budget, time, max_labels, multiplier)
+    thin, thin_time, _, _ = constrained_chain_dp(times, memories, links, budget, time, max_labels, multiplier)
     if thin is not None and thin_time < time:
         choice, time = thin, thin_time
     if choice is None:

@@ -32,10 +32,14 @@ Constraints
         limit may be rejected.
 
 Search: 2 workers plus the ``max_lp`` subsolver (FACTS.md: it proves chain optima that
-the default portfolio does not), presolve without probing (``PROBING_LEVEL``), a
-wall-clock limit that covers building the model, and the incumbent as a CP-SAT
-solution hint (``_add_hint``). ``solve_ilp`` is the one entry point; it calls each
-builder above once.
+the default portfolio does not), presolve without probing (``PROBING_LEVEL``), and the
+incumbent as a CP-SAT solution hint (``_add_hint``). The search is deterministic: the
+same problem gives the same answer, whatever the machine's load: a fixed seed,
+interleaved search (CP-SAT runs its subsolvers in fixed batches, the same result for any
+number of workers) and a budget in CP-SAT's deterministic time (``budget_s``: work
+counted, not seconds). The wall clock is only a safety net (``wall_limit_s``); when it
+cuts the search, ``IlpSolution.clock_cut`` says so. ``solve_ilp`` is the one entry point;
+it calls each builder above once.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ TIME_UNITS = 10**9  # integer units for the incumbent's shifted time
 # instead of 21.4%, transformer tied 0.17 s instead of 0.87 s (2 cores, loaded, load 4-6).
 PROBING_LEVEL = 0
 MEMORY_UNITS = 10**9  # integer units for the shifted memory budget
+SEED = 0  # CP-SAT's random seed: the same problem, the same search
 
 
 @dataclass
@@ -67,6 +72,7 @@ class IlpSolution:
     status: str  # CP-SAT status name: OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN
     time_resolution: float  # seconds per objective unit
     num_rounded_terms: int
+    clock_cut: bool = False  # the wall-clock safety net stopped the search before its budget
 
 
 @dataclass
@@ -79,13 +85,15 @@ class _Model:
 def solve_ilp(
     shrunk: ShrunkProblem,
     *,
-    time_limit_s: float,
+    budget_s: float,
+    wall_limit_s: float = math.inf,
     num_workers: int = 2,
     relative_gap_limit: float = 0.0,
     hint: list[int] | None = None,
     incumbent: float = math.inf,
 ) -> IlpSolution:
-    """Best decisions CP-SAT finds within ``time_limit_s`` (building included); ``incumbent`` excludes constants."""
+    """Best decisions CP-SAT finds within ``budget_s`` deterministic seconds, or (safety net)
+    ``wall_limit_s`` wall seconds, building included; ``incumbent`` excludes constants."""
     started = time.perf_counter()
     node_offset = [float(t[np.isfinite(t)].min()) for t in shrunk.node_time]
     edge_offset = {e: _finite_min(r) for e, r in shrunk.edges.items()}
@@ -99,7 +107,11 @@ def solve_ilp(
         _add_hint(model, hint)
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - started))
+    wall_left = max(0.01, wall_limit_s - (time.perf_counter() - started))
+    solver.parameters.max_time_in_seconds = wall_left
+    solver.parameters.max_deterministic_time = float(budget_s)
+    solver.parameters.random_seed = SEED
+    solver.parameters.interleave_search = True
     solver.parameters.num_workers = int(num_workers)
     solver.parameters.extra_subsolvers.append("max_lp")
     solver.parameters.cp_model_probing_level = PROBING_LEVEL
@@ -107,13 +119,15 @@ def solve_ilp(
     status = solver.solve(model.cp)
     name = solver.status_name(status)
     slack = 0.5 * num_terms * unit
+    cut = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and solver.wall_time >= 0.99 * wall_left \
+        and solver.deterministic_time < budget_s
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         decisions = [next(i for i, x in xs.items() if solver.boolean_value(x)) for xs in model.choice]
         bound = constant + unit * solver.best_objective_bound - slack
-        return IlpSolution(decisions, bound, name, unit, num_terms)
+        return IlpSolution(decisions, bound, name, unit, num_terms, cut)
     if status == cp_model.INFEASIBLE:
         return IlpSolution(None, math.inf, name, unit, num_terms)
-    return IlpSolution(None, -math.inf, name, unit, num_terms)
+    return IlpSolution(None, -math.inf, name, unit, num_terms, cut)
 
 
 def count_variables(shrunk: ShrunkProblem) -> int:

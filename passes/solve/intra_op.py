@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from passes.solve.chain_dp import chain_order, solve_chain
+from passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_chain
 from passes.solve.heuristics import chain_relaxation_plan
 from passes.solve.ilp import count_variables, solve_ilp
 from passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
@@ -26,9 +26,26 @@ from passes.solve.shrink import ShrunkProblem, shrink_problem
 METHODS = ("auto", "ilp", "chain_dp")
 
 
+# The wall clock is a safety net only: it stops a search at this many times its budget in
+# seconds (a loaded machine runs the deterministic budget more slowly than planned; more
+# would starve the planner's later steps, which share its time limit).
+WALL_CLOCK_FACTOR = 1.0
+# CP-SAT deterministic seconds granted per second of budget. Measured here (2 loaded cores,
+# interleaved search, 2 workers): 0.15 deterministic s in 3.8 s of wall clock and 1.3 in 21 s
+# (a WideMLP on 2 x 8, 23 decisions), so a budget in these units ends, on such a machine,
+# about when the wall clock would, and sooner on an idle one: there the plan is the same
+# from call to call.
+DETERMINISTIC_PER_SECOND = 0.1
+
+
 @dataclass(kw_only=True)
 class SolveOptions:
-    time_limit_s: float = 60.0  # wall clock; past it the chain DP thins its fronts and the ILP stops
+    # The search budget, deterministic: CP-SAT's deterministic seconds
+    # (``DETERMINISTIC_PER_SECOND`` per second), and the chain DP's work
+    # (``chain_dp.WORK_PER_SECOND`` per second). The same problem and budget give the
+    # same plan; a wall clock of ``WALL_CLOCK_FACTOR`` times it stops a search that overruns
+    # (then ``SolveResult.notes`` and ``clock_cut`` say so).
+    time_limit_s: float = 60.0
     num_workers: int = 2
     relative_gap_limit: float = 1e-4  # CP-SAT stops once proven this close
     method: str = "auto"  # "auto": chain DP on chains, else ILP
@@ -71,7 +88,7 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     fitting = [c for c in candidates if fits_memory(c.memory, problem.memory_limit)]
     best = min(fitting, key=lambda c: c.time, default=None)
 
-    def finish(status, plan, bound, method, resolution=0.0, notes=()) -> SolveResult:
+    def finish(status, plan, bound, method, resolution=0.0, notes=(), clock_cut=False) -> SolveResult:
         objective = plan.time if plan else math.inf
         gap = _gap(objective, bound)
         return SolveResult(
@@ -79,7 +96,7 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
             memory=plan.memory if plan else math.nan, bound=bound, gap=gap, method=method,
             solve_seconds=time.perf_counter() - started, num_decision_nodes=shrunk.num_nodes,
             min_memory=smallest.memory, min_memory_assignment=smallest.assignment,
-            time_resolution=resolution, notes=list(notes),
+            time_resolution=resolution, notes=list(notes), clock_cut=clock_cut,
         )
 
     if not restricted_fits:
@@ -97,13 +114,17 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
             "autopar: SolveOptions.method='chain_dp' expected a chain (every decision node with at most "
             "two neighbours and no cycle), found a general graph; use method='auto' or 'ilp'."
         )
+    deadline = started + WALL_CLOCK_FACTOR * options.time_limit_s
     if order is not None:
-        outcome = _run_chain_dp(shrunk, order, incumbent, options, deadline=started + options.time_limit_s)
+        outcome = _run_chain_dp(shrunk, order, incumbent, options, deadline=deadline)
     else:
-        outcome = _run_ilp(problem, shrunk, best, options, deadline=started + options.time_limit_s)
+        outcome = _run_ilp(problem, shrunk, best, options, deadline=deadline)
         best = outcome.warm_start if outcome.warm_start is not None else best
     bound = outcome.bound + shrunk.constant_time
     notes = outcome.notes
+    if outcome.clock_cut:
+        notes.append(f"the wall clock ({WALL_CLOCK_FACTOR:g} x the {options.time_limit_s:g} s budget) cut the "
+                     f"{outcome.method} search: this plan may differ from call to call; give a larger time limit")
     status = "optimal" if outcome.proven else "feasible"
 
     found = _candidate(problem, outcome.method, shrunk.expand(outcome.decisions)) if outcome.decisions else None
@@ -114,8 +135,8 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
         if found is None and outcome.ran:
             notes.append(f"{outcome.method} found no plan better than the best candidate ({best.label}) in time")
         # A proven optimum of the shrunk problem that a candidate beats leaves the candidate optimal.
-        return finish(status, best, bound, best.label, outcome.resolution, notes)
-    return finish(status, found, bound, outcome.method, outcome.resolution, notes)
+        return finish(status, best, bound, best.label, outcome.resolution, notes, outcome.clock_cut)
+    return finish(status, found, bound, outcome.method, outcome.resolution, notes, outcome.clock_cut)
 
 
 @dataclass
@@ -128,11 +149,13 @@ class _Outcome:
     ran: bool = True
     warm_start: _Candidate | None = None  # a better candidate found on the way
     notes: list[str] = field(default_factory=list)
+    clock_cut: bool = False  # the wall-clock safety net stopped it
 
 
 def _run_chain_dp(shrunk: ShrunkProblem, order, incumbent: float, options: SolveOptions, deadline: float) -> _Outcome:
-    chain = solve_chain(shrunk, order, incumbent, options.max_labels, deadline=deadline)
-    return _Outcome("chain_dp", chain.decisions or None, chain.proven_optimal, chain.bound)
+    chain = solve_chain(shrunk, order, incumbent, options.max_labels, deadline=deadline,
+                        work_budget=options.time_limit_s * WORK_PER_SECOND)
+    return _Outcome("chain_dp", chain.decisions or None, chain.proven_optimal, chain.bound, clock_cut=chain.clock_cut)
 
 
 def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, options: SolveOptions,
@@ -151,14 +174,15 @@ def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, opt
     if size > options.max_ilp_variables or remaining <= 0:
         notes.append(f"ILP skipped: {size} booleans (max_ilp_variables={options.max_ilp_variables}), "
                      f"{max(remaining, 0):.1f} s left; coarsen the graph (ties, followers) to solve it")
-        return _Outcome("ilp", None, False, relaxation_bound, ran=False, warm_start=better, notes=notes)
+        return _Outcome("ilp", None, False, relaxation_bound, ran=False, warm_start=better, notes=notes,
+                        clock_cut=size <= options.max_ilp_variables)
     ilp = solve_ilp(
-        shrunk, time_limit_s=remaining, num_workers=options.num_workers,
+        shrunk, budget_s=options.time_limit_s * DETERMINISTIC_PER_SECOND, wall_limit_s=remaining, num_workers=options.num_workers,
         relative_gap_limit=options.relative_gap_limit, hint=shrunk.project(best.assignment),
         incumbent=best.time - shrunk.constant_time,
     )
     return _Outcome("ilp", ilp.decisions, ilp.status == "OPTIMAL", max(ilp.bound, relaxation_bound),
-                    ilp.time_resolution, warm_start=better, notes=notes)
+                    ilp.time_resolution, warm_start=better, notes=notes, clock_cut=ilp.clock_cut)
 
 
 def _least_memory_plans(problem: SolveProblem, shrunk: ShrunkProblem) -> list[_Candidate]:

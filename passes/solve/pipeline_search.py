@@ -33,6 +33,10 @@ class LayerCosts:
     activation_memory: Sequence[float]  # bytes per device per micro-batch in flight
     boundary_time: Sequence[float] | None = None  # L - 1 sends between layer l and l + 1
     step_overhead: float = 0.0  # seconds per step outside the pipeline (gradient sync, optimizer)
+    # per micro-batch: bytes a recomputed layer does not keep, seconds its forward adds again
+    # (None: no layer may be recomputed; ``stages.cut_stages`` picks the fewest per stage)
+    recompute_saving: Sequence[float] | None = None
+    recompute_time: Sequence[float] | None = None
 
 
 @dataclass
@@ -98,6 +102,7 @@ def evaluate_pipeline(
     cut = cut_stages(
         costs.time, num_stages * v, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
         in_flight=in_flight, memory_limit=chunk_limit, boundary_time=costs.boundary_time,
+        recompute_saving=costs.recompute_saving, recompute_time=costs.recompute_time,
     )
     if cut is None:
         option.rejected = "no cut fits in memory"

@@ -102,6 +102,7 @@ class SolveResult:
     min_memory_assignment: list[int]
     time_resolution: float = 0.0  # seconds per ILP objective unit; 0 for the DP
     notes: list[str] = field(default_factory=list)
+    clock_cut: bool = False  # the wall-clock safety net stopped the search before its budget
 
     @property
     def feasible(self) -> bool:

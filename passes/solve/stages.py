@@ -11,6 +11,20 @@ starts[s+1])``. Per micro-batch, stage ``s`` takes
 where ``in_flight[s]`` is how many micro-batches' activations the schedule keeps
 alive on that stage (``in_flight_microbatches``).
 
+Recomputation (``recompute_saving`` given): a stage that does not fit recomputes the
+fewest ``k`` of its layers that make it fit. A recomputed layer keeps only its inputs
+(``saving[l]`` less per micro-batch in flight), runs its forward again in backward
+(``recompute_time[l]`` more per micro-batch), and backward rebuilds one recomputed
+layer (one micro-batch's) at a time, so the stage holds the largest saving of its
+layers once more:
+
+    memory(s, k) = memory(s) - in_flight[s] * k * mean saving + (k > 0) * max saving
+    time(s, k)   = time(s) + k * mean recompute_time
+
+(the means over the stage's layers: exact for alike layers, the repeated layers of a
+model; ``recomputed_layers`` picks the ``k`` with the largest saving, which save at
+least the mean).
+
 ``cut_stages`` minimises the slowest stage time subject to ``memory(s) <= limit`` for
 every stage, by the exact DP
 
@@ -29,7 +43,7 @@ Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -45,6 +59,7 @@ class StageCut:
     stage_time: list[float]  # seconds per micro-batch, boundary send included
     stage_memory: list[float]  # bytes per device
     num_layers: int
+    recomputed: list[int] = field(default_factory=list)  # per stage: how many of its layers recompute
 
     @property
     def slowest(self) -> float:
@@ -100,8 +115,12 @@ def cut_stages(
     in_flight: Sequence[int] | None = None,
     memory_limit: float | None = None,
     boundary_time: Sequence[float] | None = None,
+    recompute_saving: Sequence[float] | None = None,
+    recompute_time: Sequence[float] | None = None,
 ) -> StageCut | None:
-    """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory."""
+    """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory.
+    ``recompute_saving`` / ``recompute_time``: per layer and micro-batch, the bytes a
+    recomputed layer does not keep and the seconds it adds (module docstring)."""
     time = np.asarray(layer_time, dtype=np.float64)
     num_layers = len(time)
     if not 1 <= num_stages <= num_layers:
@@ -117,8 +136,10 @@ def cut_stages(
     flights = np.ones(num_stages) if in_flight is None else np.asarray(in_flight, dtype=np.float64)
     if len(flights) != num_stages:
         raise ValueError(f"autopar: expected in_flight for {num_stages} stages, found {len(flights)}.")
-    time_prefix, static_prefix, activation_prefix = (
-        np.concatenate([[0.0], np.cumsum(x)]) for x in (time, static, activation)
+    saving = _per_layer(recompute_saving, num_layers, "recompute_saving")
+    redo = _per_layer(recompute_time, num_layers, "recompute_time")
+    time_prefix, static_prefix, activation_prefix, saving_prefix, redo_prefix = (
+        np.concatenate([[0.0], np.cumsum(x)]) for x in (time, static, activation, saving, redo)
     )
     cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
 
@@ -132,12 +153,16 @@ def cut_stages(
     span_time = time_prefix[b] - time_prefix[a]
     span_static = static_prefix[b] - static_prefix[a]
     span_activation = activation_prefix[b] - activation_prefix[a]
+    span_layers = np.maximum(b - a, 1)
+    span_saving, span_redo = saving_prefix[b] - saving_prefix[a], redo_prefix[b] - redo_prefix[a]
+    span_peak = _span_max(saving)
     for s in range(num_stages):
         last = s == num_stages - 1
         ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (num_stages - 1 - s)))
         starts = (a == 0) if s == 0 else ((a >= s) & (a < b))
-        stage = span_time + (0.0 if last else sent[b])
-        memory = span_static + flights[s] * span_activation
+        k, memory = fewest_recomputed(span_static + flights[s] * span_activation, flights[s] * span_saving,
+                                      span_peak, span_layers, cap)
+        stage = span_time + k * span_redo / span_layers + (0.0 if last else sent[b])
         before = best[s - 1][:, None] if s else np.zeros((num_layers + 1, 1))
         value = np.where(starts & ends & (memory <= cap), np.maximum(before, stage), np.inf)
         k = np.argmin(value, axis=0)
@@ -150,17 +175,53 @@ def cut_stages(
         starts.append(int(choice[s][b]))
         b = starts[-1]
     starts.reverse()
-    return describe_cut(starts, time, static, activation, flights, send)
+    return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap)
 
 
-def describe_cut(starts, time, static, activation, in_flight, send) -> StageCut:
-    """Times and memories of a given cut (used by the DP and by brute-force tests)."""
-    ends = list(starts[1:]) + [len(time)]
-    stage_time = [float(time[a:b].sum() + (send[b - 1] if b < len(time) else 0.0)) for a, b in zip(starts, ends)]
-    stage_memory = [
-        float(static[a:b].sum() + in_flight[s] * activation[a:b].sum()) for s, (a, b) in enumerate(zip(starts, ends))
-    ]
-    return StageCut(list(starts), stage_time, stage_memory, len(time))
+def describe_cut(starts, time, static, activation, in_flight, send, saving=None, redo=None,
+                 memory_limit: float = math.inf) -> StageCut:
+    """Times and memories of a given cut, each stage recomputing the fewest layers that fit
+    ``memory_limit`` (used by the DP and by brute-force tests)."""
+    n = len(time)
+    saving = np.zeros(n) if saving is None else np.asarray(saving, dtype=np.float64)
+    redo = np.zeros(n) if redo is None else np.asarray(redo, dtype=np.float64)
+    ends = list(starts[1:]) + [n]
+    stage_time, stage_memory, recomputed = [], [], []
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        k, memory = fewest_recomputed(float(static[a:b].sum() + in_flight[s] * activation[a:b].sum()),
+                                      float(in_flight[s] * saving[a:b].sum()), float(saving[a:b].max()), b - a,
+                                      memory_limit)
+        k = int(k)
+        stage_time.append(float(time[a:b].sum() + k * redo[a:b].sum() / (b - a) + (send[b - 1] if b < n else 0.0)))
+        stage_memory.append(float(memory))
+        recomputed.append(k)
+    return StageCut(list(starts), stage_time, stage_memory, n, recomputed)
+
+
+def fewest_recomputed(memory, saving, peak, layers, limit):
+    """(k, memory with k recomputed): the fewest of ``layers`` layers to recompute for a stage
+    of ``memory`` bytes (none recomputed) to fit ``limit``, where all of them recomputed save
+    ``saving`` bytes (its micro-batches in flight) and rebuilding one layer in backward holds
+    ``peak`` bytes more. Works on arrays (the DP's every span at once) and on numbers; a
+    stage that cannot fit has memory inf."""
+    memory, saving, peak = (np.asarray(x, dtype=np.float64) for x in (memory, saving, peak))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = saving / layers
+        needed = np.ceil((memory + peak - limit) / mean * (1 - 1e-12))
+    k = np.where(memory <= limit, 0.0, np.where(mean > 0, np.clip(needed, 1.0, None), np.inf))
+    with np.errstate(invalid="ignore"):
+        fitted = memory - k * mean + np.where(k > 0, peak, 0.0)
+    fitted = np.where((k <= layers) & (fitted <= limit), fitted, np.inf)
+    return np.where(np.isfinite(fitted), k, 0.0), fitted
+
+
+def _span_max(values: np.ndarray) -> np.ndarray:
+    """[a, b] -> max(values[a:b]) (0 for empty spans), for every start a and end b."""
+    n = len(values)
+    out = np.zeros((n + 1, n + 1))
+    for a in range(n):
+        out[a, a + 1:] = np.maximum.accumulate(values[a:])
+    return out
 
 
 def _per_layer(values, length: int, name: str) -> np.ndarray:

@@ -6,6 +6,7 @@ rank, with the same model trained in one process. Prints one JSON line per case 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import operator
@@ -135,10 +136,10 @@ def _size(mesh_shape):
     return out
 
 
-def layout_plan(model, inputs, layout: str, mesh_shape):
+def layout_plan(model, inputs, layout: str, mesh_shape, kwargs=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = capture(model, inputs)
+        captured = capture(model, inputs, kwargs)
     graph = build_strategy_graph(captured, mesh_shape)
     plan = plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
     if layout in ("fsdp", "zero3"):  # sharded storage, gathered at each use
@@ -170,7 +171,7 @@ def optimizer_numel(opt) -> int:
     return sum(t.numel() for state in opt.state.values() for t in state.values() if t.dim() > 0)
 
 
-PLANNED = ("auto", "tp", "tp+dp", "tp+sp", "fsdp+tp", "zero1")  # by autopar's planner and layouts
+PLANNED = ("auto", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "zero1")  # by autopar's planner and layouts
 
 
 def planned(model, mesh, tokens, layout: str):
@@ -184,6 +185,14 @@ def planned(model, mesh, tokens, layout: str):
     return Plan.from_json(text[0])
 
 
+def case_plan(model, mesh, tokens, layout: str):
+    """The plan a case names: the planner's or autopar.layouts' (``PLANNED``), or one made here."""
+    if layout in PLANNED:
+        return planned(model, mesh, tokens, layout)
+    plan = layout_plan(model, (tokens,), layout, tuple(mesh.shape))
+    return type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
+
+
 def run_case(spec: str) -> dict:
     mesh_text, model_name, layout = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
@@ -192,11 +201,7 @@ def run_case(spec: str) -> dict:
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     tokens = batches[0][0]
-    if layout in PLANNED:
-        plan = planned(model, mesh, tokens, layout)
-    else:
-        plan = layout_plan(model, (tokens,), layout, mesh_shape)
-        plan = type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
+    plan = case_plan(model, mesh, tokens, layout)
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
 
     losses, loss_err, param_err, ref_opt = train_against_reference(pm, reference, loss_fn, batches)
@@ -209,6 +214,176 @@ def run_case(spec: str) -> dict:
         "reference_optimizer_numel": optimizer_numel(ref_opt), "plan_kind": pm.plan.kind,
         "params": pm.plan.params,
     }
+
+
+CLIP_MAX_NORM = {2.0: 0.05, 3.0: 0.02, float("inf"): 0.002}  # below every step's norm: each step clips
+
+
+def clip_case(spec: str) -> dict:
+    """clip[-<norm type>][-loop]:<mesh>:<model>:<layout> or clip[-<norm type>]:pp:<pipeline case>:
+    ``train_step(max_norm=)`` (``loop``: the loop people write, ``pm.loss(...).backward()``,
+    ``pm.clip_grad_norm_``, ``pm.step()``) trains like one process clipping with
+    ``torch.nn.utils.clip_grad_norm_``, and ``clip_grad_norm_`` returns torch's norm on every rank."""
+    head, rest = spec.split(":", 1)
+    options = head.split("-")[1:]
+    loop = "loop" in options
+    norm_type = next((float(o) for o in options if o != "loop"), 2.0)
+    parts = rest.split(":")
+    pipelined = parts[0] == "pp"
+    mesh_text, model_name = parts[1:3] if pipelined else parts[:2]
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    tokens = batches[0][0]
+    if pipelined:
+        schedule, m, v, *intra_layout = parts[3:]
+        plan = pipeline_plan(model, tokens, mesh_shape, schedule, int(m), int(v), *intra_layout)
+    else:
+        plan = case_plan(model, mesh, tokens, parts[2])
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
+    norms, clip = [], pm.clip_grad_norm_
+
+    def recorded(*args, **kwargs):  # every clip goes through this: keep the norms it returns
+        norms.append(clip(*args, **kwargs))
+        return norms[-1]
+
+    pm.clip_grad_norm_ = recorded
+    max_norm = CLIP_MAX_NORM[norm_type]
+    inside_no_sync = "no error"  # clipping unsummed shares must be refused
+    if loop:
+        try:
+            with pm.no_sync():
+                clip(max_norm, norm_type)
+        except ValueError as exc:
+            inside_no_sync = str(exc)
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses, ref_norms = [], [], []
+    for inputs, target in batches:
+        if loop:
+            loss = pm.loss((inputs,), target)
+            loss.backward()
+            pm.clip_grad_norm_(max_norm, norm_type)
+            pm.step()
+            pm.zero_grad()
+        else:
+            loss = pm.train_step((inputs,), target, max_norm=max_norm, norm_type=norm_type)
+        losses.append(loss.item())
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type).item())
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    mine = torch.stack(norms).to(torch.float64)
+    highest, lowest = mine.clone(), mine.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
+            "losses": losses, "norms": mine.tolist(), "reference_norms": ref_norms, "max_norm": max_norm,
+            "norm_err": max(abs(a - b) for a, b in zip(mine.tolist(), ref_norms)),
+            "norm_spread": (highest - lowest).abs().max().item(),  # the norm differs between ranks by this
+            "optimizer_numel_rank0": optimizer_numel(pm.optimizer), "reference_optimizer_numel": optimizer_numel(ref_opt),
+            "module": type(pm).__name__, "plan_kind": pm.plan.kind, "inside_no_sync": inside_no_sync}
+
+
+def sampled_batches(dataset, batch: int, dp) -> tuple[list, list]:
+    """This rank's batches from a DistributedSampler given ``pm.data_parallel``, and the
+    whole batches they make together (what one process trains on)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def batches_of(rank):
+        sampler = DistributedSampler(dataset, num_replicas=dp.num_replicas, rank=rank, shuffle=True, seed=0)
+        return list(DataLoader(dataset, batch_size=batch // dp.num_replicas, sampler=sampler))
+
+    everyone = [batches_of(r) for r in range(dp.num_replicas)]
+    wholes = [tuple(torch.cat([b[k][i] for b in everyone]) for i in range(len(everyone[0][k])))
+              for k in range(len(everyone[0]))]
+    return everyone[dp.rank], wholes
+
+
+def data_ranks(pm) -> list:
+    """Every rank's (num_replicas, rank) from ``pm.data_parallel``, in global rank order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (pm.data_parallel.num_replicas, pm.data_parallel.rank))
+    return gathered
+
+
+def local_case(spec: str) -> dict:
+    """local:<mesh>:<model>:<layout>: per-rank data from the first step. Each rank draws its
+    rows (inputs and targets) with a DistributedSampler given ``pm.data_parallel`` and
+    passes them with ``local=True``; one process trains on the batches those rows make
+    together; then one whole-batch step (local=False) on the same module."""
+    _, mesh_text, model_name, layout = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    tokens = batches[0][0]
+    # "pp": a 1F1B pipeline over axis 0, data parallel on the others
+    plan = pipeline_plan(model, tokens, mesh_shape, "1F1B", 2, 1) if layout == "pp" else case_plan(
+        model, mesh, tokens, layout)
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
+    dataset = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    mine, wholes = sampled_batches(dataset, tokens.shape[0], pm.data_parallel)
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses = [], []
+    for k, (inputs, target) in enumerate(wholes):
+        local = k < len(wholes) - 1
+        x, y = mine[k] if local else (inputs, target)
+        losses.append(pm.train_step((x,), y, local=local).item())
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
+            "losses": losses, "data_ranks": data_ranks(pm), "plan_kind": pm.plan.kind,
+            "pipeline": pm.plan.pipeline is not None, "optimizer_numel_rank0": optimizer_numel(pm.optimizer),
+            "reference_optimizer_numel": optimizer_numel(ref_opt)}
+
+
+def hf_loss_case(spec: str) -> dict:
+    """hf-loss:<mesh>:<layout>: Hugging Face GPT-2 given ``labels=`` as a keyword input and
+    compiled with ``example_kwargs`` and ``loss_fn=None`` trains its own ``.loss`` like one
+    process: whole-batch steps, then per-rank rows (``local=True``, labels among them)."""
+    from tests.models import gpt2
+
+    _, mesh_text, layout = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, (tokens,) = gpt2()
+    model = model.to(DTYPE)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    rows = torch.randint(0, vocab, (tokens.shape[0] * STEPS, tokens.shape[1]), generator=gen)
+    labels = torch.randint(0, vocab, rows.shape, generator=gen)
+    labels[0, :3] = -100  # ignored positions: the mean is over the counted ones
+    example = {"input_ids": tokens, "labels": tokens}
+    plan = None if layout == "auto" else layout_plan(model, (), layout, mesh_shape, example)
+    pm = autopar.compile(model, mesh, example_kwargs=example, optimizer=adamw, plan=plan, hardware="h100")
+    mine, wholes = sampled_batches(torch.utils.data.TensorDataset(rows, labels), tokens.shape[0], pm.data_parallel)
+    ref_opt = adamw(list(reference.parameters()))
+    losses, ref_losses = [], []
+    for k, (x, y) in enumerate(wholes):
+        local = k >= 2
+        given = mine[k] if local else (x, y)
+        losses.append(pm.train_step({"labels": given[1], "input_ids": given[0]}, None, local=local).item())
+        ref_opt.zero_grad()
+        loss = reference(input_ids=x, labels=y, use_cache=False).loss
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    full = pm.full_parameters()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
+            "losses": losses, "data_ranks": data_ranks(pm), "plan_kind": pm.plan.kind,
+            "optimizer_numel_rank0": optimizer_numel(pm.optimizer), "reference_optimizer_numel": optimizer_numel(ref_opt)}
 
 
 def recompute_case(spec: str) -> dict:
@@ -307,6 +482,20 @@ def error_cases(nproc: int) -> dict:
         model, square, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan))
     expect("indivisible batch", lambda: layout_plan(model, (tokens[:3],), "dp", (nproc,)))
     expect("not a mesh", lambda: autopar.compile(model, (nproc,), (tokens,), plan=plan))
+    expect("input of another dtype", lambda: pm.train_step((tokens.to(torch.int32),), target))
+
+    def per_token(out, y):  # forgot the reduction: one loss per token
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+
+    expect("loss_fn returning a non-scalar", lambda: autopar.compile(
+        model, flat, (tokens,), loss_fn=per_token, optimizer=adamw, plan=plan).train_step((tokens,), target))
+    expect("optimizer factory returning None", lambda: autopar.compile(
+        model, flat, (tokens,), loss_fn=loss_fn, optimizer=lambda params: None, plan=plan))
+    expect("loss_fn=None, no .loss in the output", lambda: autopar.compile(
+        model, flat, (tokens,), optimizer=adamw, plan=plan))
+    keyed = autopar.compile(model, flat, example_kwargs={"tokens": tokens}, loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    expect("other keyword inputs than compiled", lambda: keyed.train_step({"input_ids": tokens}, target))
+    expect("positional inputs where keywords were compiled", lambda: keyed.train_step((tokens,), target))
     with_loss = Plan.from_json(plan.to_json())  # as autopar.plan(..., loss_fn=) names its plans
     with_loss.model, with_loss.pipeline = "WithLoss", Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
     expect("pipeline planned with the loss", lambda: autopar.compile(
@@ -444,6 +633,21 @@ def planned_pipeline_case(spec: str) -> dict:
             "recomputed_here": wrapped, "recompute": plan.recompute, "axis_names": list(plan.axis_names)}
 
 
+def compiled_pipeline_case(spec: str) -> dict:
+    """compile-pp:<P>x<D>:<model>: ``autopar.compile`` given no plan plans on its mesh by itself
+    (``plan_once``, the H100 preset) and considers a pipeline over the mesh's outer axis;
+    where it picks one, it trains like one process."""
+    _, mesh_text, model_name = spec.split(":")
+    mesh = init_device_mesh("cpu", tuple(int(x) for x in mesh_text.split("x")), mesh_dim_names=("a0", "a1"))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, hardware="h100")
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    pp = pm.plan.pipeline
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
+            "pipeline": None if pp is None else [pp.stages, pp.micro_batches, pp.schedule], "notes": pm.plan.notes}
+
+
 def pipeline_case(spec: str) -> dict:
     """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks per rank>[:<intra-op layout>]"""
     _, mesh_text, model_name, schedule, m, v, *intra_layout = spec.split(":")
@@ -458,6 +662,139 @@ def pipeline_case(spec: str) -> dict:
             "params": plan.params}
 
 
+_PLANS: dict[tuple, Plan] = {}  # (mesh shape, layout) -> the plan made for the first case that named it
+
+
+def compiled_for(parts: list[str], model, mesh_shape, tokens, loss_fn):
+    """The ParallelModule or PipelineModule a case names after its mesh and model: a layout
+    (``case_plan``), or ``pp`` then <schedule>:<micro-batches>:<chunks>[:<intra-op layout>].
+    Plans are made once per mesh and layout (the planner's own takes seconds)."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    key = (mesh_shape, tuple(parts))
+    if key not in _PLANS and parts[0] == "pp":
+        schedule, m, v, *intra_layout = parts[1:]
+        _PLANS[key] = pipeline_plan(model, tokens, mesh_shape, schedule, int(m), int(v), *intra_layout)
+    elif key not in _PLANS:
+        _PLANS[key] = case_plan(model, mesh, tokens, parts[0])
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=_PLANS[key],
+                         hardware="h100")
+    _PLANS[key] = pm.plan
+    return pm
+
+
+ACCUMULATE_STEPS = 3
+
+
+def accumulate_case(spec: str) -> dict:
+    """accum:<mesh>:<model>:<layout or pp:...>: a batch run as 2 micro-batches with gradients
+    synchronised once trains like one process on the whole batch, both by
+    ``train_step(accumulate=2)`` and by the loop written by hand (``no_sync()`` for the first
+    micro-batch, then ``step()``, ``zero_grad()``); pipelines: accumulate, and ``no_sync()`` is
+    an ``autopar:`` error."""
+    _, mesh_text, model_name, *parts = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    model, loss_fn, batches = MODELS[model_name]()
+    batches = batches[:ACCUMULATE_STEPS]
+    reference = copy.deepcopy(model)
+    ref_opt = adamw(list(reference.parameters()))
+    ref_losses = []
+    for inputs, target in batches:
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    def by_hand(pm, inputs, target, step):
+        """Steps 0 and 2 as DDP's loop (the first half inside no_sync()); step 1 with both
+        backwards outside it, which must not sum the first half's gradients twice."""
+        (x0, x1), (t0, t1) = inputs.chunk(2), target.chunk(2)
+        before = len(sent)
+        with pm.no_sync() if step % 2 == 0 else contextlib.nullcontext():
+            first = pm.loss((x0,), t0) / 2
+            first.backward()
+        if step % 2 == 0:
+            sent_inside.append(len(sent) - before)
+        second = pm.loss((x1,), t1) / 2
+        second.backward()
+        pm.step()
+        pm.zero_grad()
+        return (first + second).item()
+
+    loops = {"accumulate": lambda pm, inputs, target, _: pm.train_step((inputs,), target, accumulate=2).item(),
+             "manual": by_hand}
+    result = {"case": spec}
+    sent, sent_inside = [], []  # gradient buckets sent by the manual loop's backwards; inside no_sync()
+    for name, loop in loops.items():
+        pm = compiled_for(parts, copy.deepcopy(model), mesh_shape, batches[0][0], loss_fn)
+        if name == "manual" and not hasattr(pm, "loss"):  # a pipeline (the planner may choose one)
+            break
+        if name == "manual":
+            start = pm.grads._start
+
+            def counted(params, *rest):
+                sent.extend([1] if params else [])
+                return start(params, *rest)
+
+            pm.grads._start = counted
+        losses = [loop(pm, inputs, target, step) for step, (inputs, target) in enumerate(batches)]
+        full = pm.full_parameters()
+        result[name] = {"losses": losses, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                        "param_err": max((full[n] - p.detach()).abs().max().item()
+                                         for n, p in reference.named_parameters())}
+        if name == "manual" or not hasattr(pm, "loss"):
+            result["mixed"] = mixed_error(pm, *batches[0])
+    result["buckets_sent"], result["buckets_sent_inside_no_sync"] = len(sent), sum(sent_inside)
+    result["loss_err"] = max(r["loss_err"] for r in result.values() if isinstance(r, dict))
+    result["param_err"] = max(r["param_err"] for r in result.values() if isinstance(r, dict))
+    return result
+
+
+def mixed_error(pm, inputs, target) -> str:
+    """A backward inside no_sync() onto summed gradients must be an error, not a silent
+    second sum (pipelines: no_sync() itself is one). None where nothing is summed after
+    backward (ZeRO-3: gradients leave backward reduce-scattered, and those sums just add up)."""
+    if hasattr(pm, "grads") and not pm.grads.buckets:
+        return None
+    try:
+        if hasattr(pm, "loss"):
+            pm.loss((inputs,), target).backward()
+        with pm.no_sync():
+            pm.loss((inputs,), target).backward()
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+def eval_case(spec: str) -> dict:
+    """eval:<mesh>:<layout or pp:...>: the GPT with dropout 0.1; after ``pm.eval()`` its outputs
+    equal ``model.eval()``'s on one process, at the compiled batch and at half of it, while
+    ``pm.train()`` outputs differ (dropout on); a batch the plan's splits do not divide is an
+    ``autopar:`` error."""
+    _, mesh_text, *parts = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2, dropout=0.1)).to(DTYPE)
+    reference = copy.deepcopy(model).eval()
+    tokens = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    pm = compiled_for(parts, model, mesh_shape, tokens, lm_loss)
+    assert pm.eval() is pm and not pm.training
+    with torch.no_grad():
+        expected, expected_half = reference(tokens), reference(tokens[:4])
+    out, half = pm(tokens), pm(tokens[:4])
+    kept = out.requires_grad or half.requires_grad
+    try:  # 3 rows: no plan here splits the batch in 3
+        pm(tokens[:3])
+        indivisible = "no error"
+    except ValueError as exc:
+        indivisible = str(exc)
+    pm.train()
+    train_mode_diff = (pm(tokens).detach() - expected).abs().max().item()
+    return {"case": spec, "eval_err": (out - expected).abs().max().item(),
+            "half_err": (half - expected_half).abs().max().item(), "grad_kept": kept,
+            "train_mode_diff": train_mode_diff, "indivisible": indivisible}
+
+
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
@@ -468,14 +805,26 @@ def main(cases: list[str]) -> None:
                 result = moves_case()
             elif spec.startswith("pp-planned:"):
                 result = planned_pipeline_case(spec)
+            elif spec.startswith("compile-pp:"):
+                result = compiled_pipeline_case(spec)
             elif spec.startswith("pp:"):
                 result = pipeline_case(spec)
             elif spec.startswith("resume:"):
                 result = resume_case(spec)
             elif spec.startswith("recompute:"):
                 result = recompute_case(spec)
+            elif spec.startswith("local:"):
+                result = local_case(spec)
+            elif spec.startswith("hf-loss:"):
+                result = hf_loss_case(spec)
+            elif spec.startswith("clip"):
+                result = clip_case(spec)
             elif spec.startswith("freed:"):
                 result = freed_case(spec)
+            elif spec.startswith("accum:"):
+                result = accumulate_case(spec)
+            elif spec.startswith("eval:"):
+                result = eval_case(spec)
             else:
                 result = run_case(spec)
         except Exception as exc:  # reported, then the launch ends: other ranks may be stuck

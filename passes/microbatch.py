@@ -1,0 +1,143 @@
+"""Micro-batches a pipeline plan can use: every micro-batch must divide over every mesh
+axis that splits the batch anywhere in the plan.
+
+A pipeline runs the intra-op strategies on micro-batches of ``batch / M`` sequences. A
+strategy that shards a tensor dim made of the batch (the inputs' dim 0, the embedding's
+output dim 0, a ``[batch * seq, hidden]`` view's dim 0, ...) over ``n`` devices needs that
+dim's micro-batch size, ``(batch / M) * r`` for a dim of ``batch * r``, to divide by
+``n``; so the micro-batch size must be a multiple of ``n / gcd(n, r)``. ``batch_split``
+is the least common multiple of those over every node of the plan (the ids may stay
+replicated while the embedding splits the batch: every activation counts).
+
+The batch dims of every node (``batch_dims``) are found by following the batch from the
+user inputs' dim 0: a view maps dims by ``view_groups`` (DTensor's own view rule), any
+other op passes the batch to its output dims of a size its inputs' batch dims have; a
+tensor built from shapes alone (a mask, made without the inputs' values) has a batch dim
+where a dim's size is the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Sequence
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._ops._view_ops import Flatten, InputDim, Split, view_groups
+
+from passes.strategies import StrategyGraph, tensor_inputs
+
+MAX_COUNTS = 16  # micro-batch counts tried per pipeline: the stage search runs once per count
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}  # same elements, dims regrouped
+
+
+def batch_size(graph: StrategyGraph) -> int | None:
+    """Dim 0 of the first user input with dims (the batch a pipeline splits), or None."""
+    for node in graph.captured.nodes("placeholder"):
+        val = node.meta.get("val")
+        if node.name in graph.captured.user_inputs and isinstance(val, torch.Tensor) and val.ndim:
+            return int(val.shape[0])
+    return None
+
+
+def batch_dims(graph: StrategyGraph, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
+    """Node -> per output, the tensor dims that are made of the batch (see module docstring)."""
+    captured = graph.captured
+    found: dict[fx.Node, list[frozenset[int]]] = {}
+    shape_only: set[fx.Node] = set()  # built without any placeholder's values
+    for node in captured.nodes():
+        vals = _values(node)
+        if node.op == "placeholder":
+            if node.name in captured.user_inputs:
+                found[node] = [frozenset({0}) if v is not None and v.ndim and v.shape[0] == batch else frozenset()
+                               for v in vals]
+            continue
+        if node.op != "call_function":
+            continue
+        sources = tensor_inputs(node)
+        if node.target is operator.getitem and sources and sources[0] in found:
+            found[node] = [found[sources[0]][node.args[1]]] if node.args[1] < len(found[sources[0]]) else []
+            continue
+        if all(u in shape_only for u in sources):
+            shape_only.add(node)
+            found[node] = [frozenset(d for d, s in enumerate(v.shape) if s == batch) if v is not None else frozenset()
+                           for v in vals]
+            continue
+        carried = [(u, i, dims) for u in sources if u in found for i, dims in enumerate(found[u]) if dims]
+        if not carried:
+            continue
+        if node.target in _VIEWS and len(vals) == 1 and vals[0] is not None:
+            source = _values(sources[0])[0]
+            found[node] = [_view_batch_dims(tuple(source.shape), tuple(vals[0].shape), found[sources[0]][0], batch)]
+            continue
+        sizes = {int(_values(u)[i].shape[d]) for u, i, dims in carried for d in dims}
+        found[node] = [frozenset(d for d, s in enumerate(v.shape) if s in sizes) if v is not None else frozenset()
+                       for v in vals]
+    return found
+
+
+def batch_split(graph: StrategyGraph, choice: dict[fx.Node, int], batch: int,
+                dims: dict[fx.Node, list[frozenset[int]]] | None = None) -> int:
+    """The number a micro-batch's sequence count must be a multiple of under ``choice``."""
+    dims = batch_dims(graph, batch) if dims is None else dims
+    mesh = graph.mesh_shape
+    need = 1
+    for node, ns in graph.nodes.items():
+        if ns.follows is not None or node not in choice:
+            continue  # a getitem's placement is its producer's output
+        strategy = ns.strategies[choice[node]]
+        specs = [(node, i, spec) for i, spec in enumerate(strategy.outputs)]
+        specs += [(u, 0, spec) for u, spec in zip(tensor_inputs(node), strategy.inputs) if spec is not None]
+        for source, i, spec in specs:
+            held = dims.get(source)
+            if not held or i >= len(held) or not held[i]:
+                continue
+            shape = _values(source)[i].shape
+            for d in held[i]:
+                n = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d)
+                r = int(shape[d]) // batch if int(shape[d]) % batch == 0 else 1
+                need = math.lcm(need, n // math.gcd(n, r))
+    return need
+
+
+def valid_counts(batch: int, split: int, limit: int = MAX_COUNTS) -> list[int]:
+    """Micro-batch counts M (divisors of ``batch``) whose micro-batches are multiples of
+    ``split`` sequences; at most ``limit`` of them, spread evenly on a log scale (1 and
+    the largest always in)."""
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % split == 0]
+    if len(counts) <= limit:
+        return counts
+    picks = {counts[round(i * (len(counts) - 1) / (limit - 1))] for i in range(limit)}
+    return sorted(picks)
+
+
+def _values(node: fx.Node) -> list[torch.Tensor | None]:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [v if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def _view_batch_dims(source: Sequence[int], target: Sequence[int], dims: frozenset[int], batch: int) -> frozenset[int]:
+    """The target dims of a view made of the source's batch dims (a merge holds the batch
+    when one of its parts does; of a split, the first part whose size the batch divides)."""
+    def carries(spec) -> bool:
+        if isinstance(spec, InputDim):
+            return spec.input_dim in dims
+        if isinstance(spec, Flatten):
+            return any(carries(s) for s in spec.input_dims)
+        return False
+
+    out = set()
+    for d, spec in enumerate(view_groups(list(source), list(target))):
+        if isinstance(spec, Split):
+            if carries(spec.input_dim):
+                first = next((i for i, g in enumerate(spec.group_shape) if g % batch == 0), 0)
+                if spec.split_id == first:
+                    out.add(d)
+        elif carries(spec):
+            out.add(d)
+    return frozenset(out)

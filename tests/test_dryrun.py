@@ -1,0 +1,139 @@
+"""autopar.dry_run: a plan's training step on every distinct rank of its full mesh, in this
+process, on torch's fake process group and fake tensors (a meta-device model, nothing
+allocated), with peak memory per rank from torch's MemTracker."""
+
+import copy
+import math
+import warnings
+from contextlib import redirect_stdout
+from io import StringIO
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import layouts
+from autopar.cli import main
+from autopar.dryrun import DryRunError, distinct_ranks
+from autopar.models import GPT, GPTConfig
+from passes.capture import capture
+from passes.planner_pipeline import pipeline_plan
+
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+
+def _gpt(batch: int):
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    return model, (torch.zeros(batch, 64, dtype=torch.long, device="meta"),)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """GPT (2 layers, dim 64) planned by the search for 64 H100s as an (8, 8) mesh, batch 64."""
+    model, inputs = _gpt(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (8, 8), inputs, hardware="h100", time_limit_s=2, pipeline=False)
+    return model, inputs, plan
+
+
+@pytest.fixture(scope="module")
+def staged():
+    """The same GPT as a 2-stage pipeline over (2, 8) (16 ranks), batch 16, as the planner's
+    pipeline search makes it."""
+    model, inputs = _gpt(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), "h100", layouts.hints, memory_limit=80e9,
+                                  time_limit_s=2, shape=(2, 8))
+    assert plan is not None, why
+    return model, inputs, plan
+
+
+def test_a_plan_for_64_ranks_dry_runs_in_one_process_with_memory_by_kind(planned):
+    model, inputs, plan = planned
+    result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    assert [r.rank for r in result.ranks] == [0, 63] and result.world_size == 64
+    assert result.ranks[1].coordinate == (7, 7)
+    for r in result.ranks:
+        assert r.peak > 0 and all(r.memory[k] > 0 for k in KINDS), r
+        assert sum(r.memory.values()) == r.peak  # the kinds are the peak's own breakdown
+    assert result.peak == max(r.peak for r in result.ranks)
+    assert result.ratio == pytest.approx(sum(plan.predicted.memory.values()) / result.peak)
+    assert "predicted / dry run" in result.table()
+    assert not dist.is_initialized()  # the fake process group is gone again
+
+
+def test_measured_state_is_the_plans_shards():
+    """Data parallel keeps every parameter whole on every rank, with AdamW's two moments:
+    the dry run's parameter and optimizer bytes are exactly those (the step counters aside)."""
+    model, inputs = _gpt(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (8, 8), inputs, hardware="h100", layout="dp")
+    result = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
+    params = list(model.parameters())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    for r in result.ranks:
+        assert r.memory["parameters"] == whole
+        assert r.memory["optimizer"] == 2 * whole + 4 * len(params)  # exp_avg, exp_avg_sq; a float32 step each
+
+
+def test_a_tampered_strategy_fails_with_an_autopar_error_naming_the_rank(planned):
+    model, inputs, plan = planned
+    broken = copy.deepcopy(plan)
+    node = next(n for n, s in broken.strategies.items() if "S(" in s)
+    broken.strategies[node] = "(S(5)S(5)) -> S(5)S(5)"  # a dim the tensor does not have
+    result = autopar.dry_run(broken, model, inputs, ranks=[5])
+    assert not result.ok and result.failures[0].error.startswith("autopar:")
+    with pytest.raises(DryRunError, match=r"^autopar: .* fails its dry run on rank 5 \(coordinate \(0, 5\)\)"):
+        result.raise_if_failed()
+    assert not dist.is_initialized()
+
+
+def test_more_micro_batches_than_the_batch_allows_fail_on_every_rank(staged):
+    model, inputs, plan = staged
+    broken = copy.deepcopy(plan)
+    broken.pipeline.micro_batches = 32  # 16 sequences
+    with pytest.raises(DryRunError, match=r"^autopar: .* on rank 0 .*micro-batches"):
+        autopar.dry_run(broken, model, inputs, raise_on_failure=True)
+
+
+def test_a_pipeline_plan_dry_runs_every_stage(staged):
+    model, inputs, plan = staged
+    pp = plan.pipeline
+    result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    assert [r.coordinate[pp.axis] for r in result.ranks] == list(range(pp.stages))
+    stages = sorted(s for r in result.ranks for s in r.stages)
+    assert stages == list(range(pp.stages * pp.chunks_per_rank))
+    assert all(r.peak > 0 and r.memory["activations"] > 0 for r in result.ranks)
+    assert distinct_ranks(plan) == [r.rank for r in result.ranks]
+
+
+def test_dry_run_refuses_to_replace_a_live_process_group(planned):
+    model, inputs, plan = planned
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        with pytest.raises(ValueError, match="^autopar: dry_run starts torch's fake process group"):
+            autopar.dry_run(plan, model, inputs)
+        assert dist.get_world_size() == 4  # left as it was
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cli_plan_dry_run(tmp_path):
+    printed = StringIO()
+    with redirect_stdout(printed):
+        code = main(["plan", "gpt-small", "--mesh", "2x2", "--layout", "fsdp", "--dry-run",
+                     "--out", str(tmp_path), "--no-progress"])
+    text = printed.getvalue()
+    assert code == 0, text
+    assert "dry run of the fsdp plan on mesh (2, 2) (4 ranks, 2 distinct run)" in text
+    assert "rank 3 (coordinate (1, 1)): ok, peak" in text and "predicted / dry run = " in text
+    ratio = float(text.split("predicted / dry run = ")[1].split()[0])
+    assert math.isfinite(ratio) and ratio > 0

@@ -1,0 +1,89 @@
+"""benchmarks/published.py's core on small shapes: the published-rate conversion, pinned
+layouts (intra-op with the fewest recomputed layers, pipelined) and one scaled-down row."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import published  # noqa: E402
+from autopar import layouts  # noqa: E402
+from autopar.models import GPT, GPTConfig  # noqa: E402
+from passes.capture import capture  # noqa: E402
+from passes.pinned import Pinned, price_pinned  # noqa: E402
+
+
+def tiny_gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=256, max_seq_len=64, dim=64, n_heads=4, n_layers=4))
+
+
+@pytest.fixture(scope="module")
+def captured():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(tiny_gpt(), (torch.zeros(16, 64, dtype=torch.long),))
+
+
+def test_megatron_7b_published_rate_by_hand():
+    row = next(r for r in published.published_rows() if r.key == "mlm-7.1b")
+    with torch.device("meta"):
+        model = row.build()
+    params, layers, hidden = published.model_shape(model)
+    assert (params, layers, hidden) == (7_131_922_432, 30, 4096)  # the README's "7.1B"
+    # by hand: 6 * 7,131,922,432 + 12 * 30 * 4096 * 4096 = 42,791,534,592 + 6,039,797,760
+    per_token = published.flops_per_token(params, layers, hidden, row.seq)
+    assert per_token == 48_831_332_352
+    assert published.published_tokens(row, per_token) == pytest.approx(9541.0, abs=0.5)  # 465.9e12 / per_token
+
+
+def test_fewest_recomputed_layers_that_fit(captured):
+    def price(limit: float):
+        return price_pinned(captured, (8,), "h100", lambda g: layouts.hint("dp", g), Pinned(layout="dp"),
+                            memory_limit=limit)
+
+    none = price(math.inf)
+    assert none.fits and none.recomputed == 0 and none.layers == 4
+    between = price(none.memory * 0.9)
+    assert between.fits and 0 < between.recomputed < 4 and between.memory <= none.memory * 0.9
+    assert between.step_time > none.step_time  # recomputing runs forwards again
+    assert price(between.memory).recomputed == between.recomputed  # the fewest that fit ...
+    tighter = price(between.memory * 0.999)  # ... and one byte less needs more, or nothing fits
+    assert not tighter.fits or tighter.recomputed > between.recomputed
+    nothing = price(1.0)
+    assert not nothing.fits and math.isinf(nothing.step_time)
+
+
+def test_pinned_pipeline_and_bad_requests(captured):
+    pinned = Pinned(layout="tp+dp", stages=2, micro_batches=4, schedule="1f1b")
+    cost = price_pinned(captured, (4, 2), "h100", lambda g: layouts.hint("tp+dp", g), pinned, memory_limit=80e9)
+    assert cost.fits and cost.step_time > 0 and cost.layers == 4 and cost.recomputed == 0
+    with pytest.raises(ValueError, match="autopar: 3 pipeline stages must divide"):
+        price_pinned(captured, (4, 2), "h100", lambda g: layouts.hint("tp+dp", g),
+                     Pinned(layout="tp+dp", stages=3, micro_batches=4), memory_limit=80e9)
+    with pytest.raises(ValueError, match="autopar: no pipeline schedule"):
+        Pinned(layout="tp+dp", stages=2, schedule="zigzag")
+
+
+def test_scaled_down_row_numbers():
+    row = published.Row(key="tiny", source="test", build=tiny_gpt, gpus=8, batch=16, seq=64, mesh=(4, 2),
+                        pinned=Pinned(layout="tp+dp", stages=2, micro_batches=4), layout_text="TP 2, PP 2, DP 2",
+                        tflops_per_gpu=1.0, memory_gib=1.0)
+    r = published.evaluate(row, time_limit_s=3.0, dry_run=False)
+    params = sum(p.numel() for p in tiny_gpt().parameters())
+    per_token = 6 * params + 12 * 4 * 64 * 64
+    assert r["flops_per_token"] == per_token
+    assert r["published"] == pytest.approx(1e12 / per_token)
+    assert r["predicted"] == pytest.approx(16 * 64 / r["pinned"].step_time / 8)
+    assert r["ratio"] == pytest.approx(r["predicted"] / r["published"])
+    assert r["auto_mfu"] == pytest.approx(r["auto_tokens"] * per_token / 989e12)
+    mesh = r["auto_line"].split(",")[0].removeprefix("mesh ")  # e.g. "8" or "4x2" (a pipeline's split)
+    assert math.prod(int(n) for n in mesh.split("x")) == 8 and r["dry_run"] == "not run"
+    text = published.table([r])
+    assert text.splitlines()[0] == published.HEADER and "| tiny | 8 | TP 2, PP 2, DP 2 |" in text
