@@ -65,6 +65,11 @@ def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> 
         if node.name not in stage_of:
             raise ValueError(f"autopar: the plan's pipeline gives no stage for node {node.name}; re-plan")
         stage[node] = stage_of[node.name]
+        later = [src.name for src in node.all_input_nodes if stage.get(src, -1) > stage[node]]
+        if later:  # a value would have to travel back to an earlier stage
+            raise ValueError(
+                f"autopar: the plan's pipeline runs {node.name} in stage {stage[node]} but its input {later[0]} in "
+                f"stage {stage_of[later[0]]}; expected every value to flow to the same or a later stage; re-plan")
     user_inputs = [n for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
     state = [n for n in captured.nodes("placeholder") if n.name not in captured.user_inputs]
     output_node = next(iter(captured.nodes("output")))

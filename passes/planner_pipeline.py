@@ -69,16 +69,19 @@ class LayerNumbers:
 
 def node_layers(costs: Costs) -> tuple[dict, int]:
     """(graph node -> the layer it runs with, the number of layers): its own layer, else the
-    first for nodes before the first layer's first op and the last for the rest; a
+    layer of the last layered op before it in graph order (the first layer for nodes before
+    any), so a node between two layers (a residual add outside the repeated block) runs with
+    the layer that made its input and every value flows to the same or a later stage; a
     placeholder outside the layers sits with its first reader."""
     nodes = list(costs.graph.nodes)
     layered = [costs.layer_of[n] for n in nodes if n in costs.layer_of and n.op != "placeholder"]
     count = max(layered) + 1 if layered else 1
-    first_pos = min((i for i, n in enumerate(nodes) if n in costs.layer_of and n.op != "placeholder"), default=0)
     where: dict = {}
-    for i, n in enumerate(nodes):
+    current = 0
+    for n in nodes:
         if n.op != "placeholder":
-            where[n] = costs.layer_of.get(n, 0 if i < first_pos else count - 1)
+            current = costs.layer_of.get(n, current)
+            where[n] = current
     for n in nodes:  # a placeholder sits with its layer, or with its first reader
         if n.op == "placeholder":
             where[n] = costs.layer_of.get(n, min((where[u] for u in n.users if u in where), default=0))

@@ -21,7 +21,8 @@ from autopar.planning import plan
 from passes.capture import capture
 from passes.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from passes.plan import Pipeline, Plan
-from passes.planner_pipeline import LayerNumbers, pipeline_plan, search
+from passes.costing import build_costs
+from passes.planner_pipeline import LayerNumbers, node_layers, pipeline_plan, search
 from passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
 from passes.strategies import build_strategy_graph
 from tests.profiles import measured_style
@@ -266,3 +267,19 @@ def test_a_manual_layout_predicted_faster_than_the_search_is_returned():
     assert best.predicted.step_time == pytest.approx(auto.candidates[fastest])
     assert any("beat the search's best" in r for r in best.reasons)
     assert _no_slower_than_layouts(auto, auto.candidates, graph, profile, layouts.hints, 80e9, None) is auto
+
+
+def test_a_residual_between_layers_runs_with_the_layer_that_made_its_input():
+    """WideMLP's residual adds sit outside the repeated block: each runs with the layer
+    before it, so every value flows to the same or a later layer (and so stage), as the
+    runtime's stage cut needs (they once went to the last layer: a plan that cannot run)."""
+    model = WideMLP(dim=32, hidden=64, n_layers=4)
+    x = torch.zeros(8, 32)
+    graph = build_strategy_graph(capture(model, (x,)), (2,))
+    costs = build_costs(graph, costmodels.preset("h100", (2,)), memory_limit=None)
+    where, count = node_layers(costs)
+    assert count == 4
+    adds = [n for n in graph.nodes if n.op == "call_function" and n.name.startswith("add")]
+    assert [where[n] for n in adds] == [0, 1, 2, 3]
+    for node in where:
+        assert all(where[u] >= where[node] for u in node.users if u in where), node.name
