@@ -12,6 +12,8 @@ from passes.plan import Plan
 from autopar import layouts
 from autopar.planning import plan
 from autopar.dryrun import DryRunResult, dry_run
+from autopar import checkpoint, faults
+from autopar.checkpoint import Checkpointer
 
 __all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "layouts", "plan",
-           "dry_run", "DryRunResult"]
+           "dry_run", "DryRunResult", "checkpoint", "faults", "Checkpointer"]

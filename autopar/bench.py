@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import costmodels
 from autopar import bench_report, layouts
 from autopar.bench_models import MODELS, build
-from autopar.runtime import WithLoss
+from autopar.loss import WithLoss
 from passes.capture import capture
 from passes.costing import build_costs
 from passes.planner import complete, layout_plan, plan_captured

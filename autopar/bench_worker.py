@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 import autopar
 from autopar.bench_models import build
-from autopar.runtime import ParallelModule, WithLoss
+from autopar.loss import WithLoss
+from autopar.runtime import ParallelModule
 from passes.capture import capture
 from passes.plan import Plan
 from passes.strategies import build_strategy_graph

@@ -12,7 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.pipeline import PipelineModule
+from autopar.planning import plan as make_plan
 from autopar.runtime import ParallelModule
+from costmodels.profiler import profile_mesh
 from passes.capture import capture
 from passes.plan import Plan
 from passes.strategies import build_strategy_graph
@@ -123,13 +126,9 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     on this mesh once and cached (``autopar profile``); ``options`` go to ``autopar.plan``
     (``time_limit_s``, ``layout``, ...)."""
     if hardware is None:
-        from costmodels.profiler import profile_mesh
-
         hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=True)  # a bar on rank 0
     text = [None]
     if dist.get_rank() == 0:
-        from autopar.planning import plan as make_plan
-
         print(f"autopar: planning {type(model).__name__} for mesh {tuple(mesh.shape)} on rank 0 ...",
               file=sys.stderr, flush=True)
 
@@ -140,8 +139,6 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
 
 def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan):
     """A pipeline plan's strategies are for one micro-batch on the intra-op axes."""
-    from autopar.pipeline import PipelineModule
-
     pp = plan.pipeline
     if plan.model == "WithLoss":  # its stages were cut from another graph than the model's own
         raise ValueError(

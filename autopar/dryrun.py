@@ -1,4 +1,4 @@
-"""Full-scale dry run: a plan's training step at its real world size, in one process.
+"""Full-scale dry run: a plan's training step at its real world size, on one machine, no devices.
 
 ``dry_run(plan, model, example_inputs)`` builds the program of every distinct rank of the
 plan's mesh (64, 512, ... ranks) on torch's ``"fake"`` process group, under
@@ -25,6 +25,12 @@ from fake gradients of its outputs (the last stage: from the loss), with the mic
 in flight exactly as the schedule keeps them. The shapes one stage sends are checked
 against those the next stage expects, across ranks.
 
+Speed: the model is captured and its strategy graph built once, then the distinct ranks
+run in worker processes forked from that state (one per core), each rank's step on its own
+fake process group. The tracker keeps the whole rank's peak only: MemTracker's per-module
+peaks, updated after every op over every module it has seen, made the step's cost grow
+with the square of the model's depth.
+
 A plan that fails its dry run is a planner bug: the result names the rank and the error.
 """
 
@@ -32,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
 import time
 import traceback
 import warnings
@@ -40,21 +48,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining.schedules import _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 
-from autopar.gradsync import sync_gradients
 from autopar.pipeline import PipelineModule
-from autopar.runtime import ParallelModule, WithLoss
+from autopar.loss import WithLoss
+from autopar.runtime import ParallelModule
 from passes.capture import Captured, capture
+from passes.loss_memory import cross_entropy, default_loss
 from passes.placements import local_shape, local_slice
-from passes.plan import Plan
+from passes.plan import Plan, choice_from_plan
 from passes.strategies import StrategyGraph, build_strategy_graph
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
@@ -168,9 +176,10 @@ def dry_run(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ranks: Sequence[int] | None = None,
     raise_on_failure: bool = False,
+    workers: int | None = None,
 ) -> DryRunResult:
-    """Run a training step of ``plan`` on every distinct rank of its mesh, in this
-    process, on fake tensors and torch's fake process group; see the module docstring.
+    """Run a training step of ``plan`` on every distinct rank of its mesh, on this machine
+    (``workers``), on fake tensors and torch's fake process group; see the module docstring.
 
     ``model`` may live on the meta device (nothing is allocated). ``loss_fn(outputs, target)``
     defaults to cross-entropy against the input ids for a language model (outputs of shape
@@ -178,7 +187,9 @@ def dry_run(
     the loss (``autopar.plan(..., loss_fn=, target=)``) needs the same ``loss_fn`` and
     ``target`` here. ``optimizer`` defaults to AdamW. ``ranks``: which global ranks to run
     (default: the distinct ones). ``raise_on_failure``: raise an ``autopar:`` error naming the
-    first failing rank instead of returning it in the result.
+    first failing rank instead of returning it in the result. ``workers``: processes the ranks
+    run in, forked after the one capture they share (default: one per core, at most one per
+    rank; 1 runs them here, one after another).
 
     Needs no process group of its own: it starts torch's fake one per rank and destroys it
     after; one already initialised here is an error (run the dry run outside torchrun).
@@ -193,6 +204,7 @@ def dry_run(
     shape = tuple(plan.mesh_shape)
     chosen = list(ranks) if ranks is not None else distinct_ranks(plan)
     results = [RankResult(r, _coordinate(r, shape)) for r in chosen]
+    processes = _workers(workers, len(results))
     try:
         work = _prepare(plan, model, example_inputs, loss_fn, target)
     except ValueError as e:  # the plan does not fit the model at all: every rank would fail to build
@@ -200,8 +212,7 @@ def dry_run(
             r.error = _one_line(e)
         work = None
     if work is not None:
-        for r in results:
-            _run_rank(work, r, optimizer or _adamw)
+        _run_ranks(work, results, optimizer or _adamw, processes)
         if plan.pipeline is not None:
             _check_stage_boundaries(work, results)
     result = DryRunResult(plan.kind, shape, results, dict(plan.predicted.memory), time.perf_counter() - started)
@@ -268,6 +279,7 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
     mesh = tuple(plan.mesh_shape)
     intra = tuple(s for i, s in enumerate(mesh) if plan.pipeline is None or i != plan.pipeline.axis)
     graph = build_strategy_graph(captured, intra)
+    choice_from_plan(graph, plan)  # the plan fits the graph, checked once (and every strategy's name made once)
     return _Work(plan, model, captured, graph, loss_fn, [(tuple(x.shape), x.dtype) for x in flat],
                  (tuple(target.shape), target.dtype))
 
@@ -313,31 +325,14 @@ def _on_cpu(captured: Captured) -> Captured:
 
 
 def _default_loss(captured: Captured, inputs: list[torch.Tensor], micro_batches: int) -> tuple[Callable, torch.Tensor]:
-    """Cross-entropy against the input ids for a language model (first output shaped
-    ``ids.shape + (vocab,)``), else the first output's mean square; and a whole-batch target
-    (``captured`` may be one of ``micro_batches`` micro-batches)."""
-    output_node = next(iter(captured.nodes("output")))
-    outs = [n for n in pytree.tree_leaves(output_node.args[0]) if isinstance(n, fx.Node)]
-    first = outs[captured.user_outputs[0]].meta["val"]
-    whole = (first.shape[0] * micro_batches, *first.shape[1:]) if first.dim() else ()
-    ids = inputs[0] if inputs else None
-    if (ids is not None and not ids.dtype.is_floating_point and len(whole) == ids.dim() + 1
-            and tuple(whole[:-1]) == tuple(ids.shape)):
-        return _cross_entropy, torch.zeros(ids.shape, dtype=torch.long, device="meta")
-    return _mean_square, torch.zeros(whole, dtype=first.dtype, device="meta")
-
-
-def _first_output(outputs: Any) -> torch.Tensor:
-    return next(t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor))
-
-
-def _cross_entropy(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = _first_output(outputs)
-    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
-
-
-def _mean_square(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-    return (_first_output(outputs) - target).pow(2).mean()
+    """The loss the planner prices for a plan made without one (``passes.loss_memory.
+    default_loss``), with a whole-batch target (``captured`` may be one of ``micro_batches``
+    micro-batches)."""
+    loss_fn, target = default_loss(captured)
+    if loss_fn is cross_entropy:
+        return loss_fn, torch.zeros(inputs[0].shape, dtype=torch.long, device="meta")
+    whole = (target.shape[0] * micro_batches, *target.shape[1:]) if target.dim() else ()
+    return loss_fn, torch.zeros(whole, dtype=target.dtype, device="meta")
 
 
 def _loss_is_output(loss: torch.Tensor, _unused: torch.Tensor) -> torch.Tensor:
@@ -346,6 +341,59 @@ def _loss_is_output(loss: torch.Tensor, _unused: torch.Tensor) -> torch.Tensor:
 
 def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, foreach=True)  # one multi-tensor op per update: fast on fake tensors
+
+
+# --- the ranks, in forked worker processes ------------------------------------------------
+# Each rank's step is independent of the others' (the stage boundaries are compared after),
+# and single-threaded Python: forked after the shared capture, the workers use every core
+# and inherit the capture, strategy graph, model and optimizer factory without pickling them.
+
+def _workers(asked: int | None, n_ranks: int) -> int:
+    if asked is not None and asked < 1:
+        raise ValueError(f"autopar: dry_run(workers=...) expected at least 1 process, found {asked}")
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1  # no fork here (Windows): the ranks run in this process
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(asked or cores, n_ranks))
+
+
+def _run_ranks(work: _Work, results: list[RankResult], optimizer: Callable, workers: int) -> None:
+    if workers == 1:
+        for r in results:
+            _run_rank(work, r, optimizer)
+        return
+    context = multiprocessing.get_context("fork")
+    shares = [results[k::workers] for k in range(workers)]
+    running = []
+    for share in shares:
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(target=_worker, args=(work, share, optimizer, sender), daemon=True)
+        process.start()
+        sender.close()  # the worker's end: EOF here when it exits
+        running.append((share, process, receiver))
+    for share, process, receiver in running:
+        try:
+            done, stage_io = receiver.recv()
+        except EOFError:
+            done, stage_io = None, {}
+        process.join()
+        if done is None:
+            for r in share:
+                r.error = (f"autopar: the dry run's worker process for rank(s) {[r.rank for r in share]} exited "
+                           f"with status {process.exitcode} before reporting; expected a result per rank. Run "
+                           "with workers=1 to see the failure in this process")
+            continue
+        for r, d in zip(share, done):
+            r.__dict__.update(d.__dict__)
+        work.stage_io.update(stage_io)
+
+
+def _worker(work: _Work, share: list[RankResult], optimizer: Callable, sender: Any) -> None:
+    torch.set_num_threads(1)  # fake tensors compute nothing; the other workers have the other cores
+    for r in share:
+        _run_rank(work, r, optimizer)
+    sender.send((share, work.stage_io))
+    sender.close()
 
 
 # --- one rank ---------------------------------------------------------------------------
@@ -377,7 +425,7 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
                 else:
                     _pipeline_step(module, inputs, target, work.stage_io)
             peak = tracker.get_tracker_snapshot("peak").get(CPU, {})
-        result.peak = int(peak.get("Total", 0))
+        result.peak = int(peak.get(_TOTAL_KEY, 0))
         result.memory = {k: 0 for k in KINDS}
         for ref, kind in _KIND_OF.items():
             result.memory[kind] += int(peak.get(ref, 0))
@@ -459,6 +507,15 @@ class _Tracker(MemTracker):
             return
         super()._pre_fw_hook(module, inputs)
 
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        """The whole rank's peak only. MemTracker's own also updates the peak of every module
+        it has seen, looping over all of them after every op: a cost per op that grows with
+        the model's depth (most of a 70B dry run's time), for statistics the dry run does not read."""
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
+
     def watch_gradients(self, params: list[nn.Parameter]) -> None:
         for p in params:
             if p.requires_grad:
@@ -479,7 +536,7 @@ def _pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     pp = pm.plan.pipeline
     if pm.schedule is None:
         pm._build_schedule(target.chunk(pp.micro_batches)[0])  # the loss program and torch's schedule
-    pm.optimizer.zero_grad(set_to_none=True)
+    pm.zero_grad()
     stages = {stage.stage_index: (stage, program) for stage, program in zip(pm.stages, pm.programs)}
     in_flight: dict[tuple[int, int], tuple] = {}
     for action in pm.schedule.pipeline_order[pm.pp_rank]:
@@ -504,10 +561,8 @@ def _pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
         elif kind != _ComputationType.REDUCE_GRAD:  # summed below, for every stage at once
             raise ValueError(f"autopar: the dry run replays forward and full-backward actions; found {action} "
                              f"in schedule {pp.schedule}")
-    if pm.intra is not None:
-        for program, named in zip(pm.programs, pm.stage_state):
-            sync_gradients(program.grad_sync, named, pm.intra, flatten=False)
-    pm.optimizer.step()
+    pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
+    pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
 
 
 def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -> list[torch.Tensor]:

@@ -9,6 +9,14 @@ data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's schedules.
 Other micro-batch shapes (``train_step(accumulate=k)``: k schedule runs on 1/k of the
 batch each, one gradient sum and one optimizer step) and eval mode run stages of their
 own (``Stages``), captured again and cut and laid out by the same plan, on the same state.
+
+ZeRO-1/2 (``Plan.zero``, stored as ``Plan.params`` says on the intra-op mesh), as
+Megatron's distributed optimizer runs with pipelines: stages hold parameters as their ops
+use them, and the optimizer steps this rank's slices of them (``autopar.zero1``). The
+gradients accumulate whole over every micro-batch and schedule run of a step, and are
+summed once per step: all-reduced (ZeRO-1), or reduce-scattered into the slices over the
+data-parallel axes and then dropped whole (ZeRO-2); the updated slices are all-gathered
+into the whole parameters after the optimizer step (``step``).
 """
 
 from __future__ import annotations
@@ -30,11 +38,16 @@ from torch.utils import _pytree as pytree
 
 from autopar.clipping import clip_grad_norm_, replicas
 from autopar.gradsync import Rider, sync_gradients
-from autopar.runtime import DataParallel, build_loss_program, check_divisible, mesh_device, split_batch, whole
+from autopar.batch import DataParallel, check_divisible, split_batch
+from autopar.loss import build_loss_program
+from autopar.meshes import mesh_device, whole
+from autopar.state_dicts import in_state_dict_order
+from autopar.variants import Variants, backward_order, stored_layouts
+from autopar.zero1 import OptimizerSlices, slice_axes
 from passes.capture import Captured, capture
 from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
 from passes.codegen import Part, RankProgram, lower
-from passes.placements import local_slice, parse_spec
+from passes.placements import Spec, local_slice, parse_spec
 from passes.plan import Plan, choice_from_plan
 from passes.strategies import StrategyGraph, build_strategy_graph
 
@@ -134,6 +147,21 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _HeldGradients(torch.autograd.Function):
+    """A pipelined loss for a hand-written loop: its value as computed; its backward hands
+    the gradient it receives to ``add`` (the schedule has run backward already)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor, add: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.add = add
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.add(grad)
+        return None, None, None
+
+
 class PipelineModule(nn.Module):
     def __init__(
         self,
@@ -147,13 +175,6 @@ class PipelineModule(nn.Module):
     ):
         super().__init__()
         pp = plan.pipeline
-        sharded_state = sorted({z for fqn, z in plan.zero.items() if z in (1, 2) and "S(" in plan.params.get(fqn, "")})
-        if sharded_state:  # stages hold parameters as their ops use them (ZeRO-3 is a placement: it runs)
-            warnings.warn(
-                f"autopar: this pipeline plan stores parameters at ZeRO level(s) {sharded_state}; pipeline stages "
-                "hold them as their ops use them, with the optimizer state whole, so memory per rank is above "
-                "plan.predicted.memory (the training itself is the same); plan with zero levels 0 or 3 for "
-                "pipelines to have memory as predicted", stacklevel=3)
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError("autopar: a pipeline plan needs a mesh with axis names (init_device_mesh(..., mesh_dim_names=...))")
@@ -179,10 +200,16 @@ class PipelineModule(nn.Module):
         values = captured.state_values(model)
         self._compiled = self._lower_stages(captured, graph, functools.partial(self._take_state, values))
         micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
-        self._variants: dict[tuple, Stages] = {(micro, True): self._compiled}
+        self._variants = Variants((micro, True), self._compiled)
         self._variant = self._compiled
-        self.optimizer = optimizer(list(self.params))
+        self.optimizer_slices, self._stored = self._optimizer_slices()
+        # what the optimizer steps: the stages' parameters, or (ZeRO-1/2) this rank's slices of them
+        self.optimizer = optimizer([self.optimizer_slices.slices.get(name, t) for name, (t, _) in self.state.items()
+                                    if isinstance(t, nn.Parameter)])
         self._loss_scale = 1.0 / pp.micro_batches  # of each micro-batch's loss: 1 / micro-batches per step
+        self._axes: tuple[int, ...] = ()  # the intra-op axes the loss is a pending sum over
+        self._sync = True  # False inside no_sync()
+        self._summed = False  # the gradients hold a sum over ranks (until zero_grad())
 
     # --- stages per micro-batch shape and mode ------------------------------------------
     # A call runs the stages for its micro-batches' shapes in this module's mode (train, or
@@ -261,6 +288,37 @@ class PipelineModule(nn.Module):
         self.state[name] = (local, spec)
         return local
 
+    def _optimizer_slices(self) -> tuple[OptimizerSlices, dict[str, Spec]]:
+        """ZeRO-1/2 as the plan stores them (``Plan.params``, on the intra-op mesh): the
+        optimizer steps this rank's slices of the parameters stored split further than the
+        stages use them, over axes on which they are replicated (``autopar.zero1``); ZeRO-2
+        reduce-scatters their gradients into the slices, once per step, over the axes on
+        which they are data-parallel shares. Also the stored layout of each sliced one."""
+        captured = self._compiled.captured
+        stored = stored_layouts(captured, self.plan) if self.intra is not None else {}
+        summed = {name: axes for program in self.programs for name, axes in program.grad_sync.items()}
+        wholes, reduced, whole_state = {}, {}, []
+        for name, spec in stored.items():
+            if name not in self.state:  # another pipeline rank's
+                continue
+            local, used = self.state[name]
+            axes = slice_axes(local.shape, used, spec, self._intra_shape)
+            if axes is None:  # not a further even split of the layout used: its state stays whole
+                whole_state += [captured.params[name]] if spec != used else []
+                continue
+            wholes[name] = local
+            if self.plan.zero[captured.params[name]] == 2:
+                reduced[name] = tuple(a for a in axes if a in summed.get(name, ()))
+        if whole_state:
+            warnings.warn(
+                f"autopar: the pipeline plan stores {', '.join(whole_state)} at ZeRO 1/2 in layouts that do not "
+                "split evenly further what the stages use; their optimizer state is kept whole (memory above "
+                "plan.predicted.memory); re-plan, or store them as used", stacklevel=4)
+        order = [name for program in reversed(self.programs) for name in backward_order(program.gm)]
+        used_specs = {name: self.state[name][1] for name in wholes}
+        slices = OptimizerSlices(wholes, used_specs, stored, self.intra, order, reduced)
+        return slices, {name: stored[name] for name in wholes}
+
     def _shared_state(self, captured: Captured, name: str, spec: Any) -> torch.Tensor:
         """The compiled stages' shard of a state tensor, for a variant (checked: laid out alike);
         a constant export lifted for this capture is its own."""
@@ -295,16 +353,18 @@ class PipelineModule(nn.Module):
         shapes = [tuple(t.shape) for t in flat]
         check_divisible(shapes, self._input_specs, [(s[0] * m, *s[1:]) for s in compiled], self._intra_shape, m)
         micro = tuple((s[0] // m, *s[1:]) for s in shapes)
-        key = (micro, self.training)
-        if key not in self._variants:
+        train = self.training
+
+        def build() -> Stages:
             device = next(iter(self._compiled.captured.nodes("placeholder"))).meta["val"].device
             examples = tuple(torch.zeros(s, dtype=t.dtype, device=device) for s, t in zip(micro, flat))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                captured = self._capture(examples, train=self.training)
+                captured = self._capture(examples, train=train)
             graph = build_strategy_graph(captured, self._intra_shape)
-            self._variants[key] = self._lower_stages(captured, graph, self._shared_state)
-        return self._variants[key]
+            return self._lower_stages(captured, graph, self._shared_state)
+
+        return self._variants.get((micro, train), build)
 
     def _build_schedule(self, target_micro: torch.Tensor | None) -> None:
         """The schedule of the running stages; with ``target_micro`` None, one for forward
@@ -391,32 +451,135 @@ class PipelineModule(nn.Module):
         ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
         if local:
             inputs, target = self._whole_batch(inputs, target)
-        pp = self.plan.pipeline
-        self.optimizer.zero_grad(set_to_none=True)
-        self._loss_scale = 1.0 / (pp.micro_batches * accumulate)
+        self.zero_grad()
         losses: list[torch.Tensor] = []
         for micro_inputs, micro_target in split_batch(inputs, target, accumulate):
-            with self._running(micro_inputs):
-                if self.schedule is None:
-                    self._build_schedule(micro_target.chunk(pp.micro_batches)[0])
-                losses += self._run_schedule(micro_inputs, micro_target)
-                axes = self._loss_axes() if losses else ()
+            losses += self._forward_backward(micro_inputs, micro_target, 1.0 / accumulate)
         # each loss is its micro-batch's / (micro-batches in the step): their sum is the mean
-        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), dtype=torch.float64,
-                                                                              device=self.device)
-        if self.intra is not None:
-            for program, named in zip(self.programs, self.stage_state):
-                # the last stage's loss shares are summed along with its gradients
-                riders = [Rider(total, axes)] if losses and program is self.programs[-1] else []
-                # stages differ in their axes: no group is made for them (flatten=False)
-                sync_gradients(program.grad_sync, named, self.intra, riders, flatten=False)
+        total = self._sum_gradients(self._stacked(losses))
         # --- the gradients are summed; clipping goes here, before the optimizer step ---
         if max_norm is not None:
             self.clip_grad_norm_(max_norm, norm_type)
-        self.optimizer.step()
+        self.step()
+        return self._on_every_rank(total)
+
+    def loss(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """For a loop written by hand (``no_sync()``, ``clip_grad_norm_``, ``step()``,
+        ``zero_grad()``, as ``ParallelModule``): the global mean loss of the batch, on every
+        rank, whose ``backward()`` adds this batch's gradients to ``.grad``.
+
+        A pipeline cannot wait for ``backward()``: its schedule runs every micro-batch's
+        forward and backward now, and the gradients it makes are held aside. The loss's
+        backward adds them, times the gradient it receives (``(loss / k).backward()`` adds
+        1/k of them: gradients are linear in the loss), and outside ``no_sync()`` then sums
+        everything accumulated over the data-parallel ranks, once. A loss whose backward is
+        never called adds nothing."""
+        if local:
+            inputs, target = self._whole_batch(inputs, target)
+        held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            losses = self._forward_backward(inputs, target, 1.0)
+            made = [p.grad for p in self.params]
+        finally:
+            for p, grad in zip(self.params, held):
+                p.grad = grad
+        value = self._stacked(losses)
+        if self.intra is not None and losses:  # the last stage's loss shares, summed as train_step sums them
+            sync_gradients({}, {}, self.intra, [Rider(value, self._axes)], flatten=False)
+        value = self._on_every_rank(value)
+        add = functools.partial(self._add_gradients, made, self._sync)
+        return _HeldGradients.apply(value, torch.zeros((), requires_grad=True), add)
+
+    def _add_gradients(self, made: list[torch.Tensor | None], sync: bool, scale: torch.Tensor) -> None:
+        """A hand-written loop's backward (``loss``): the gradients its schedule run made,
+        times ``scale``, added to ``.grad``; outside ``no_sync()``, then summed over ranks."""
+        if not sync and self._summed:
+            raise ValueError(
+                "autopar: a backward inside no_sync() after a backward outside it: the gradients hold a sum over "
+                "ranks already, and this rank's share would be added to it unsummed; expected the micro-steps "
+                "inside no_sync() first and the last one outside it (DDP's order), then step() and zero_grad()"
+            )
+        made = [None if grad is None else grad * scale.to(grad) for grad in made]
+        if sync and self._summed:  # .grad holds sums already: sum only what this backward adds
+            held = [p.grad for p in self.params]
+            for p, grad in zip(self.params, made):
+                p.grad = grad
+            self._sum_gradients(None)
+            made = [p.grad for p in self.params]
+            for p, grad in zip(self.params, held):
+                p.grad = grad
+            sync = False
+        for p, grad in zip(self.params, made):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+        if sync:  # this rank's shares accumulated since zero_grad(), summed once
+            self._sum_gradients(None)
+
+    def _forward_backward(self, inputs: tuple, target: torch.Tensor, scale: float) -> list[torch.Tensor]:
+        """One schedule run over ``inputs`` (forward and backward of every micro-batch),
+        each micro-batch's loss scaled by ``scale`` / micro-batches; its gradients added to
+        ``.grad``; this rank's micro-batch losses (the last stage's)."""
+        pp = self.plan.pipeline
+        self._loss_scale = scale / pp.micro_batches
+        with self._running(inputs):
+            if self.schedule is None:
+                self._build_schedule(target.chunk(pp.micro_batches)[0])
+            losses = self._run_schedule(inputs, target)
+            self._axes = self._loss_axes() if losses else ()
+        return losses
+
+    def _stacked(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the loss: the sum of its micro-batch losses (zero off the last stage)."""
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(losses).sum().detach()
+
+    def _sum_gradients(self, total: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradients' data-parallel shares summed over the intra-op mesh, once per
+        step, each stage's own way; ``total`` (the last stage's loss shares) rides along."""
+        if self.intra is not None:
+            for program, named in zip(self.programs, self.stage_state):
+                # the last stage's loss shares are summed along with its gradients
+                last = total is not None and self.stages[-1].is_last and program is self.programs[-1]
+                riders = [Rider(total, self._axes)] if last else []
+                # stages differ in their axes: no group is made for them (flatten=False)
+                # (ZeRO-2: not over the axes its reduce-scatter sums, just below)
+                sync_gradients(self.optimizer_slices.all_reduced(program.grad_sync), named, self.intra, riders,
+                               flatten=False)
+            self.optimizer_slices.take_gradients()  # ZeRO-1: the slices' gradients (views); ZeRO-2: reduce-scattered
+        self._summed = True
+        return total
+
+    def _on_every_rank(self, total: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss, on every rank of the pipeline."""
         total = total.to(torch.float64)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it
         return total
+
+    def step(self) -> None:
+        """The optimizer step on the summed gradients, then (ZeRO-1/2) every rank's whole
+        parameters gathered from the updated slices. Every rank calls it."""
+        self.optimizer_slices.take_gradients()  # ZeRO-1: views of the whole gradients as they are now
+        self.optimizer.step()
+        self.optimizer_slices.gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer_slices.zero_grad()  # ZeRO-1/2: the whole parameters' gradients too
+        self._summed = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As ``ParallelModule.no_sync``: the backward of a loss computed inside (``loss``)
+        adds its gradients without summing them over ranks; the backward of the next loss
+        computed outside sums everything accumulated, once."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     def _run_schedule(self, inputs: tuple, target: torch.Tensor | None) -> list[torch.Tensor]:
         """One run of the running stages' schedule over the batch ``inputs`` (forward only
@@ -468,19 +631,20 @@ class PipelineModule(nn.Module):
             wholes.append(torch.cat(pieces).cpu())
         return wholes
 
-    def no_sync(self) -> None:
-        raise ValueError(
-            "autopar: a pipeline runs its micro-batches inside its schedule and has no pm.loss() for a loop "
-            "written by hand; expected train_step(inputs, target, accumulate=k) (k schedule runs, gradients "
-            "synchronised once, one optimizer step)"
-        )
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every stage's
         summed gradients, each element counted once (replicas on the intra-op axes once),
         summed over the whole mesh and returned on every rank; this rank's gradient shards
         scaled in place. A collective: every rank calls it, after the gradients are summed."""
-        held = [(shard, spec) for shard, spec in self.state.values() if isinstance(shard, nn.Parameter)]
+        if not self._sync:
+            raise ValueError(
+                "autopar: clip_grad_norm_ was called inside no_sync(), where the gradients are this rank's unsummed "
+                "shares; expected it after the last backward, outside no_sync() (DDP's order), before step()"
+            )
+        # what the optimizer steps, where it lies (ZeRO-1/2: the slices, as stored)
+        self.optimizer_slices.take_gradients()
+        held = [(self.optimizer_slices.slices.get(name, shard), self._stored.get(name, spec))
+                for name, (shard, spec) in self.state.items() if isinstance(shard, nn.Parameter)]
         copies = [replicas(spec, self._intra_shape) for _, spec in held]
         return clip_grad_norm_([shard for shard, _ in held], copies, self.mesh, max_norm, norm_type, self.device)
 
@@ -497,3 +661,21 @@ class PipelineModule(nn.Module):
         gathered: list[dict] = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         return {k: v for d in gathered for k, v in d.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """As ``ParallelModule.full_state_dict``: the model's ``state_dict()`` whole, in its
+        names and order, on every rank (collectives over the whole mesh)."""
+        buffers = self._compiled.captured.buffers
+        mine = {buffers[ph]: whole(t.detach(), spec, self.intra) if self.intra is not None and spec else t.detach()
+                for ph, (t, spec) in self.state.items() if ph in buffers}
+        gathered: list[dict] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        held = self.full_parameters() | {k: v for d in gathered for k, v in d.items()}
+        return in_state_dict_order(self._capture.args[0], held)
+
+    def optimizer_shards(self) -> dict[str, tuple[torch.Tensor, Any]]:
+        """Qualified name -> what the optimizer steps of each of this rank's parameters
+        (ZeRO-1/2: its slice) and its placement on the intra-op mesh (None: whole)."""
+        params = self._compiled.captured.params
+        return {params[name]: (self.optimizer_slices.slices.get(name, shard), self._stored.get(name, spec))
+                for name, (shard, spec) in self.state.items() if isinstance(shard, nn.Parameter)}

@@ -16,6 +16,7 @@ import torch
 
 import costmodels
 from autopar import layouts
+from autopar.loss import WithLoss
 from passes.capture import capture
 from passes.plan import Plan
 from passes.planner import plan_captured
@@ -56,8 +57,6 @@ def plan(
         raise ValueError("autopar: plan(loss_fn=...) expected a target= tensor for the loss; found none. "
                          "Pass target=labels, or leave loss_fn out to plan the model alone")
     if loss_fn is not None:
-        from autopar.runtime import WithLoss
-
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
     started = time.perf_counter()
     if progress is not None:

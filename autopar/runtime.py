@@ -17,30 +17,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
+from autopar.batch import Cut, DataParallel, SameInputs, check_divisible, rows_text, split_batch
 from autopar.clipping import clip_grad_norm_, replicas
 from autopar.gradsync import GradientSync, Rider, sync_gradients
-from autopar.zero1 import OptimizerSlices, slice_axes
+from autopar.loss import build_loss_program, model_loss
+from autopar.meshes import mesh_device, whole
+from autopar.state_dicts import in_state_dict_order
+from autopar.variants import Variant, Variants, backward_order, lower_plan, stored_layouts
+from autopar.zero1 import OptimizerSlices
 from passes.capture import Captured, capture
-from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
-from passes.codegen import RankProgram, lower
-from passes.placements import (Spec, fits, is_partial, local_shape, local_slice, parse_spec, shard_counts,
-                               shard_offset, spec_str)
-from passes.plan import Plan, choice_from_plan
-from passes.propagate import choose_by_propagation, reshard_bytes
-from passes.strategies import StrategyGraph, build_strategy_graph, tensor_inputs
-from passes.strategy import TensorMeta
+from passes.codegen import RankProgram
+from passes.placements import Spec, fits, local_slice, spec_str
+from passes.plan import Plan
+from passes.strategies import StrategyGraph, build_strategy_graph
 
 
 class ParallelModule(nn.Module):
@@ -63,7 +62,7 @@ class ParallelModule(nn.Module):
         # the model is captured again for other input shapes and for eval (a partial, not a submodule:
         # its whole parameters are neither this module's parameters nor in its state_dict)
         self._capture = functools.partial(capture, model)
-        stored = storage_specs(captured, plan)
+        stored = stored_layouts(captured, plan)
         program, level1 = lower_plan(graph, captured, plan, mesh)
         self.coord = tuple(mesh.get_coordinate())
         self.device = mesh_device(mesh)  # shards live where the mesh's collectives run (nccl: this GPU)
@@ -89,7 +88,7 @@ class ParallelModule(nn.Module):
         # the one a call runs is ``_variant``, which the properties below read
         self._compiled = Variant.of(captured, program, GradientSync(program.grad_sync, self.local, order, mesh),
                                     tuple(mesh.shape), self.coord, self.device)
-        self._variants: dict[tuple, Variant] = {(self._compiled.shapes, True): self._compiled}
+        self._variants = Variants((self._compiled.shapes, True), self._compiled)
         self._variant = self._compiled
         self._sync_gradients = True  # False inside ``no_sync()``
 
@@ -155,11 +154,13 @@ class ParallelModule(nn.Module):
                 f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
             )
         shapes = tuple(self._whole_shape(name, tuple(t.shape), local) for name, t in zip(names, flat))
-        key = (shapes, self.training)
-        if key not in self._variants:
+        train = self.training
+
+        def build() -> Variant:
             self._check_divisible(shapes)
-            self._variants[key] = self._build_variant(shapes, [t.dtype for t in flat], train=self.training)
-        return self._variants[key]
+            return self._build_variant(shapes, [t.dtype for t in flat], train=train)
+
+        return self._variants.get((shapes, train), build)
 
     def _whole_shape(self, name: str, shape: tuple[int, ...], local: bool) -> tuple[int, ...]:
         """The whole batch's shape of an input given as it is (``local``: this rank's rows)."""
@@ -232,7 +233,7 @@ class ParallelModule(nn.Module):
             if value.shape != expected:
                 raise ValueError(
                     f"autopar: expected input {i} of shape {expected} "
-                    f"({_rows_text(self.data_parallel) if rows is not None else 'the whole batch, as at compile time'}), "
+                    f"({rows_text(self.data_parallel) if rows is not None else 'the whole batch, as at compile time'}), "
                     f"found {tuple(value.shape)}; the plan is made for the example inputs' shapes — "
                     "re-compile for other shapes"
                 )
@@ -562,200 +563,15 @@ class ParallelModule(nn.Module):
         return {name: self._stored.get(by_name[name]) or self.program.input_specs[by_name[name]]
                 for name in self.shard_names}
 
-
-class WithLoss(nn.Module):
-    """``loss_fn(model(*inputs), target)`` as one module: how the planner sees a model and
-    its loss together (``autopar.plan(..., loss_fn=, target=)``)."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-
-    def forward(self, *inputs_and_target: Any) -> torch.Tensor:
-        *inputs, target = inputs_and_target
-        return self.loss_fn(self.model(*inputs), target)
-
-
-class _LossOf(nn.Module):
-    """``loss_fn(model_output, target)``, or ``loss_fn(model_output)`` with no target."""
-
-    def __init__(self, loss_fn: Callable, out_spec: Any, takes_target: bool = True):
-        super().__init__()
-        self.loss_fn = loss_fn
-        self.out_spec = out_spec
-        self.takes_target = takes_target
-
-    def forward(self, *outputs_and_target: Any) -> torch.Tensor:
-        outputs, target = (outputs_and_target[:-1], outputs_and_target[-1:]) if self.takes_target else (
-            outputs_and_target, ())
-        model_output = pytree.tree_unflatten(list(outputs), self.out_spec) if self.out_spec else outputs
-        return self.loss_fn(model_output, *target)
-
-
-def model_loss(output: Any) -> torch.Tensor:
-    """``loss_fn=None``: the model's own loss (a Hugging Face output's ``.loss``, computed
-    when ``labels=`` is among the inputs)."""
-    loss = getattr(output, "loss", None)
-    if loss is None:
-        raise ValueError(
-            f"autopar: with loss_fn=None the model's own loss is trained, expected an output with .loss (Hugging "
-            f"Face: pass labels= among the inputs); found {type(output).__name__} without one; pass labels or loss_fn"
-        )
-    return loss
-
-
-def build_loss_program(
-    loss_fn: Callable, out_spec: Any, out_metas: list[torch.Tensor], out_specs: list[Spec],
-    target: torch.Tensor | None, mesh: DeviceMesh | None, reduce_output: bool = True,
-) -> tuple[RankProgram, Captured]:
-    """Capture ``loss_fn(outputs, target)`` (``loss_fn(outputs)`` with target None) and lay
-    it out from the outputs' placements; only ``target``'s shape and dtype are read.
-    ``reduce_output`` False: a loss that is a pending sum is returned as this rank's share."""
-    example = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas)
-    if target is not None:
-        example += (torch.empty(target.shape, dtype=target.dtype, device="meta"),)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cap = capture(_LossOf(loss_fn, out_spec, takes_target=target is not None), example)
-    _require_scalar_loss(cap)
-    graph = build_strategy_graph(cap, tuple(mesh.shape) if mesh is not None else ())
-    placeholders = {n.name: n for n in cap.nodes("placeholder")}
-    fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
-    if target is None:
-        choice = choose_by_propagation(graph, fixed)
-    else:
-        choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
-    return lower(graph, choice, mesh, reduce_outputs=reduce_output), cap
-
-
-def _require_scalar_loss(cap: Captured) -> None:
-    """Backward starts from one number: a loss of any other shape is refused here, at capture."""
-    output_node = next(iter(cap.nodes("output")))
-    leaves = pytree.tree_leaves(output_node.args[0])
-    value = leaves[cap.user_outputs[0]].meta.get("val") if cap.user_outputs else None
-    if len(cap.user_outputs) != 1 or not isinstance(value, torch.Tensor) or value.numel() != 1:
-        found = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) and len(
-            cap.user_outputs) == 1 else f"{len(cap.user_outputs)} outputs"
-        raise ValueError(
-            f"autopar: expected loss_fn to return one scalar loss (a 0-d tensor); found {found}; reduce it "
-            "(reduction='mean', or .mean()) so that backward starts from one number"
-        )
-
-
-def _best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:
-    """Lay the target out however makes the loss cheapest (usually: like the outputs' batch)."""
-    best, best_cost = None, math.inf
-    for strategy in graph[target].strategies:
-        choice = choose_by_propagation(graph, {**fixed, target: strategy.output})
-        cost = 0.0
-        for node, ns in graph.nodes.items():
-            if ns.info is None:
-                continue
-            chosen = ns.strategies[choice[node]]
-            for src, need in zip(tensor_inputs(node), chosen.inputs):
-                src_ns = graph[src]
-                have = src_ns.strategies[choice[src]]
-                spec = have.outputs[src_ns.follows[1]] if src_ns.follows else have.output
-                cost += reshard_bytes(TensorMeta.of(src.meta["val"]), spec, need, graph.mesh_shape)
-        if cost < best_cost:
-            best, best_cost = choice, cost
-    return best
-
-
-def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
-               mesh: DeviceMesh) -> tuple[RankProgram, set[str]]:
-    """This rank's program for ``plan`` (strategies found by node name: the same for every
-    capture of one model, at any batch size and in eval mode), and the ZeRO-1 parameters
-    it holds as their ops use them."""
-    per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
-    stored = storage_specs(captured, plan)
-    choice = choice_from_plan(graph, plan)
-    # ZeRO-1 parameters are held as their ops use them (autopar.zero1); ZeRO-2 ones
-    # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
-    level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
-                                           if plan.zero.get(fqn, 0) == 1 and ph in stored})
-    program = lower(graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1})
-    if plan.recompute:  # activation checkpointing of the plan's layers
-        program.gm = recompute_layers(program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
-    return program, level1
-
-
-@dataclass
-class Variant:
-    """The model captured and laid out for one set of whole input shapes in one mode (train,
-    or eval: dropout off). The variants of a ParallelModule run on the same parameter
-    shards; each has its own cuts of the inputs and its own loss program."""
-
-    captured: Captured
-    program: RankProgram
-    grads: GradientSync  # sums the data-parallel gradient shares its backward leaves
-    input_shapes: dict[str, tuple[int, ...]]  # whole
-    cuts: dict[str, Cut]  # this rank's cut of each whole input
-    constants: dict[str, torch.Tensor]  # this rank's shards of the tensors export lifted as constants
-    target_cuts: dict[tuple[int, ...], Cut] = field(default_factory=dict)  # whole target shape -> its cut
-    loss_program: RankProgram | None = None  # laid out when the first target is seen
-    loss_captured: Captured | None = None
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.input_shapes[n] for n in self.captured.user_inputs)
-
-    @staticmethod
-    def of(captured: Captured, program: RankProgram, grads: GradientSync, mesh_shape: tuple[int, ...],
-           coord: tuple[int, ...], device: torch.device) -> Variant:
-        shapes = {n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder")
-                  if n.name in captured.user_inputs}
-        cuts = {name: Cut.of(shape, program.input_specs[name], mesh_shape, coord) for name, shape in shapes.items()}
-        constants = {}
-        for name, value in captured.constant_values.items():
-            spec = program.input_specs.get(name)
-            constants[name] = (value if spec is None else local_slice(value, spec, mesh_shape, coord)).to(device)
-        return Variant(captured, program, grads, shapes, cuts, constants)
-
-
-def check_divisible(shapes: Sequence[tuple[int, ...]], specs: Sequence[Spec], compiled: Sequence[tuple[int, ...]],
-                    mesh_shape: tuple[int, ...], micro_batches: int = 1) -> None:
-    """A clear error for whole inputs of ``shapes`` that the plan's splits of the compiled
-    inputs (``specs``, on ``mesh_shape``, of each of ``micro_batches`` equal parts of the
-    batch) do not divide."""
-    for i, (shape, spec, before) in enumerate(zip(shapes, specs, compiled)):
-        if len(shape) != len(before):
-            raise ValueError(f"autopar: expected input {i} with {len(before)} dims, as in the example "
-                             f"inputs ({before}); found shape {shape}")
-        counts = shard_counts(spec, mesh_shape, len(shape))
-        if counts:  # the micro-batches are cut along dim 0
-            counts[0] *= micro_batches
-        bad = [(d, c) for d, (size, c) in enumerate(zip(shape, counts)) if size % c or size < c]
-        if bad:
-            d, c = bad[0]
-            layout = f"{spec_str(spec)} on mesh {mesh_shape}" if mesh_shape else "whole on each stage"
-            parts = f"{micro_batches} micro-batches, each " if micro_batches > 1 else ""
-            raise ValueError(
-                f"autopar: input {i} of shape {shape} does not split as the plan splits it ({parts}{layout}): "
-                f"expected dim {d} to be a multiple of {c} (sizes that work: {c}, "
-                f"{2 * c}, {3 * c}, ...; compiled with {before[d]}); pass such a batch, or pad it"
-            )
-
-
-def split_batch(inputs: Any, target: torch.Tensor | None, k: int) -> list[tuple[Any, torch.Tensor | None]]:
-    """``k`` equal micro-batches: dim 0 of every input tensor and of the target cut in k."""
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"autopar: expected accumulate to be a positive int (micro-batches per step); found {k!r}")
-    if k == 1:
-        return [(inputs, target)]
-    tensors = [t for t in pytree.tree_leaves((inputs, target)) if isinstance(t, torch.Tensor)]
-    bad = sorted({tuple(t.shape) for t in tensors if t.dim() == 0 or t.shape[0] % k})
-    if bad:
-        raise ValueError(
-            f"autopar: accumulate={k} cuts dim 0 (the batch) of every input and of the target into {k} equal "
-            f"micro-batches; found shapes {bad}, which do not divide; pick an accumulate that divides the batch"
-        )
-
-    def piece(i: int) -> Callable[[Any], Any]:
-        return lambda t: t.narrow(0, i * (t.shape[0] // k), t.shape[0] // k) if isinstance(t, torch.Tensor) else t
-
-    return [pytree.tree_map(piece(i), (inputs, target)) for i in range(k)]
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` with every tensor whole: its parameter and persistent
+        buffer names, in its order (a tied weight's names share one tensor). A collective:
+        every rank calls it, and every rank gets the same dict."""
+        held = self.full_parameters()
+        compiled = self._compiled
+        for ph, fqn in compiled.captured.buffers.items():
+            held[fqn] = whole(self.local[ph], compiled.program.input_specs.get(ph) or (), self.mesh)
+        return in_state_dict_order(self._capture.args[0], held)
 
 
 class _AtBackward(torch.autograd.Function):
@@ -771,163 +587,3 @@ class _AtBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.at_backward()
         return grad, None
-
-
-def storage_specs(captured: Captured, plan: Plan) -> dict[str, Spec]:
-    """Placeholder -> where the plan stores it, for parameters stored otherwise than used."""
-    out = {}
-    for ph, fqn in captured.params.items():
-        if fqn in plan.params and plan.zero.get(fqn, 0) in (1, 2):
-            out[ph] = parse_spec(plan.params[fqn])
-    return out
-
-
-def zero1_layouts(graph: StrategyGraph, choice: dict[fx.Node, int], stored: dict[str, Spec]) -> set[str]:
-    """The ZeRO-1 parameters (placeholder -> stored layout) that can be held as their ops
-    use them: every op reads them in one layout, of which the stored one is a further
-    split. Their placeholders' strategies are set to that layout in ``choice``."""
-    held = set()
-    for node, ns in graph.nodes.items():
-        if node.name not in stored:
-            continue
-        needs = set()
-        for user in node.users:
-            user_ns = graph.nodes.get(user)
-            if user_ns is None or user_ns.info is None:
-                needs.add(None)  # returned as it is: no op's layout to follow
-                continue
-            chosen = user_ns.strategies[choice[user]]
-            needs.update(need for src, need in zip(tensor_inputs(user), chosen.inputs) if src is node)
-        if len(needs) != 1 or None in needs:
-            continue
-        need = needs.pop()
-        outputs = [s.output for s in ns.strategies]
-        shape = local_shape(tuple(node.meta["val"].shape), need, graph.mesh_shape)
-        if need in outputs and slice_axes(shape, need, stored[node.name], graph.mesh_shape):
-            choice[node] = outputs.index(need)
-            held.add(node.name)
-    return held
-
-
-def backward_order(gm: fx.GraphModule) -> list[str]:
-    """Placeholders in the order backward reaches them: the reverse of their first use."""
-    first_use: dict[str, None] = {}
-    for node in gm.graph.nodes:
-        for x in node.all_input_nodes:
-            if x.op == "placeholder":
-                first_use.setdefault(x.name, None)
-    return list(reversed(first_use))
-
-
-@dataclass(frozen=True)
-class Cut:
-    """One rank's shard of a whole tensor of one shape: the shape it has whole and here,
-    and the ``narrow`` calls that take it (``local_slice``, worked out once)."""
-
-    whole: tuple[int, ...]
-    local: tuple[int, ...]
-    narrows: tuple[tuple[int, int, int], ...]  # (dim, start, length)
-
-    @staticmethod
-    def of(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> Cut:
-        if is_partial(spec):
-            raise ValueError(f"autopar: cannot cut a whole tensor into a Partial ({spec_str(spec)}); "
-                             "expected Shard/Replicate")
-        narrows = []
-        for dim in sorted({p.dim for p in spec if isinstance(p, Shard)}):
-            start, stop = shard_offset(shape, spec, mesh_shape, coord, dim)
-            narrows.append((dim, start, stop - start))
-        return Cut(tuple(shape), local_shape(shape, spec, mesh_shape), tuple(narrows))
-
-    def take(self, value: torch.Tensor) -> torch.Tensor:
-        for dim, start, length in self.narrows:
-            value = value.narrow(dim, start, length)
-        return value
-
-    def within(self, outer: Cut) -> Cut | None:
-        """The same shard taken from ``outer``'s piece (a rank's rows of the batch) instead of
-        from the whole tensor; None where the shard does not lie inside that piece."""
-        mine = {dim: (start, length) for dim, start, length in self.narrows}
-        narrows = []
-        for dim, start, length in outer.narrows:
-            s, n = mine.pop(dim, (0, self.whole[dim]))
-            if s < start or s + n > start + length:
-                return None
-            if n != length:
-                narrows.append((dim, s - start, n))
-        narrows += [(dim, s, n) for dim, (s, n) in mine.items()]
-        return Cut(outer.local, self.local, tuple(sorted(narrows)))
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """A plan's data parallelism as a ``DistributedSampler`` sees it: ``num_replicas``
-    distinct shards of the batch and this rank's index ``rank`` among them (ranks that
-    hold the same rows, e.g. tensor-parallel peers, have the same ``rank``). ``axes``:
-    the mesh axes that split the batch of every input; on the others each rank sees the
-    same rows (and the plan splits other dims there, or keeps copies)."""
-
-    num_replicas: int
-    rank: int
-    axes: tuple[int, ...]
-
-    @staticmethod
-    def of(specs: list[Spec], mesh_shape: Sequence[int], coord: Sequence[int]) -> DataParallel:
-        """From the placements of the inputs that carry the batch (split on dim 0)."""
-        axes = tuple(a for a in range(len(mesh_shape))
-                     if specs and all(isinstance(s[a], Shard) and s[a].dim == 0 for s in specs))
-        num_replicas, rank = 1, 0
-        for a in axes:  # axis 0 outermost, as shards of one dim are laid out (shard_offset)
-            num_replicas, rank = num_replicas * mesh_shape[a], rank * mesh_shape[a] + coord[a]
-        return DataParallel(num_replicas, rank, axes)
-
-    def spec(self, n_axes: int) -> Spec:
-        """The placement of this rank's rows: the batch split over ``axes``, whole otherwise."""
-        return tuple(Shard(0) if a in self.axes else Replicate() for a in range(n_axes))
-
-
-def _rows_text(dp: DataParallel) -> str:
-    return (f"this rank's rows of the batch: the whole batch / data_parallel.num_replicas "
-            f"({dp.num_replicas}), rank {dp.rank}")
-
-
-def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
-    if all(isinstance(p, Replicate) for p in spec):
-        return local
-    return DTensor.from_local(local, mesh, spec, run_check=False).full_tensor()
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device a mesh's collectives run on: this rank's GPU under nccl, else the CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-class SameInputs:
-    """The check that every rank was given the same batch: a checksum per input tensor,
-    written in this rank's row of a table that is summed over the mesh (``rider``: it
-    rides along with the gradients' all-reduce); every row must then be the same."""
-
-    def __init__(self, tensors: tuple, mesh: DeviceMesh, coord: Sequence[int] | None = None):
-        flat = [t.double() for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
-        sums = torch.stack([d.sum() + d.abs().sum() for d in flat])
-        high = sums.float().double()  # two float32 parts: exact enough to ride in a float32 bucket
-        shape = tuple(mesh.shape)
-        self.table = torch.zeros(math.prod(shape), 2, len(flat), dtype=torch.float64, device=sums.device)
-        row = 0
-        for size, index in zip(shape, coord if coord is not None else mesh.get_coordinate()):
-            row = row * size + index
-        self.table[row, 0] = high
-        self.table[row, 1] = sums - high
-        self.rider = Rider(self.table, tuple(range(len(shape))), castable=True)
-
-    def confirm(self) -> None:
-        differs = (self.table != self.table[0]).flatten(0, 1).any(dim=0)
-        if differs.any():
-            bad = int(differs.nonzero()[0])
-            raise ValueError(
-                f"autopar: the ranks were given different values for input {bad} (expected the same whole "
-                "batch on every rank); give every rank the same batch, or pass each rank's shard with "
-                "local=True"
-            )

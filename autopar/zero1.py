@@ -9,11 +9,18 @@ step, the updated slices are all-gathered into every rank's whole parameter, a b
 at a time, by the gather ZeRO-2/3 use (``passes.buckets``); buckets are sized as the
 gradients' are, so that one all-gather follows each gradient all-reduce.
 (``ZeroRedundancyOptimizer`` broadcasts each parameter from the rank that owns it.)
+
+ZeRO-2 where parameters are held whole (pipeline stages, as Megatron's distributed
+optimizer runs with pipelines): the whole gradient accumulates over the step's
+micro-batches unsummed on the slice axes, and taking the slices reduce-scatters it once
+(``reduced``: the same buckets, each ``Gather`` step reducing), after which only the
+summed slice is kept and the whole gradient is dropped.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,24 +38,35 @@ class OptimizerSlices:
     """The slices the optimizer steps for ``wholes`` (placeholder -> the whole parameter as
     the program uses it, laid out as ``used`` says), stored as ``stored`` says: split
     further over data-parallel axes on which ``used`` is Replicate. ``order``: the
-    placeholders in backward order (bucketed as the gradients are)."""
+    placeholders in backward order (bucketed as the gradients are). ``reduced``: the
+    ZeRO-2 ones among them, each with the slice axes on which its whole gradient is still
+    this rank's share (summed by the reduce-scatter of :meth:`take_gradients`)."""
 
     def __init__(self, wholes: dict[str, nn.Parameter], used: dict[str, Spec], stored: dict[str, Spec],
-                 mesh: DeviceMesh, order: Sequence[str]):
+                 mesh: DeviceMesh, order: Sequence[str], reduced: Mapping[str, tuple[int, ...]] | None = None):
         self.wholes = wholes
         self.slices: dict[str, nn.Parameter] = {}
-        self._buckets: list[tuple[GatherBucket, list[str]]] = []
+        self.reduced = dict(reduced or {})
+        # per bucket: its gather (slices as views, after-step gathers), its names, and (ZeRO-2)
+        # the same bucket whose steps reduce-scatter the gradients over the axes they are shares on
+        self._buckets: list[tuple[GatherBucket, list[str], GatherBucket | None]] = []
         # buckets as GradientSync makes them: by axes and dtype, in backward order, DDP's sizes
         axes_of = {n: self._axes(n, w.shape, used[n], stored[n], mesh) for n, w in wholes.items()}
         ordered = [n for n in order if n in wholes] + sorted(set(wholes) - set(order))
-        for (axes, _), names in buckets_of(ordered, lambda n: (axes_of[n], wholes[n].dtype),
-                                           lambda n: wholes[n].numel() * wholes[n].element_size()):
+
+        def key(n: str) -> tuple:  # ZeRO-1 and ZeRO-2 (by the axes reduce-scattered) in buckets of their own
+            return axes_of[n], self.reduced.get(n), wholes[n].dtype
+
+        for (axes, summed, _), names in buckets_of(ordered, key,
+                                                   lambda n: wholes[n].numel() * wholes[n].element_size()):
             steps = [Gather(a, Axis.of(mesh, a), tuple(stored[n][a].dim for n in names), reduce=False) for a in axes]
             bucket = GatherBucket(names, steps, keep=True)
             views = bucket.scatter([wholes[n].detach() for n in names])  # this rank's slices, as views
             for n, view in zip(names, views):
                 self.slices[n] = nn.Parameter(view, requires_grad=wholes[n].requires_grad)
-            self._buckets.append((bucket, names))
+            reducing = None if summed is None else GatherBucket(
+                names, [dataclasses.replace(step, reduce=step.axis_number in summed) for step in steps], keep=True)
+            self._buckets.append((bucket, names, reducing))
 
     @staticmethod
     def _axes(name: str, shape: Sequence[int], used: Spec, stored: Spec, mesh: DeviceMesh) -> tuple[int, ...]:
@@ -69,18 +87,43 @@ class OptimizerSlices:
 
     def take_gradients(self) -> None:
         """After the gradients are summed: each slice's gradient is its part of the whole's
-        (a view: no copy, no collective); a parameter no op used gets none."""
-        for bucket, names in self._buckets:
+        (a view: no copy, no collective, taken again by each call); a parameter no op used
+        gets none. ZeRO-2 (``reduced``): the whole gradients reduce-scattered into the
+        slices' (added to what an earlier call left there), then dropped; a call that finds
+        them dropped already does nothing."""
+        for bucket, names, reducing in self._buckets:
             grads = [self.wholes[n].grad for n in names]
+            if reducing is not None:
+                self._reduce(reducing, names, grads)
+                continue
             parts = bucket.scatter([g if g is not None else torch.zeros_like(self.wholes[n])
                                     for n, g in zip(names, grads)])
             for n, g, part in zip(names, grads, parts):
                 self.slices[n].grad = part if g is not None else None
 
+    def _reduce(self, bucket: GatherBucket, names: list[str], grads: list[torch.Tensor | None]) -> None:
+        if all(g is None for g in grads):  # taken already (the same on every rank of the bucket's axes)
+            return
+        parts = bucket.scatter([g if g is not None else torch.zeros_like(self.wholes[n]) for n, g in zip(names, grads)])
+        if not bucket.steps[0].reduce:  # the innermost step took views: own storage, so that the wholes can go
+            parts = [p.clone() for p in parts]
+        for n, g, part in zip(names, grads, parts):
+            if g is None:
+                continue
+            piece = self.slices[n]
+            piece.grad = part if piece.grad is None else piece.grad + part
+            self.wholes[n].grad = None
+
+    def all_reduced(self, grad_sync: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """``grad_sync`` (placeholder -> axes its gradient is summed over) without the axes
+        that :meth:`take_gradients` sums by its reduce-scatter: what is left to all-reduce."""
+        left = {n: tuple(a for a in axes if a not in self.reduced.get(n, ())) for n, axes in grad_sync.items()}
+        return {n: axes for n, axes in left.items() if axes}
+
     @torch.no_grad()
     def gather(self) -> None:
         """After the optimizer has stepped the slices: every rank's whole parameters updated."""
-        for bucket, names in self._buckets:
+        for bucket, names, _ in self._buckets:
             updated = bucket.gather([self.slices[n] for n in names])
             torch._foreach_copy_([self.wholes[n] for n in names], updated)
 

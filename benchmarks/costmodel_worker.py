@@ -225,9 +225,9 @@ def build_compiled(label: str, mesh, profile):
 def loss_prediction(pm, profile) -> float:
     """The compiled step's loss program priced by the planner's own cost tables (the plan
     covers the model alone; the runtime lays the loss out from the model's output
-    placements, ``autopar.runtime.build_loss_program``): its forward, its backward (the
+    placements, ``autopar.loss.build_loss_program``): its forward, its backward (the
     model's outputs carry the gradient back) and its collectives, as the runtime lays it."""
-    from autopar.runtime import _best_target_layout
+    from autopar.loss import best_target_layout
     from passes.costing import build_costs
     from passes.solve import plan_costs
     from passes.strategies import build_strategy_graph
@@ -237,7 +237,7 @@ def loss_prediction(pm, profile) -> float:
     placeholders = {n.name: n for n in cap.nodes("placeholder")}
     out_specs = [pm.program.output_specs[i] for i in pm.captured.user_outputs]
     fixed = {placeholders[name]: spec for name, spec in zip(cap.user_inputs, out_specs)}
-    choice = _best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
+    choice = best_target_layout(graph, fixed, placeholders[cap.user_inputs[-1]])
     costs = build_costs(graph, profile, grad_inputs=cap.user_inputs[:-1])
     return float(plan_costs(costs.problem, costs.assignment(choice)).total_time)
 

@@ -1,14 +1,25 @@
-"""Predicted memory per device against the full-scale dry run's measured peak, per plan.
+"""Predicted memory per device against the full-scale dry run's measured peak, per plan and kind.
 
-    python benchmarks/dryrun_memory.py [--cases wide-mlp@8,gpt2@64,...] [--plan PLAN.json --model llama-70b]
+    python benchmarks/dryrun_memory.py [--cases gpt@64,wide-mlp@8,...] [--plan PLAN.json --model llama-70b]
 
-Each case is a benchmark workload (``autopar.bench_models``, bf16 on the meta device) on
-an H100 mesh of ``autopar.bench`` (``@8``: 2x4, ``@64``: 8x8, ``@512``: 64x8), planned
-as ``autopar plan`` plans a model (alone; ``--with-loss``: with its loss, as ``autopar bench``
-does, which a pipeline plan cannot train), then dry-run (``autopar.dry_run``). With
-``--plan``, a saved plan of a built-in ``autopar plan`` model is dry-run instead (e.g. the
-70B demo plan). Prints one markdown row per plan: the plan, predicted and measured GiB by
-kind, predicted / measured peak, and the dry run's seconds (wall and CPU).
+Cases (``--cases``, comma-separated; ``all``: every one of ``CASES``):
+
+- ``NAME@GPUS`` for a benchmark workload (``autopar.bench_models``, bf16 on the meta device)
+  on an H100 mesh of ``autopar bench`` (``@8``: 2x4, ``@64``: 8x8, ``@512``: 64x8), planned as
+  ``autopar plan`` plans a model: alone (``--with-loss``: with its loss, as ``autopar bench``
+  does, which a pipeline plan cannot train);
+- ``gpt@64`` and ``gpt-pp2@16``: the small GPT plans of ``tests/test_dryrun.py`` (the search's
+  (8, 8) plan; a 2-stage pipeline over (2, 8));
+- ``llama70b-2l@64``: the Llama-70B shape with 2 layers (batch 16 x 4096) in the ``fsdp+tp``
+  layout on (8, 8), as ``benchmarks/plan_llama.py`` shapes it;
+- ``mlm-7.1b@96``: Megatron's GPT 7.1B, batch 192 x 4096, auto plan on 96 GPUs (12 x 8), the
+  published row of ``benchmarks/published.py``.
+
+With ``--plan``, a saved plan of a built-in ``autopar plan`` model is dry-run instead (e.g. the
+70B demo plan). Prints one markdown row per plan: predicted and dry-run GiB by kind
+(parameters / gradients / optimizer / activations / temporary), each kind's predicted ÷
+measured, the total's, and the dry run's seconds. The dry run's kinds are MemTracker's at
+the worst rank's peak (``autopar.dryrun``).
 """
 
 from __future__ import annotations
@@ -19,28 +30,35 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
-KINDS = ("parameters", "gradients", "optimizer", "activations")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
+CASES = ("gpt@64", "gpt-pp2@16", "wide-mlp@8", "big-vocab@8", "gpt2@8", "big-vocab@64", "wide-mlp@64",
+         "llama70b-2l@64", "mlm-7.1b@96")
+GIB = 2**30
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="wide-mlp@8,big-vocab@8,gpt2@8", help="model@gpus, comma-separated")
+    parser.add_argument("--cases", default="gpt@64,gpt-pp2@16,wide-mlp@8,big-vocab@8,gpt2@8",
+                        help="cases, comma-separated, or 'all'")
     parser.add_argument("--plan", default=None, help="a saved plan to dry-run instead of planning")
     parser.add_argument("--model", default="llama-70b", help="with --plan: the `autopar plan` model it is for")
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--with-loss", action="store_true", help="plan each workload with its loss")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print("| plan | predicted GiB (p/g/o/a) | dry run peak GiB (p/g/o/a/temp), worst rank | predicted / peak | "
-          "ranks | dry run s (wall / cpu) |")
+    print("| plan | predicted (p/g/o/a/t) | dry run (p/g/o/a/t), worst rank | predicted ÷ dry run by kind "
+          "| predicted ÷ peak: sum of kinds / at the peak instant | dry run s |")
     print("|---|---|---|---|---|---|")
     if args.plan:
         print(_row(*_saved(args.plan, args.model)))
         return
-    for case in args.cases.split(","):
+    cases = CASES if args.cases == "all" else args.cases.split(",")
+    for case in cases:
         print(_row(*_planned(case, args.time_limit, args.with_loss)), flush=True)
 
 
@@ -55,34 +73,78 @@ def _saved(path: str, model_name: str):
 
 def _planned(case: str, time_limit: float, with_loss: bool):
     import autopar
+    from autopar import layouts
     from autopar.bench_models import build
+    from autopar.models import GPT, GPTConfig, llama3, megatron_gpt
+    from passes.capture import capture
+    from passes.planner_pipeline import pipeline_plan
 
+    def tokens(batch: int, seq: int) -> tuple:
+        return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
+
+    if case in ("gpt@64", "gpt-pp2@16"):
+        with torch.device("meta"):
+            model = GPT(GPTConfig())
+        if case == "gpt@64":
+            inputs = tokens(64, 64)
+            return case, autopar.plan(model, (8, 8), inputs, hardware="h100", time_limit_s=2, pipeline=False), \
+                model, inputs, {}
+        inputs = tokens(16, 64)
+        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), "h100", layouts.hints, memory_limit=80e9,
+                                  time_limit_s=2, shape=(2, 8))
+        if plan is None:
+            raise SystemExit(f"autopar: the {case} pipeline plan was expected; the search found none: {why}")
+        return case, plan, model, inputs, {}
+    if case == "llama70b-2l@64":
+        with torch.device("meta"):
+            model = llama3("70b", 4096, 2)
+        inputs = tokens(16, 4096)
+        return case, autopar.plan(model, (8, 8), inputs, hardware="h100", layout="fsdp+tp"), model, inputs, {}
+    if case == "mlm-7.1b@96":
+        with torch.device("meta"):
+            model = megatron_gpt("7.1b")
+        inputs = tokens(192, 4096)
+        return case, autopar.plan(model, (12, 8), inputs, hardware="h100", time_limit_s=time_limit), \
+            model, inputs, {}
     name, _, gpus = case.partition("@")
     work = build(name, int(gpus), meta=True)
     loss = {"loss_fn": work.loss_fn, "target": work.target}
     plan = autopar.plan(work.model, MESHES[gpus], work.inputs, hardware="h100", time_limit_s=time_limit,
                         **(loss if with_loss else {}))
-    return f"{case} {plan.kind}", plan, work.model, work.inputs, loss
+    return case, plan, work.model, work.inputs, (loss if with_loss else {})
 
 
 def _row(label: str, plan, model, inputs, loss) -> str:
     import autopar
+    from passes.costing import at_peak
 
     pp = plan.pipeline
-    shape = f"{plan.mesh_shape}" + (f" PP{pp.stages} M={pp.micro_batches} {pp.schedule}" if pp else "")
-    wall, cpu = time.perf_counter(), time.process_time()
+    shape = f"{plan.kind} {plan.mesh_shape}" + (f" PP{pp.stages} M={pp.micro_batches} {pp.schedule}" if pp else "")
+    zero = sorted(set(plan.zero.values()))
+    shape += f" ZeRO {zero}" + (f", {len(plan.recompute)} recomputed" if plan.recompute else "")
+    started = time.perf_counter()
     result = autopar.dry_run(plan, model, inputs, **loss)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    gib = 2**30
-    predicted = "/".join(f"{plan.predicted.memory.get(k, 0) / gib:.2f}" for k in KINDS)
+    seconds = time.perf_counter() - started
+    predicted = [plan.predicted.memory.get(k, 0.0) for k in KINDS]
     if not result.ok:
         failed = result.failures[0]
-        return f"| {label} {shape} | {predicted} | FAILED: {failed.where()}: {failed.error} | | | |"
+        return f"| {label} {shape} | {_in(predicted, GIB)} GiB | FAILED: {failed.where()}: {failed.error} | | | |"
     worst = max(result.ranks, key=lambda r: r.peak)
-    measured = "/".join(f"{worst.memory[k] / gib:.2f}" for k in (*KINDS, "temporary"))
-    return (f"| {label} {shape} | {predicted} (= {result.predicted_total / gib:.2f}) | {measured} "
-            f"(= {worst.peak / gib:.2f}, {worst.where()}) | {result.ratio:.2f} | {len(result.ranks)} | "
-            f"{wall:.0f} / {cpu:.0f} |")
+    measured = [worst.memory.get(k, 0) for k in KINDS]
+    unit, size = ("GiB", GIB) if worst.peak >= GIB else ("MiB", 2**20)
+    # a kind's ratio where the dry run holds at least 1% of the peak in it ("–": less)
+    by_kind = "/".join(f"{p / m:.2f}" if m >= worst.peak / 100 else "–" for p, m in zip(predicted, measured))
+    # the sum of every kind's most is what the solver constrains; without a pipeline the step
+    # peaks at one of two instants (costing.at_peak), with a pipeline gradients and
+    # activations meet and the sum is the prediction
+    instant = sum(at_peak(plan.predicted.memory).values()) if pp is None else sum(predicted)
+    return (f"| {label} {shape} | {_in(predicted, size)} (= {sum(predicted) / size:.2f} {unit}) | "
+            f"{_in(measured, size)} (= {worst.peak / size:.2f} {unit}, {worst.where()}) | {by_kind} | "
+            f"{result.ratio:.2f} / {instant / worst.peak:.2f} | {seconds:.0f} |")
+
+
+def _in(values, size: float) -> str:
+    return "/".join(f"{v / size:.2f}" for v in values)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is n
 from autopar.models import LLAMA3  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def llama_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The Llama-3 shape and mesh to plan (also read by ``dryrun_speed.py``)."""
     parser.add_argument("--size", default="70b", choices=sorted(LLAMA3))
     parser.add_argument("--mesh", type=int, nargs="+", default=[8, 8])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
     parser.add_argument("--time-limit", type=float, default=60.0)
+    return parser
+
+
+def main() -> None:
+    parser = llama_arguments(argparse.ArgumentParser())
     parser.add_argument("--no-pipeline", action="store_true")
     args = parser.parse_args()
     from autopar.models import llama3

@@ -1,21 +1,24 @@
 """Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
 
-    python benchmarks/published.py [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run]
+    python benchmarks/published.py [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
 
-For each published run, on the meta device with the ``h100`` preset:
+For each published run, on the meta device with the preset of its machine (``Row.hardware``:
+``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W):
 
 - published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published,
   with FLOPs per token = 6 * parameters + 12 * layers * hidden * sequence);
 - predicted tokens/s/GPU of the PUBLISHED layout (``passes.pinned.price_pinned``: its
-  intra-op layout, stages, micro-batches and schedule, with the fewest recomputed layers
-  that fit the run's GPU memory), and predicted / published;
+  intra-op layout, stages, micro-batches and schedule, with its activation checkpointing
+  where the source states it (full, or none), else the fewest recomputed layers that fit
+  the run's GPU memory), and predicted / published;
 - predicted memory per GPU of that layout against the published figure, where published;
 - the auto plan (``autopar.plan`` on (GPUs / 8, 8), 8-GPU nodes, with the run's GPU
   memory as the limit, as the published layout gets): one line, its predicted
   tokens/s/GPU and MFU (model FLOPs against 989 TFLOP/s dense bf16), planning seconds,
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
 
-Prints a markdown table and writes it to results/published.md.
+Prints a markdown table, and the published layouts' predicted step by where it goes
+(``passes.pinned.breakdown``), and writes them to results/published.md.
 """
 
 from __future__ import annotations
@@ -34,18 +37,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
 import autopar  # noqa: E402
+import costmodels  # noqa: E402
 from autopar import layouts  # noqa: E402
 from autopar.models import llama3, megatron_gpt  # noqa: E402
 from autopar.planning import plan as plan_auto  # noqa: E402
 from passes.capture import capture  # noqa: E402
-from passes.pinned import Pinned, price_pinned  # noqa: E402
+from passes.pinned import BREAKDOWN_PARTS, Pinned, price_pinned  # noqa: E402
 from passes.strategies import NoRuleWarning  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet; FACTS.md)
 GB, GIB = 1e9, 2**30
-H100_80GB = 80 * GB  # the h100 preset's device
-H100_96GB = 96 * GB  # torchtitan's runs: "H100 GPU is equipped with 96GB HBM2e"
+GRAND_TETON = "h100-96gb-500w"  # torchtitan's runs: 96 GB HBM2e H100s at 500 W (costmodels/presets.py)
 GPUS_PER_NODE = 8
+# The Llama 3 Herd of Models, sec. 3.3.2 ("Memory"): with pipeline stages' input and output
+# tensors deallocated early, "we could pretrain Llama 3 on sequences of 8K tokens without
+# activation checkpointing"
+LLAMA3_RECOMPUTE = "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +71,13 @@ class Row:
     tokens_per_gpu: float | None = None  # published tokens/s/GPU ...
     tflops_per_gpu: float | None = None  # ... or TFLOP/s/GPU
     memory_gib: float | None = None  # published peak memory per GPU
-    device_memory: float = H100_80GB
+    hardware: str = "h100"  # the preset of the run's machine (costmodels.PRESETS)
     note: str = ""
+
+    @property
+    def device_memory(self) -> float:
+        """Bytes of one GPU of the run's machine: the memory limit of its plans."""
+        return costmodels.preset(self.hardware, (1,)).device.memory_bytes
 
     @property
     def auto_mesh(self) -> tuple[int, ...]:
@@ -89,16 +101,17 @@ def published_rows() -> list[Row]:
     return [
         Row(key="tt-8b", source=tt, build=lambda: llama3("8b", 8192), gpus=8, batch=16, seq=8192, mesh=(8,),
             pinned=Pinned(layout="fsdp"), layout_text="FSDP 8, selective AC", tokens_per_gpu=5762,
-            memory_gib=82.4, device_memory=H100_96GB,
+            memory_gib=82.4, hardware=GRAND_TETON,
             note="selective AC approximated by the fewest recomputed layers that fit 96 GB"),
         Row(key="tt-405b-1f1b", source=tt, build=l405, gpus=512, batch=256, seq=8192, mesh=(64, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="1f1b"),
+            pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="1f1b", recompute="full"),
             layout_text="FSDP 8 x TP 8 x PP 8, 1F1B, M=32, full AC", tokens_per_gpu=100, memory_gib=82.5,
-            device_memory=H100_96GB, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
+            hardware=GRAND_TETON, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="tt-405b-i1f1b", source=tt, build=l405, gpus=512, batch=256, seq=8192, mesh=(64, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="interleaved_1f1b"),
+            pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="interleaved_1f1b",
+                          recompute="full"),
             layout_text="FSDP 8 x TP 8 x PP 8, interleaved 1F1B, M=32, full AC", tokens_per_gpu=128,
-            memory_gib=72.7, device_memory=H100_96GB, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
+            memory_gib=72.7, hardware=GRAND_TETON, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="mlm-7.1b", source=mlm, build=lambda: megatron_gpt("7.1b"), gpus=96, batch=192, seq=4096,
             mesh=(48, 2), pinned=Pinned(layout=tp), layout_text="TP 2, PP 1, DP 48", tflops_per_gpu=465.9,
             note=mlm_note),
@@ -109,11 +122,13 @@ def published_rows() -> list[Row]:
             mesh=(768, 8), pinned=Pinned(layout=tp, stages=16, micro_batches=64, schedule="1f1b"),
             layout_text="TP 8, PP 16, DP 48 (M=64)", tflops_per_gpu=459.9, note=mlm_note),
         Row(key="llama3-8k", source=herd, build=l405, gpus=8192, batch=2048, seq=8192, mesh=(1024, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=32, schedule="interleaved_1f1b"),
+            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=32, schedule="interleaved_1f1b",
+                          recompute=LLAMA3_RECOMPUTE),
             layout_text="TP 8, PP 16, DP 64, interleaved (M=32)", tflops_per_gpu=430,
             note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank"),
         Row(key="llama3-16k", source=herd, build=l405, gpus=16384, batch=2048, seq=8192, mesh=(2048, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=16, schedule="interleaved_1f1b"),
+            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=16, schedule="interleaved_1f1b",
+                          recompute=LLAMA3_RECOMPUTE),
             layout_text="TP 8, PP 16, DP 128, interleaved (M=16)", tflops_per_gpu=400,
             note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank"),
     ]
@@ -159,7 +174,7 @@ def one_line(plan) -> str:
     if options:
         skipped = sum("not tried" in n for n in options)
         parts.append(f"pipelines tried {len(options) - skipped}/{len(options)}"
-                     + (" (wall clock cut)" if skipped else ""))
+                     + (" (wall clock cut)" if any("out of time" in n for n in options) else ""))
     return ", ".join(parts)
 
 
@@ -178,9 +193,11 @@ def dry_run_verdict(plan, model, inputs) -> str:
     return f"ok: peak {result.peak / GIB:.1f} GiB, predicted / dry run {result.ratio:.2f} ({result.seconds:.0f} s)"
 
 
-def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None) -> dict:
+def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
+             auto_plan: bool = True) -> dict:
     """One table row's numbers (see the module docstring). ``cache``: kept between rows, so
-    rows of the same model and batch share its capture, and of the same GPUs its auto plan."""
+    rows of the same model and batch share its capture, and of the same GPUs its auto plan.
+    ``auto_plan`` False: the published layout only (the auto columns say "skipped")."""
     cache = {} if cache is None else cache
     shared = (row.build, row.batch, row.seq)
     if shared not in cache:
@@ -196,12 +213,15 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     published = published_tokens(row, per_token)
     out = {"row": row, "params": params, "flops_per_token": per_token, "published": published}
     started = time.perf_counter()
-    cost = price_pinned(captured, row.mesh, "h100", lambda graph: layouts.hint(row.pinned.layout, graph),
+    cost = price_pinned(captured, row.mesh, row.hardware, lambda graph: layouts.hint(row.pinned.layout, graph),
                         row.pinned, memory_limit=row.device_memory)
     out["pinned_seconds"] = time.perf_counter() - started
     out["pinned"] = cost
     out["predicted"] = tokens_per_gpu(row, cost.step_time) if cost.fits else 0.0
     out["ratio"] = out["predicted"] / published
+    if not auto_plan:
+        out.update(SKIPPED_AUTO)
+        return out
     key = shared + (row.gpus,)
     if key in cache:
         out.update(cache[key])
@@ -211,7 +231,7 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_auto(model, row.auto_mesh, inputs, hardware="h100", time_limit_s=time_limit_s,
+            plan = plan_auto(model, row.auto_mesh, inputs, hardware=row.hardware, time_limit_s=time_limit_s,
                              memory_limit=row.device_memory)
         auto["auto_seconds"] = time.perf_counter() - started
         auto["auto_line"] = one_line(plan)
@@ -226,6 +246,9 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     out.update(auto)
     return out
 
+
+SKIPPED_AUTO = dict(auto_seconds=0.0, auto_line="skipped (--no-auto)", auto_tokens=0.0, auto_mfu=0.0,
+                    auto_memory=math.nan, dry_run="not run")
 
 HEADER = ("| run | GPUs | published layout | published tok/s/GPU | predicted (published layout) | ratio | "
           "memory GiB predicted / published | recomputed layers | auto plan | auto tok/s/GPU | auto MFU | "
@@ -244,9 +267,25 @@ def table_row(r: dict) -> str:
             f"{r['auto_seconds']:.0f} | {r['dry_run']} |")
 
 
+BREAKDOWN_HEADER = ("| run | step s | " + " | ".join(BREAKDOWN_PARTS) + " | model TFLOP/s/GPU at compute only |")
+
+
+def breakdown_row(r: dict) -> str:
+    """The published layout's predicted step on one GPU by where it goes (``PinnedCost.parts``,
+    seconds and share of the step), and the model FLOP/s the compute part alone would give."""
+    row, cost = r["row"], r["pinned"]
+    if not cost.fits:
+        return f"| {row.key} | does not fit |" + " — |" * (len(BREAKDOWN_PARTS) + 1)
+    cells = [f"{cost.parts[k]:.3f} ({cost.parts[k] / cost.step_time:.0%})" for k in BREAKDOWN_PARTS]
+    compute_only = r["flops_per_token"] * row.batch * row.seq / row.gpus / cost.parts["compute"] / 1e12
+    return f"| {row.key} | {cost.step_time:.3f} | " + " | ".join(cells) + f" | {compute_only:.0f} |"
+
+
 def table(results: list[dict]) -> str:
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [table_row(r) for r in results]
+    lines += ["", BREAKDOWN_HEADER, "|" + "---|" * BREAKDOWN_HEADER.count(" | ") + "---|"]
+    lines += [breakdown_row(r) for r in results]
     lines.append("")
     lines += [f"- {r['row'].key}: {r['row'].source}; " + "; ".join([r["row"].note] + r["pinned"].notes)
               for r in results]
@@ -259,6 +298,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(rows), choices=list(rows))
     parser.add_argument("--time-limit", type=float, default=60.0, help="the auto plan's search limit, seconds")
     parser.add_argument("--dry-run", action="store_true", help="dry-run every auto plan (autopar.dry_run)")
+    parser.add_argument("--no-auto", action="store_true", help="price the published layouts only, no auto plan")
     parser.add_argument("--out", default="results/published.md")
     args = parser.parse_args()
     results, cache = [], {}
@@ -266,7 +306,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for key in args.rows:
         started = time.perf_counter()
-        results.append(evaluate(rows[key], time_limit_s=args.time_limit, dry_run=args.dry_run, cache=cache))
+        results.append(evaluate(rows[key], time_limit_s=args.time_limit, dry_run=args.dry_run, cache=cache,
+                                auto_plan=not args.no_auto))
         print(f"{key}: {time.perf_counter() - started:.0f} s (published layout priced in "
               f"{results[-1]['pinned_seconds']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(table(results) + "\n")  # after every row: a long run keeps what it has

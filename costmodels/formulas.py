@@ -81,6 +81,8 @@ BYTES_PER_PARAM = {
     # copy + m + v (ZeRO paper, K=12); plain fp32 AdamW keeps fp32 params, grads, m, v.
     "mixed": (2, 2, 12),
     "fp32": (4, 4, 8),
+    # pure bf16/fp16: a 16-bit model trained as given, AdamW's m and v in its dtype
+    "bf16": (2, 2, 4),
 }
 
 # -- pipeline: micro-batches whose activations are alive at once on pipeline rank r ----

@@ -19,7 +19,9 @@ Collective latency follows NCCL's own cost model (src/graph/tuning.cc, ring algo
 Simple protocol, the one used for large messages): alpha = baseLat + steps * hwLat,
 with baseLat = 8.4 us, hwLat = 3.4 us per step over NVLink and 9.6 us over the network;
 steps = 2(N-1) for all-reduce, N-1 for all-gather / reduce-scatter / all-to-all, 1 for
-send/recv.
+send/recv; of a group spanning K nodes, the ring's steps over the K nodes (2(K-1) for
+all-reduce, K-1 for the others) pay the network's hwLat and the rest NVLink's
+(``ring_latency``).
 """
 
 from __future__ import annotations
@@ -117,40 +119,72 @@ class NodeSpec:
     busbw: dict[str, dict[str, tuple[float, str]]]
 
 
-def _h100_node() -> NodeSpec:
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP32 67 TFLOPS; BF16 / FP16 tensor
-    # 1,979 TFLOPS *with sparsity*, so 989.5 dense; 80 GB HBM3 at 3.35 TB/s; 132 SMs.
-    peak = {"fp32": 67 * TFLOPS, "bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS}
+@dataclass(frozen=True, kw_only=True)
+class H100Variant:
+    """What sets one H100 board apart from another: its dense bf16 tensor peak, HBM and
+    memory. The SXM5's measured rates (matmul, attention) are scaled by the tensor peak's
+    ratio to the SXM5's: the same kernels reach the same share of a slower clock."""
+
+    key: str  # the preset's name (``PRESETS``)
+    name: str
+    bf16_peak: float  # dense FLOP/s
+    hbm: float  # bytes/s, peak
+    memory_bytes: int
+    source: str
+
+
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 / FP16 tensor 1,979 TFLOPS *with
+# sparsity*, so 989.5 dense; 80 GB HBM3 at 3.35 TB/s.
+H100_SXM = H100Variant(key="h100", name="NVIDIA H100 80GB SXM5", bf16_peak=989.5 * TFLOPS, hbm=3350 * GB,
+                       memory_bytes=80 * 10**9, source="NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)")
+# NVIDIA H100 Tensor Core GPU datasheet (H100 NVL): BF16 tensor 1,671 TFLOPS with
+# sparsity, 835.5 dense; one end of the bracket the 500 W board's peak lies in.
+H100_NVL_BF16 = 835.5 * TFLOPS
+# Meta's Grand Teton H100 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
+# "Hardware" and footnote 2): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the
+# default 500W power limit", and "the actual peak TFLOPs number is between SXM and NVL, and
+# we don't know its exact value": the middle of that bracket, (989.5 + 835.5) / 2.
+H100_HBM2E_500W = H100Variant(
+    key="h100-96gb-500w", name="NVIDIA H100 96GB HBM2e SXM, 500 W",
+    bf16_peak=(H100_SXM.bf16_peak + H100_NVL_BF16) / 2, hbm=2400 * GB, memory_bytes=96 * 10**9,
+    source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e, 2.4 TB/s, 500 W; bf16 peak "
+           "between SXM 989.5 and NVL 835.5 dense: their middle)")
+
+
+def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP32 67 TFLOPS; 132 SMs.
+    clock = variant.bf16_peak / H100_SXM.bf16_peak  # 1 for the SXM5
+    peak = {"fp32": 67 * TFLOPS * clock, "bf16": variant.bf16_peak, "fp16": variant.bf16_peak}
     sms = 132
     matmul = {
         # no published achieved fp32 GEMM figure adopted: datasheet peak (upper bound)
-        "fp32": matmul_rate(67 * TFLOPS, sms),
+        "fp32": matmul_rate(peak["fp32"], sms),
         # stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
         # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (80.3% of peak, torch
         # 2.7.0+cu126), the best of a search over large shapes
-        "bf16": matmul_rate(794.5 * TFLOPS, sms),
+        "bf16": matmul_rate(794.5 * TFLOPS * clock, sms),
         # fp16 runs on the same tensor cores at the same datasheet rate as bf16; the MAMF
         # table reports bf16 only, so the bf16 measurement is used
-        "fp16": matmul_rate(794.5 * TFLOPS, sms),
+        "fp16": matmul_rate(794.5 * TFLOPS * clock, sms),
     }
-    hbm = 3350 * GB  # datasheet: 3.35 TB/s
+    hbm = variant.hbm
     # FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), H100 80GB SXM5, head
     # dim 128, sequence 8k, FlashAttention-2 (PyTorch's flash SDPA kernel): forward with a
     # causal mask 333 TFLOP/s, forward without 370, backward without 318; the causal
     # backward is taken as 318 * 333 / 370 = 286. Doubled for the flop counter's causal
     # count (CAUSAL_FLOP_COUNT). (FlashAttention-3 reaches 602-646 forward, 559 backward;
     # cuDNN 529-600 / 518: faster kernels than a default SDPA run uses.)
-    attention = attention_rates(CAUSAL_FLOP_COUNT * 333 * TFLOPS, CAUSAL_FLOP_COUNT * 286 * TFLOPS,
-                                67 * TFLOPS)  # fp32 has no flash kernel: fp32 peak
+    attention = attention_rates(CAUSAL_FLOP_COUNT * 333 * TFLOPS * clock, CAUSAL_FLOP_COUNT * 286 * TFLOPS * clock,
+                                peak["fp32"])  # fp32 has no flash kernel: fp32 peak
     device = DeviceProfile(
-        name="NVIDIA H100 80GB SXM5",
-        memory_bytes=80 * 10**9,  # datasheet: 80 GB HBM3
+        name=variant.name,
+        memory_bytes=variant.memory_bytes,
         matmul=matmul,
         pointwise=bandwidth_bound(HBM_ACHIEVED * hbm),
         attention=attention,
         peak_matmul_flops=peak,
         peak_memory_bandwidth=hbm,
-        peak_source="NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)",
+        peak_source=variant.source,
     )
     # nccl-tests all_reduce_perf on 8x H100 SXM5 over NVLink 4, large messages: busbw about
     # 370 GB/s with the ring algorithm, up to about 480 GB/s with NVLink SHARP (NVLS)
@@ -161,8 +195,8 @@ def _h100_node() -> NodeSpec:
     # up to ~396 GB/s for a node's 8 NICs (nccl-tests issues 290, 319); the low end
     ndr = (46 * GB, "nccl-tests busbw per 400 Gb/s NDR NIC: 46-48 GB/s (nccl-tests #290, #319)")
     return NodeSpec(
-        name="h100",
-        gpus_per_node=8,  # DGX H100 / HGX H100 8-GPU baseboard
+        name=variant.key,
+        gpus_per_node=8,  # DGX H100 / HGX H100 8-GPU baseboard; Grand Teton: 8 H100s per host
         device=device,
         busbw={"intra_node": {c: nvlink for c in RING_STEPS}, "inter_node": {c: ndr for c in RING_STEPS}},
     )
@@ -241,6 +275,16 @@ def axis_links(mesh_shape: Sequence[int], gpus_per_node: int) -> list[str]:
     return links[::-1]
 
 
+def ring_latency(steps: Callable[[int], int], size: int, nodes: int) -> float:
+    """NCCL's ring latency for ``size`` ranks on ``nodes`` nodes (tuning.cc: latency =
+    baseLat + (nsteps - nInterSteps) * intraLat + nInterSteps * interLat, nInterSteps the
+    ring's steps over the nodes): only the steps that leave a node pay the network's
+    latency, the others NVLink's."""
+    inter = steps(nodes) if nodes > 1 else 0
+    return (NCCL_BASE_LATENCY_S + (steps(size) - inter) * NCCL_STEP_LATENCY_S["intra_node"]
+            + inter * NCCL_STEP_LATENCY_S["inter_node"])
+
+
 def build(
     node: NodeSpec, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
 ) -> HardwareProfile:
@@ -264,7 +308,7 @@ def build(
             bw, src = node.busbw[link][coll]
             if nics > 1:  # no faster than the NVLink ring it also runs through
                 bw, src = min(nics * bw, node.busbw["intra_node"][coll][0]), f"{nics} NICs x ({src})"
-            alpha = NCCL_BASE_LATENCY_S + steps(size) * NCCL_STEP_LATENCY_S[link]
+            alpha = ring_latency(steps, size, nodes=-(-size // nics) if link == "inter_node" else 1)
             fits[coll] = CollectiveFit(
                 alpha_s=alpha, beta_bytes_per_s=bw, source=f"alpha: {NCCL_TUNING}; beta: {src}"
             )
@@ -284,16 +328,22 @@ def h100(mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> 
     return build(_h100_node(), mesh_shape, axis_names)
 
 
+def h100_96gb_500w(mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:
+    """Nodes of 8x H100 96GB HBM2e at a 500 W power limit (Meta's Grand Teton, the
+    torchtitan benchmarks' machine): NVLink inside, 400 Gb/s RDMA per GPU between."""
+    return build(_h100_node(H100_HBM2E_500W), mesh_shape, axis_names)
+
+
 def a100(mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:
     """Nodes of 8x A100 80GB SXM4, NVLink 3 inside, 200 Gb/s InfiniBand HDR per GPU between."""
     return build(_a100_node(), mesh_shape, axis_names)
 
 
-PRESETS: dict[str, Callable[..., HardwareProfile]] = {"h100": h100, "a100": a100}
+PRESETS: dict[str, Callable[..., HardwareProfile]] = {"h100": h100, "h100-96gb-500w": h100_96gb_500w, "a100": a100}
 
 
 def preset(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:
-    """The preset profile called ``name`` ("h100", "a100") built for ``mesh_shape``."""
+    """The preset profile called ``name`` (a key of ``PRESETS``) built for ``mesh_shape``."""
     key = name.lower()
     if key not in PRESETS:
         raise ValueError(

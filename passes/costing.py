@@ -20,10 +20,16 @@ price. Per strategy of an op node, on local shapes:
               recomputed layer (activation checkpointing), its inputs whole (the
               checkpoint holds them), what leaves it as usual, and what stays inside
               divided by the number of recomputed layers: backward rebuilds one
-              layer's activations at a time, so together they charge one layer's
+              layer's activations at a time, so together they charge one layer's.
+              A graph that ends before its loss (planned without ``loss_fn``) trains
+              with the default loss all the same: its memory for each placement of the
+              first output, measured on fake tensors (``passes.loss_memory``), is added
+              to that output's node: what its backward keeps as activations, what exists
+              only while it runs (gradients being made, a gathered copy) as temporary
 
-Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shard
-(``model_state_bytes``), the AdamW step on the local optimizer shard, and the
+Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shard as
+the runtime holds them (``state_breakdown``: a bf16 model's AdamW state in bf16; level 2's
+whole copy gathered for the step), the AdamW step on the local optimizer shard, and the
 all-gather of updated parameters: at level 1 after the step (``autopar.zero1``: the
 gradient is all-reduced whole, as at level 0, and the gathers are bucketed as the
 gradients are), at level 2 in forward, where the reduce-scatter that replaces the
@@ -75,10 +81,11 @@ from torch import fx
 from torch.distributed.tensor import Replicate
 
 import costmodels
-from passes.saved import VIEWS, kept_for_backward
+from passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
 from costmodels.formulas import BYTES_PER_PARAM
 from passes.codegen import gradient_spec
 from passes.layers import find_layers
+from passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from passes.placements import Spec, local_shape
 from passes.solve import Follower, SolveProblem
 from passes.strategies import StrategyGraph, tensor_inputs
@@ -110,6 +117,8 @@ class Costs:
     compute: list[np.ndarray]  # per problem node: compute seconds, forward + backward (optimizer step included)
     state_memory: list[np.ndarray]  # per problem node: parameter+gradient+optimizer bytes
     activation_memory: list[np.ndarray]
+    # per problem node: bytes alive only while backward runs (the default loss's gradients)
+    temporary_memory: list[np.ndarray]
     edge_inputs: list[tuple[fx.Node, fx.Node, int]]  # per problem edge: (producer, consumer, position)
     layer_of: dict[fx.Node, int] = field(default_factory=dict)  # node -> layer number, in graph order
     precision: str = "fp32"
@@ -139,9 +148,10 @@ class Costs:
 
 
 def precision_of(graph: StrategyGraph) -> str:
-    """"mixed" (2+2+12 bytes per parameter) for 16-bit parameters, else "fp32" (4+4+8)."""
+    """"bf16" (2+2+4 bytes per parameter) for 16-bit parameters, else "fp32" (4+4+8): a model
+    given in bf16 trains in pure bf16 (AdamW's moments in the parameters' dtype), as it runs."""
     params = [n.meta["val"] for n in graph.nodes if n.name in graph.captured.params]
-    return "mixed" if params and params[0].dtype in (torch.bfloat16, torch.float16) else "fp32"
+    return "bf16" if params and params[0].dtype in (torch.bfloat16, torch.float16) else "fp32"
 
 
 def requires_grad(graph: StrategyGraph, grad_inputs: Iterable[str] = ()) -> set[fx.Node]:
@@ -225,6 +235,16 @@ class _Pricer:
         self.node: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.state: dict[tuple, list] = {}
         self.follow: dict[tuple, object] = {}
+        # what depends on the graph alone (layers, gradient path, kept values): the same in
+        # every rebuild (``recompute_to_fit`` builds one per recomputed-layer count)
+        self.graph = graph
+        self.structure: dict[tuple, object] = {}
+
+    def once(self, key: tuple, make):
+        """``make()``, worked out once per graph (``structure``)."""
+        if key not in self.structure:
+            self.structure[key] = make()
+        return self.structure[key]
 
     def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares) -> list[tuple[float, float, float]]:
         key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares)
@@ -322,9 +342,9 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
     replicated = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
     shards = math.prod(mesh[a] for a in replicated)
     if level and shards == 1:  # nothing to shard over: level 0's memory, and never chosen
-        return math.inf, 0.0, costmodels.model_state_bytes(numel, 0, 1, precision)
+        return math.inf, 0.0, sum(state_breakdown(numel, 0, 1, precision).values())
     shards = shards if level else 1
-    memory = costmodels.model_state_bytes(numel, level, shards, precision)
+    memory = sum(state_breakdown(numel, level, shards, precision).values())
     optimizer = sum(costmodels.compute_time(op.flops, op.bytes, op.dtype, profile)
                     for op in costmodels.adamw_ops([math.ceil(numel / shards)], _dtype(meta)))
     comm = 0.0
@@ -339,14 +359,32 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
 
 
 def state_breakdown(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:
-    """Parameter / gradient / optimizer bytes of ``numel`` parameters at a ZeRO level."""
+    """Bytes by kind of ``numel`` parameters at a ZeRO level, as the runtime holds them:
+    level 1 splits the optimizer state; level 2 the gradients too, and stores the parameter
+    split as well, gathering a whole copy once per step in forward that backward keeps
+    (``passes.codegen`` storage; the dry run counts it with the activations)."""
     p, g, o = BYTES_PER_PARAM[precision]
     n = max(shards, 1)
     return {
-        "parameters": numel * p / (n if level >= 3 else 1),
+        "parameters": numel * p / (n if level >= 2 else 1),
         "gradients": numel * g / (n if level >= 2 else 1),
         "optimizer": numel * o / (n if level >= 1 else 1),
+        "activations": numel * p if level == 2 and n > 1 else 0.0,
     }
+
+
+def at_peak(held: dict[str, float]) -> dict[str, float]:
+    """Bytes by kind at the peak of a step without a pipeline, from the most each kind
+    holds (``held``: parameters, gradients, optimizer, activations, temporary). Two instants
+    compete: backward's start, where every kept activation and the loss's backward
+    temporaries are alive and no gradient is made yet; and the gradients' sum after
+    backward, where the activations are freed and every gradient has a copy in its bucket
+    (``autopar.gradsync`` packs them before the sums are written back). The solver's
+    memory constraint adds every kind: an upper bound of both."""
+    held = {"gradients": 0.0, "activations": 0.0, "temporary": 0.0, **held}
+    start = {**held, "gradients": 0.0}
+    summed = {**held, "activations": 0.0, "temporary": held.get("gradients", 0.0)}
+    return start if sum(start.values()) >= sum(summed.values()) else summed
 
 
 def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, memory_limit: float | None = None,
@@ -364,8 +402,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             f"autopar: the hardware profile is for mesh {profile.mesh_shape}, the strategy graph for "
             f"{graph.mesh_shape}; build both for the same mesh shape"
         )
-    pricer = pricer if pricer is not None and pricer.profile is profile else _Pricer(graph, profile)
-    grad_nodes = requires_grad(graph, grad_inputs)
+    reuse = pricer is not None and pricer.profile is profile and pricer.graph is graph
+    pricer = pricer if reuse else _Pricer(graph, profile)
+    grad_inputs = tuple(grad_inputs)
+    grad_nodes = pricer.once(("grad", grad_inputs), lambda: requires_grad(graph, grad_inputs))
     precision = precision_of(graph)
     params = graph.captured.params
     nodes = list(graph.nodes)
@@ -373,10 +413,12 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     compute, forward, state, activation, comm = [], [], [], [], []
     # one ZeRO node per parameter, after the graph's nodes
     zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
-    layer_of, ties = find_layers(graph, index, zero_node)
+    layer_of, ties = pricer.once(("layers",), lambda: find_layers(graph, index, zero_node))
     recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
     # outputs some backward reads, and what a checkpointed layer holds to run again: its inputs
-    kept = kept_for_backward(graph.captured.graph.nodes, grad_nodes, checkpoint_inputs(nodes, layer_of, recomputed))
+    kept = keep_bases(graph.captured.graph.nodes, pricer.once(
+        ("kept", grad_inputs), lambda: kept_for_backward(graph.captured.graph.nodes, grad_nodes))
+        | checkpoint_inputs(nodes, layer_of, recomputed))
     followers: list[Follower] = []
     for node in nodes:
         ns = graph.nodes[node]
@@ -400,7 +442,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
-    shares = parameter_shares(graph, layer_of)
+    shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
     for node in nodes:
         if node.name not in params:
             continue
@@ -415,7 +457,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
                                                                     for _ in ZERO_LEVELS)))
     edges, edge_inputs = [], []
-    alike = _alike_consumers(graph, nodes, params)
+    alike = pricer.once(("alike",), lambda: _alike_consumers(graph, nodes, params))
     for node in nodes:
         ns = graph.nodes[node]
         if node.op == "placeholder" or ns.follows is not None:
@@ -430,6 +472,11 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                                 shares=shares.get(src, UNPACKED), alike=alike.get((src, node, position), 1))
             edges.append((index[src], index[node], table))
             edge_inputs.append((src, node, position))
+    temporary = [np.zeros(len(a)) for a in activation]
+    # the default loss of a graph planned without one (None: the graph holds its loss)
+    loss = pricer.once(("loss",), lambda: loss_memory(graph.captured, graph.mesh_shape))
+    if loss is not None:
+        _add_loss_memory(graph, index[output_node(graph.captured)], loss, activation, temporary)
     all_nodes = nodes + list(zero_node)
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
@@ -446,12 +493,32 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                 activation[v] = activation[v] / len(recomputed)
     problem = SolveProblem(
         node_time=[c + m for c, m in zip(compute, comm)],
-        node_memory=[s + a for s, a in zip(state, activation)],
+        node_memory=[s + a + t for s, a, t in zip(state, activation, temporary)],
         edges=edges, memory_limit=memory_limit, ties=ties, followers=followers,
         node_names=[n.name for n in nodes] + [f"zero[{n.name}]" for n in zero_node],
     )
-    return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, edge_inputs,
-                 layer_of, precision, frozenset(recomputed), pricer, forward)
+    return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
+                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward)
+
+
+def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list) -> None:
+    """The default loss's memory, by the placement of the first output (problem node ``v``).
+    An output the graph keeps only because it returns it lives as long as the loss holds it,
+    which the loss's memory counts: the graph's own count of it is dropped."""
+    node = list(graph.nodes)[v]
+    priced = [loss.of(output_spec(graph, node, j)) for j in range(len(graph.nodes[node].strategies))]
+    own = 0.0 if _kept_only_as_output(node) else activation[v]
+    activation[v] = own + np.array([p["activations"] for p in priced])
+    temporary[v] = np.array([p["temporary"] for p in priced])
+
+
+def _kept_only_as_output(node: fx.Node) -> bool:
+    """No op of the graph reads ``node`` and its own backward does not keep it (a view keeps
+    its base: not this case)."""
+    if str(node.target) in VIEWS or any(user.op != "output" for user in node.users):
+        return False
+    roles = saved_roles(node, {})
+    return roles is not None and not roles[1]
 
 
 def checkpoint_inputs(nodes, layer_of: dict[fx.Node, int], recomputed: set[int]) -> set[fx.Node]:

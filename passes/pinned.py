@@ -1,5 +1,7 @@
 """Price a GIVEN layout: a manual intra-op layout, optionally inside a pipeline whose stage
-count, micro-batches and schedule are fixed, with the fewest recomputed layers that fit.
+count, micro-batches and schedule are fixed, with the run's own activation checkpointing
+(every repeated layer, or none: ``Pinned.recompute``) or else the fewest recomputed layers
+that fit; ``breakdown`` says where the predicted step goes.
 
 The planner's searches pick those choices themselves (``planner_pipeline.pipeline_plan``
 chooses stages, micro-batches and schedule; ``layout=`` costs intra-op layouts only). A
@@ -28,8 +30,12 @@ import costmodels
 from passes.costing import Costs, build_costs
 from passes.planner import Hint, PlanningError, complete, cost_layout
 from passes.microbatch import batch_size, batch_split
-from passes.planner_pipeline import SCHEDULE_NAMES, layer_numbers, pipeline_profile, search
+from passes.solve import plan_costs
+from passes.planner_pipeline import SCHEDULE_NAMES, LayerNumbers, layer_numbers, pipeline_profile, search
 from passes.strategies import StrategyGraph, build_strategy_graph
+
+
+RECOMPUTE_POLICIES = ("fit", "full", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,8 +46,17 @@ class Pinned:
     stages: int = 1  # pipeline stages over the mesh's outermost axis (1: no pipeline)
     micro_batches: int = 1
     schedule: str = "1f1b"  # a key of planner_pipeline.SCHEDULE_NAMES
+    # activation checkpointing as the run states it (RECOMPUTE_POLICIES): "fit", the fewest
+    # repeated layers that fit the memory limit (the planner's own rule, for a run that does
+    # not say); "full", every repeated layer; "none", no layer. A run that fixed its
+    # recomputation was made as it was: "full" and "none" are priced whatever memory the
+    # model predicts, and a note says where that is over the limit.
+    recompute: str = "fit"
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"autopar: no recomputation policy {self.recompute!r}; expected one of "
+                             f"{RECOMPUTE_POLICIES}")
         if self.stages < 1 or self.micro_batches < 1:
             raise ValueError(f"autopar: a pinned layout expects positive stages and micro-batches; found "
                              f"{self.stages} stages, {self.micro_batches} micro-batches")
@@ -61,6 +76,39 @@ class PinnedCost:
     layers: int  # repeated layers in the model
     fits: bool
     notes: list[str] = field(default_factory=list)
+    # seconds per step on one GPU by where they go (``breakdown``); empty when nothing fits
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+BREAKDOWN_PARTS = ("compute", "recompute", "activation comm", "parameter comm", "optimizer", "p2p", "bubble")
+
+
+def breakdown(num: LayerNumbers, *, stages: int = 1, recomputed: int = 0, folded: bool = True,
+              pipeline_time: float | None = None, sends: float = 0.0) -> dict[str, float]:
+    """A step's seconds on one GPU by where they go, from the per-layer numbers of the whole
+    batch on the intra-op mesh (``layer_numbers``): forward + backward compute, the forwards
+    that recomputed layers run again, activation collectives (tensor parallel), parameter
+    collectives (gradient sync, ZeRO gathers; paid once per step), the optimizer step, and
+    for a pipeline (``pipeline_time``: the schedule's part of the step) the point-to-point
+    sends of one rank and the bubble, which is what the schedule's time leaves over the
+    rank's share of the work. Nothing overlaps in the cost model, so the parts sum to the step.
+    ``recomputed``: repeated layers recomputed, all stages together; ``folded``: their forward
+    is in ``num.compute`` already (costs built with them recomputed, ``costing.build_costs``),
+    rather than added by the stage search."""
+    recompute = recomputed * float(num.forward.mean()) if len(num.forward) else 0.0
+    parts = {
+        "compute": (float(num.compute.sum()) - (recompute if folded else 0.0)) / stages,
+        "recompute": recompute / stages,
+        "activation comm": float((num.act_time - num.compute).sum()) / stages,
+        "parameter comm": float((num.param_time - num.optimizer).sum()) / stages,
+        "optimizer": float(num.optimizer.sum()) / stages,
+        "p2p": float(sends),
+        "bubble": 0.0,
+    }
+    if pipeline_time is not None:
+        busy = parts["compute"] + parts["recompute"] + parts["activation comm"] + sends
+        parts["bubble"] = float(pipeline_time - busy)
+    return parts
 
 
 def price_pinned(captured, shape: tuple[int, ...], hardware: str, hint_of: Callable[[StrategyGraph], Hint],
@@ -83,12 +131,39 @@ def _completed(costs: Costs, hint_of, pinned: Pinned) -> Hint:
     return hint
 
 
+def _with_policy(costs: Costs, pinned: Pinned) -> Costs:
+    """``costs`` (none recomputed) rebuilt with every repeated layer recomputed where the run
+    used full activation checkpointing."""
+    if pinned.recompute != "full":
+        return costs
+    return build_costs(costs.graph, costs.profile, recompute=True, pricer=costs.pricer)
+
+
+def _over_limit(memory: float, memory_limit: float) -> list[str]:
+    if memory <= memory_limit:
+        return []
+    return [f"predicted {memory / 2**30:.1f} GiB per GPU, over the device's {memory_limit / 2**30:.1f} GiB, with "
+            "the run's own recomputation"]
+
+
 def _intra_op(graph: StrategyGraph, profile, hint_of, pinned: Pinned, memory_limit: float) -> PinnedCost:
     costs = build_costs(graph, profile)
-    laid = cost_layout(costs, _completed(costs, hint_of, pinned), memory_limit)
-    return PinnedCost(step_time=laid.time if laid.fits else math.inf, memory=laid.memory,
-                      recomputed=len(laid.costs.recompute), layers=len(set(costs.layer_of.values())),
-                      fits=laid.fits)
+    hint = _completed(costs, hint_of, pinned)
+    layers = len(set(costs.layer_of.values()))
+    if pinned.recompute == "fit":
+        laid = cost_layout(costs, hint, memory_limit)
+        used, assignment, time, memory, fits = laid.costs, laid.assignment, laid.time, laid.memory, laid.fits
+        notes = []
+    else:
+        used = _with_policy(costs, pinned)
+        assignment = used.assignment(hint.choice, hint.zero)
+        priced = plan_costs(used.problem, assignment)
+        time, memory, fits = priced.total_time, float(priced.node_memory.sum()), True
+        notes = _over_limit(memory, memory_limit)
+    recomputed = len(used.recompute)
+    parts = breakdown(layer_numbers(used, assignment), recomputed=recomputed) if fits else {}
+    return PinnedCost(step_time=time if fits else math.inf, memory=memory, recomputed=recomputed,
+                      layers=layers, fits=fits, notes=notes, parts=parts)
 
 
 def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_limit: float) -> PinnedCost:
@@ -100,16 +175,36 @@ def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_l
     graph = build_strategy_graph(captured, intra)
     costs = build_costs(graph, _intra_profile(full, intra))
     hint = _completed(costs, hint_of, pinned)
+    costs = _with_policy(costs, pinned)
     num = layer_numbers(costs, costs.assignment(hint.choice, hint.zero))
     layers = len(set(costs.layer_of.values()))
     notes = _micro_batch_notes(graph, hint.choice, m)
-    found = search(num, full, p, [m], memory_limit=memory_limit, schedules=(pinned.schedule,))
+    # a fixed policy: the stage search recomputes nothing more (no limit, so nothing to fit)
+    limit = memory_limit if pinned.recompute == "fit" else math.inf
+    found = search(num, full, p, [m], memory_limit=limit, schedules=(pinned.schedule,))
     if found is None:
         return PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=layers, fits=False,
                           notes=notes + [f"no stage cut of {p} stages with {m} micro-batches fits"])
     option = found[0]
-    return PinnedCost(step_time=option.step_time, memory=max(option.rank_memory),
-                      recomputed=_recomputed(option), layers=layers, fits=True, notes=notes)
+    overhead = float(num.param_time.sum()) / p  # planner_pipeline.search's step_overhead
+    sends = m * _rank_sends(option.cut, full, num, m, p)
+    folded = len(costs.recompute)  # "full": in the per-layer numbers already
+    recomputed = folded + _recomputed(option)
+    parts = breakdown(num, stages=p, recomputed=recomputed, folded=bool(folded),
+                      pipeline_time=option.step_time - overhead, sends=sends)
+    memory = max(option.rank_memory)
+    if pinned.recompute != "fit":
+        notes += _over_limit(memory, memory_limit)
+    return PinnedCost(step_time=option.step_time, memory=memory, recomputed=recomputed, layers=layers, fits=True,
+                      notes=notes, parts=parts)
+
+
+def _rank_sends(cut, profile: costmodels.HardwareProfile, num: LayerNumbers, m: int, p: int) -> float:
+    """Seconds per micro-batch of the point-to-point sends of the busiest rank (its virtual
+    stages' boundaries; ``planner_pipeline.search`` prices each the same way)."""
+    ends = [stage.stop - 1 for stage in map(cut.layers, range(len(cut.starts)))][:-1]
+    send = [costmodels.collective_time("send_recv", num.boundary[e] / m, 0, profile, in_step=True) for e in ends]
+    return max((sum(send[r::p]) for r in range(p)), default=0.0)
 
 
 def _micro_batch_notes(graph: StrategyGraph, choice, micro_batches: int) -> list[str]:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import costmodels
 from passes.costing import Costs, build_costs, state_breakdown
+from passes.layers import layer_path
 from passes.placements import fits, local_shape, spec_str
 from passes.plan import Plan, Prediction, plan_from_choice
 from passes.solve import SolveOptions, SolveResult, plan_costs, solve
@@ -185,9 +186,11 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
 
 
 def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float]:
-    """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as parameters)."""
+    """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
+    parameters), temporary (alive only while backward runs); each kind at its most, as the
+    solver's memory constraint adds them (``costing.at_peak``: at the step's peak)."""
     mesh = costs.graph.mesh_shape
-    out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+    out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "temporary": 0.0}
     choice, zero = costs.choice(assignment)
     for ph, zi in costs.zero_node.items():
         spec = costs.graph.nodes[ph].strategies[choice[ph]].output
@@ -198,6 +201,7 @@ def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float
             out[kind] += b
     for v, s in enumerate(assignment):
         out["activations"] += float(costs.activation_memory[v][s])
+        out["temporary"] += float(costs.temporary_memory[v][s])
         if v < len(costs.index):
             out["parameters"] += float(costs.state_memory[v][s])  # buffers; parameters sit on ZeRO nodes
     return out
@@ -511,6 +515,63 @@ def pipeline_factorisations(shape: tuple[int, ...], hardware) -> list[tuple[int,
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
 
 
+def repeated_layer_count(captured) -> int:
+    """How many repeated layers the model has (``passes.layers``): a pipeline of more stages
+    than that has a stage without a layer, so it is not tried."""
+    params = captured.params
+    return len({where for node in captured.nodes() if (where := layer_path(node, params)) is not None})
+
+
+# Seconds one pipeline depth takes to plan besides its solve (strategies and costs on its
+# mesh, layout completion, recomputation fits, the stage search), per node of the captured
+# graph. From the idle-machine run of benchmarks/plan_llama.py --size 70b --mesh 8 8 before
+# this budget existed (about 5,900 nodes; search 52.5 s for 4 plans, up to 30 s of it the
+# solvers' budget): 1 to 2 ms per node. At 1.5 ms that 70B call keeps all three depths at a
+# 60 s limit; Megatron's 96-layer GPT (3,700 nodes) on 288 x 8 plans five of its 15 at 60 s,
+# all at 300 s.
+PLANNING_SECONDS_PER_NODE = 1.5e-3
+
+
+def factorisation_budget(captured, time_limit_s: float) -> int:
+    """How many pipeline depths the search plans: the half of ``time_limit_s`` the solvers do
+    not get, over what one depth costs besides its solve (``PLANNING_SECONDS_PER_NODE`` per
+    node of the captured graph); at least one. A count, not a clock: the same call plans the
+    same depths."""
+    per_depth = PLANNING_SECONDS_PER_NODE * len(captured.graph.nodes)
+    return max(1, int(0.5 * time_limit_s / per_depth))
+
+
+def next_factorisation(options: Sequence[tuple[int, tuple[int, ...]]], results: dict[int, float]) -> int | None:
+    """Index into ``options`` (pipeline depths in increasing order) of the next one to try,
+    given the predicted step times found so far (index -> seconds, inf where none fits); None
+    when all are tried.
+
+    Step time falls with depth while data-parallel traffic and memory shrink, and rises once
+    the bubble and the per-stage imbalance dominate: about one valley. So first a spread (the
+    middle, then the quarter points: a search cut short has seen shallow and deep pipelines
+    alike), then a bisection of the untried depths between the best found and its tried
+    neighbours (the larger side first, the shallower on a tie), then the rest nearest the best;
+    while nothing fits, the deepest untried (a deeper pipeline holds less per device)."""
+    n = len(options)
+    untried = [i for i in range(n) if i not in results]
+    if not untried:
+        return None
+    for seed in dict.fromkeys((n // 2, n // 4, (3 * n) // 4)):
+        if seed not in results:
+            return seed
+    finite = {i: t for i, t in results.items() if math.isfinite(t)}
+    if not finite:
+        return max(untried)
+    best = min(finite, key=lambda i: (finite[i], i))
+    below = max((i for i in results if i < best), default=-1)
+    above = min((i for i in results if i > best), default=n)
+    if below < best - 1 or above > best + 1:
+        if best - below >= above - best:
+            return (below + best) // 2 if below >= 0 else (below + best + 1) // 2
+        return (best + above + 1) // 2
+    return min(untried, key=lambda i: (abs(i - best), -i))
+
+
 def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, profile, hint_fn, limit: float,
                             axis_names) -> Plan:
     """``best``, or the manual layout (without a pipeline) predicted faster, costed the same way
@@ -547,45 +608,59 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
     options = pipeline_factorisations(shape, hardware) if pipeline and layout is None else []
     if outer_axis_only:
         options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
-    report("strategies", 0, 1 + len(options))
+    layers = repeated_layer_count(captured)
+    too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
+    options = [(p, intra) for p, intra in options if p <= max(layers, 1)]
+    budget = min(len(options), factorisation_budget(captured, time_limit_s))
+    report("strategies", 0, 1 + budget)
     calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
     graph = build_strategy_graph(captured, shape, calls)
-    best, error, tried, candidates = None, None, {}, {}
-    for k, (p, intra) in enumerate([(1, shape)] + options):
-        remaining = time_limit_s - (time.perf_counter() - started)
-        where = "no pipeline" if p == 1 else f"pp{p}x{'x'.join(map(str, intra))}"
-        report(where, k, 1 + len(options))
-        if k and remaining <= 0.02 * time_limit_s:
-            tried[where] = "not tried: out of time"
-            continue
-        # a fixed share, not what the clock left: the same call gets the same search (the rest of
-        # the time: costs, completion, stage search)
-        solver_time = 0.5 * time_limit_s / (1 + len(options))
-        if p == 1:
-            try:
-                candidate, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
-                                             layout=layout, axis_names=axis_names)
-                why = duration(candidate.predicted.step_time)
-            except PlanningError as exc:
-                candidate, error, why = None, exc, str(exc)
-        else:
-            candidate, why = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
-                                           time_limit_s=solver_time, shape=shape,
-                                           graph=build_strategy_graph(captured, intra, calls))
-        tried[where] = why
+    # a fixed share, not what the clock left: the same call gets the same search (the rest of
+    # the time: costs, completion, stage search)
+    solver_time = 0.5 * time_limit_s / (1 + budget)
+    best, error, candidates = None, None, {}
+    where_of = lambda p, intra: f"pp{p}x{'x'.join(map(str, intra))}"  # noqa: E731
+    tried = {"no pipeline": ""}
+    report("no pipeline", 0, 1 + budget)
+    try:
+        best, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
+                                layout=layout, axis_names=axis_names)
+        tried["no pipeline"] = duration(best.predicted.step_time)
+        candidates.update(best.candidates)
+    except PlanningError as exc:
+        error, tried["no pipeline"] = exc, str(exc)
+    results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
+    outcome: dict[int, str] = {}
+    clock_cut = False
+    while len(results) < budget and (i := next_factorisation(options, results)) is not None:
+        p, intra = options[i]
+        report(where_of(p, intra), len(results) + 1, 1 + budget)
+        if time_limit_s - (time.perf_counter() - started) <= 0.02 * time_limit_s:
+            clock_cut = True  # the wall clock, a safety net: the deterministic budget did not run out
+            break
+        candidate, outcome[i] = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
+                                              time_limit_s=solver_time, shape=shape,
+                                              graph=build_strategy_graph(captured, intra, calls))
+        results[i] = candidate.predicted.step_time if candidate is not None else math.inf
         if candidate is None:
             continue
-        candidates.update({(k_ if p == 1 else f"{k_}[{where}]"): t for k_, t in candidate.candidates.items()})
+        candidates.update({f"{k_}[{where_of(p, intra)}]": t for k_, t in candidate.candidates.items()})
         if best is None or candidate.predicted.step_time < best.predicted.step_time:
             best = candidate
+    for i, (p, intra) in enumerate(options):
+        tried[where_of(p, intra)] = outcome.get(i) or (
+            "not tried: out of time" if clock_cut else
+            f"not tried: beyond the search budget of {budget} pipeline depths (next_factorisation's order)")
+    for p, intra in too_deep:
+        tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
     if best is None:
         raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
     best = _no_slower_than_layouts(best, candidates, graph, profile, hint_fn, limit, axis_names)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
-    if any(v == "not tried: out of time" for v in tried.values()):
+    if clock_cut:
         best.solver["clock_cut"] = True  # the wall clock, a safety net, left options out
     best.candidates = candidates
     best.solver["planning_seconds"] = time.perf_counter() - started
     best.solver["memory_limit"] = limit
-    report("done", 1 + len(options), 1 + len(options))
+    report("done", 1 + budget, 1 + budget)
     return best

@@ -115,7 +115,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
             held = state_breakdown(numel, zero[node], shards, costs.precision)
             row = kinds[layer]
-            row[0] += held["parameters"]
+            row[0] += held["parameters"] + held["activations"]  # ZeRO-2's copy gathered for the step
             row[1] += held["gradients"]
             row[2] += held["optimizer"]
             continue

@@ -104,8 +104,14 @@ def kept_for_backward(graph_nodes, on_grad_path: set[fx.Node], held: Iterable[fx
     for node in graph_nodes:
         if node.op == "output":
             kept.update(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node))
-    # a kept view (or getitem) keeps its base: walk back to what holds the memory
-    for node in reversed(nodes):
+    return keep_bases(graph_nodes, kept)
+
+
+def keep_bases(graph_nodes, kept: set[fx.Node]) -> set[fx.Node]:
+    """``kept`` and what its views (and getitems) view: a kept view keeps its base, so walk
+    back to what holds the memory (a new set)."""
+    kept = set(kept)
+    for node in reversed([n for n in graph_nodes if n.op == "call_function"]):
         if node in kept and (str(node.target) in VIEWS or node.target is operator.getitem):
             kept.add(node.args[0])
     return kept

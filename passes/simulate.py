@@ -103,7 +103,7 @@ def _combine(parts: list[torch.Tensor], p: Placement, what: str, axis: int) -> t
     if isinstance(p, Partial):
         stacked = torch.stack(parts)
         return {
-            "sum": lambda: stacked.sum(0),
+            "sum": lambda: stacked.sum(0, dtype=stacked.dtype),  # int32 stays int32, as in an all-reduce
             "avg": lambda: stacked.to(torch.float64).mean(0).to(stacked.dtype),
             "max": lambda: stacked.amax(0),
             "min": lambda: stacked.amin(0),

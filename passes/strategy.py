@@ -9,6 +9,7 @@ simulator (``passes.simulate``) checks every combination on 1-, 2- and 3-axis me
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -111,6 +112,10 @@ class ShardingStrategy:
     kernel: str | None = None
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:  # computed once: plans name strategies by it, every rank's build reads them all
         ins = ", ".join(spec_str(s) for s in self.inputs)
         outs = ", ".join(spec_str(s) for s in self.outputs)
         if len(self.outputs) != 1:

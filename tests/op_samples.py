@@ -273,6 +273,180 @@ def grouped_mm_sample(rng):
     return torch.ops.transformers.grouped_mm_fallback.default, (x, _t(rng, e, k, n), offsets), {}
 
 
+
+CONV_OPS = {1: aten.conv1d.default, 2: aten.conv2d.default, 3: aten.conv3d.default}
+CONV_TRANSPOSE_OPS = {
+    1: aten.conv_transpose1d.default, 2: aten.conv_transpose2d.input, 3: aten.conv_transpose3d.input,
+}
+
+
+CHANNELS = [2, 4, 6, 8]  # image ops run on every device of the mesh: kept small
+
+
+def _spatial(rng: random.Random, n: int) -> list[int]:
+    return [rng.choice([3, 4, 5]) for _ in range(n)]
+
+
+def _conv_groups(rng: random.Random, grouped: bool) -> tuple[int, int, int]:
+    """(groups, input channels, output channels): depthwise, coprime per-group sizes
+    (whole groups split) or a common factor (they must not)."""
+    if not grouped:
+        return 1, rng.choice(CHANNELS), rng.choice(CHANNELS)
+    g = rng.choice([2, 4, 8])
+    k, m = rng.choice([(1, 1), (1, 2), (1, 3), (2, 1), (2, 3), (3, 2), (2, 2), (2, 1)])
+    return g, g * k, g * m
+
+
+def conv_sample(grouped: bool = False, transposed: bool = False, generic: bool = False):
+    """``convNd`` / ``conv_transposeNd`` / ``convolution``: 1-3 spatial dims, batched or
+    not (the plain forms), with or without bias, strides and padding."""
+
+    def sample(rng):
+        n = rng.randint(1, 3)
+        g, c_in, c_out = _conv_groups(rng, grouped)
+        kernel = [rng.choice([1, 2, 3]) for _ in range(n)]
+        weight_shape = [c_in, c_out // g] if transposed else [c_out, c_in // g]
+        batched = generic or transposed or rng.random() < 0.7
+        x = _t(rng, *([rng.choice(CHANNELS)] if batched else []), c_in, *_spatial(rng, n))
+        w = _t(rng, *weight_shape, *kernel)
+        bias = _t(rng, c_out) if rng.random() < 0.6 else None
+        stride, padding = [rng.choice([1, 2])] * n, [rng.choice([0, 1])] * n
+        if generic:
+            args = (x, w, bias, stride, padding, [1] * n, transposed, [0] * n, g)
+            return aten.convolution.default, args, {}
+        if transposed:
+            return CONV_TRANSPOSE_OPS[n], (x, w, bias, stride, padding, [0] * n, g), {}
+        return CONV_OPS[n], (x, w, bias, stride, padding, [1] * n, g), {}
+
+    return sample
+
+
+POOLS = {
+    "max_pool": {1: aten.max_pool1d.default, 2: aten.max_pool2d.default, 3: aten.max_pool3d.default},
+    "max_pool_with_indices": {
+        1: aten.max_pool1d_with_indices.default, 2: aten.max_pool2d_with_indices.default,
+        3: aten.max_pool3d_with_indices.default,
+    },
+    "avg_pool": {1: aten.avg_pool1d.default, 2: aten.avg_pool2d.default, 3: aten.avg_pool3d.default},
+}
+ADAPTIVE_POOLS = {
+    "adaptive_avg_pool": {
+        1: aten.adaptive_avg_pool1d.default, 2: aten.adaptive_avg_pool2d.default,
+        3: aten.adaptive_avg_pool3d.default,
+    },
+    "adaptive_max_pool": {
+        1: aten.adaptive_max_pool1d.default, 2: aten.adaptive_max_pool2d.default,
+        3: aten.adaptive_max_pool3d.default,
+    },
+}
+
+
+def _image(rng: random.Random, n_spatial: int) -> torch.Tensor:
+    """``[N, C, *spatial]``, or unbatched ``[C, *spatial]`` now and then."""
+    leading = [rng.choice(CHANNELS) for _ in range(2 if rng.random() < 0.8 else 1)]
+    return _t(rng, *leading, *_spatial(rng, n_spatial))
+
+
+def pool_sample(kind: str):
+    def sample(rng):
+        n = rng.randint(1, 3)
+        kernel = [rng.choice([2, 3])] * n
+        return POOLS[kind][n], (_image(rng, n), kernel, [rng.choice([1, 2])] * n, [1] * n), {}
+
+    return sample
+
+
+def adaptive_pool_sample(kind: str):
+    def sample(rng):
+        n = rng.randint(1, 3)
+        return ADAPTIVE_POOLS[kind][n], (_image(rng, n), [rng.choice([1, 2, 3])] * n), {}
+
+    return sample
+
+
+def upsample_sample(rng):
+    x = _t(rng, *_shape(rng, 2), *_spatial(rng, 2))
+    if rng.random() < 0.5:
+        return aten.upsample_nearest2d.vec, (x, None, [2.0, 1.5]), {}
+    return aten.upsample_bilinear2d.vec, (x, [7, 9], rng.random() < 0.5, None), {}
+
+
+BATCH_NORMS = [
+    aten.batch_norm.default, aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
+    aten._native_batch_norm_legit.no_stats,
+]
+
+
+def batch_norm_sample(rng):
+    """Any batch-norm form, training (batch statistics) or eval (running statistics)."""
+    op = rng.choice(BATCH_NORMS)
+    n, c = rng.choice(SIZES), rng.choice(SIZES)
+    x = _t(rng, n, c, *_spatial(rng, rng.randint(0, 2)))
+    affine = rng.random() < 0.7
+    weight, bias = (_t(rng, c), _t(rng, c)) if affine else (None, None)
+    running = (_t(rng, c), _t(rng, c).abs() + 0.5)
+    training = rng.random() < 0.5
+    if op == aten._native_batch_norm_legit.no_stats:
+        return op, (x, weight, bias, True, 0.1, 1e-5), {}
+    if op == aten._native_batch_norm_legit_no_training.default:
+        return op, (x, weight, bias, *running, 0.1, 1e-5), {}
+    if op == aten.batch_norm.default:
+        return op, (x, weight, bias, *running, training, 0.1, 1e-5, False), {}
+    return op, (x, weight, bias, *running, training, 0.1, 1e-5), {}
+
+
+def group_norm_sample(rng):
+    groups = rng.choice([1, 2, 4])
+    c = groups * rng.choice([1, 1, 2, 3])
+    x = _t(rng, rng.choice(SIZES), c, *_spatial(rng, rng.randint(0, 2)))
+    weight, bias = _t(rng, c), _t(rng, c)
+    if rng.random() < 0.5:
+        return aten.group_norm.default, (x, groups, weight, bias, 1e-5, False), {}
+    hw = x[0, 0].numel()
+    return aten.native_group_norm.default, (x, weight, bias, x.shape[0], c, hw, groups, 1e-5), {}
+
+
+def pad_sample(rng):
+    x = _t(rng, *_shape(rng, rng.randint(1, 4)))
+    widths = [rng.choice([0, 0, 1, 2]) for _ in range(2 * rng.randint(1, x.ndim))]
+    if rng.random() < 0.5:
+        return aten.constant_pad_nd.default, (x, widths, rng.choice([0.0, -100.0])), {}
+    if rng.random() < 0.5:
+        mode = rng.choice(["reflect", "replicate", "circular"])
+        x = _t(rng, *_shape(rng, 2), rng.choice([4, 5]))  # these modes pad a 3-D input's last dim
+        return aten.pad.default, (x, [rng.choice([0, 1, 2]), rng.choice([0, 1, 2])], mode), {}
+    return aten.pad.default, (x, widths, "constant", rng.choice([None, 0.0, -100.0])), {}
+
+
+def repeat_sample(rng):
+    x = _t(rng, *_shape(rng, rng.randint(1, 3)))
+    repeats = [rng.choice([1, 1, 2]) for _ in range(x.ndim + rng.randint(0, 1))]
+    return aten.repeat.default, (x, repeats), {}
+
+
+def copy_sample(rng):
+    """``copy_`` into a tensor from a broadcast source, as ``shifted[:, 1:] = ...`` does."""
+    shape = _shape(rng, rng.randint(1, 3))
+    return aten.copy_.default, (_t(rng, *shape), _t(rng, *_broadcast_partner(rng, shape))), {}
+
+
+def fill_sample(rng):
+    x = _t(rng, *_shape(rng, rng.randint(1, 3)))
+    if rng.random() < 0.5:
+        return aten.fill_.Tensor, (x, torch.tensor(rng.random())), {}
+    return aten.fill_.Scalar, (x, rng.random()), {}
+
+
+def arange_sample(rng):
+    if rng.random() < 0.5:
+        return aten.arange.default, (rng.choice(SIZES),), {}
+    return aten.arange.start_step, (1, rng.choice(SIZES) * 2, 2), {}
+
+
+def scalar_tensor_sample(rng):
+    return aten.scalar_tensor.default, (rng.random(),), {"dtype": torch.float32}
+
 SAMPLERS = {
     "add": binary(aten.add.Tensor), "sub": binary(aten.sub.Tensor), "mul": binary(aten.mul.Tensor),
     "div": binary(aten.div.Tensor), "eq": binary(aten.eq.Tensor), "maximum": binary(aten.maximum.default),
@@ -295,4 +469,16 @@ SAMPLERS = {
     "cross_entropy": cross_entropy_sample, "mse_loss": mse_sample,
     "index": index_sample, "index_put_": index_put_sample, "gather": gather_sample,
     "empty_like": empty_like_sample, "new_ones": new_ones_sample, "grouped_mm": grouped_mm_sample,
+    "min_other": binary(aten.min.other), "max_other": binary(aten.max.other),
+    "minimum": binary(aten.minimum.default), "numpy_T": unary(aten.numpy_T.default),
+    "conv": conv_sample(), "conv_grouped": conv_sample(grouped=True),
+    "conv_transpose": conv_sample(transposed=True),
+    "conv_transpose_grouped": conv_sample(grouped=True, transposed=True),
+    "convolution": conv_sample(grouped=True, generic=True),
+    "max_pool": pool_sample("max_pool"), "max_pool_with_indices": pool_sample("max_pool_with_indices"),
+    "avg_pool": pool_sample("avg_pool"), "adaptive_avg_pool": adaptive_pool_sample("adaptive_avg_pool"),
+    "adaptive_max_pool": adaptive_pool_sample("adaptive_max_pool"), "upsample": upsample_sample,
+    "batch_norm": batch_norm_sample, "group_norm": group_norm_sample, "pad": pad_sample,
+    "repeat": repeat_sample, "copy_": copy_sample, "fill_": fill_sample,
+    "arange": arange_sample, "scalar_tensor": scalar_tensor_sample,
 }

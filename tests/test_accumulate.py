@@ -1,4 +1,4 @@
-"""Micro-batches for accumulation and the batch sizes a plan's splits divide (autopar.runtime).
+"""Micro-batches for accumulation and the batch sizes a plan's splits divide (autopar.batch).
 
 The multi-rank runs (accumulated training, the loop written with ``no_sync()``, eval at
 other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_distributed.py.
@@ -7,7 +7,7 @@ other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_di
 import pytest
 import torch
 
-from autopar.runtime import check_divisible, split_batch
+from autopar.batch import check_divisible, split_batch
 from passes.placements import R, S
 
 

@@ -76,7 +76,7 @@ def test_layout_plans_share_costs_and_match_autopar_plan():
     import costmodels
     import autopar
     from autopar.bench_models import build
-    from autopar.runtime import WithLoss
+    from autopar.loss import WithLoss
     from passes.capture import capture
 
     work = build("wide-mlp", "cpu")

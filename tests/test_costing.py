@@ -98,8 +98,9 @@ def test_zero_levels_order_memory_and_forbid_useless_levels():
     meta = TensorMeta((4096, 4096), torch.float32)
     replicated = [zero_costs(meta, (Replicate(),), z, "fp32", profile) for z in ZERO_LEVELS]
     psi = 4096 * 4096
-    # fp32 bytes per parameter: 4 + 4 + 8 whole; ZeRO-1 splits the 8 of AdamW, ZeRO-2 the gradient's 4 too
-    assert [r[2] for r in replicated] == [16 * psi, 8 * psi + 8 * psi / 8, 4 * psi + 12 * psi / 8]
+    # fp32 bytes per parameter: 4 + 4 + 8 whole; ZeRO-1 splits the 8 of AdamW; ZeRO-2 the gradient's 4
+    # and the stored parameter's 4 too, and holds a whole copy gathered for the step
+    assert [r[2] for r in replicated] == [16 * psi, 8 * psi + 8 * psi / 8, 4 * psi + 16 * psi / 8]
     # level 1 gathers the updated parameters after the step; the gradient's all-reduce is the edges'
     assert replicated[1][1] == pytest.approx(costmodels.collective_time("all_gather", 4 * psi, 0, profile))
     assert replicated[0][1] == 0.0 and 0.0 <= replicated[2][1] < replicated[1][1]

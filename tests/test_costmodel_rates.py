@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from costmodels import HardwareProfile, ProfileError, Rate, a100, h100
+from costmodels import HardwareProfile, ProfileError, Rate, a100, h100, preset
 from costmodels.compute import compute_time, matmul_efficiency, matmul_size, matmul_time, pointwise_time
 from costmodels.presets import group_nics
 
@@ -105,3 +105,33 @@ def test_shape_fit_round_trips_and_an_older_profile_without_it_still_loads():
     assert matmul_time(256, 256, 256, "bf16", old) < matmul_time(256, 256, 256, "bf16", p)
     with pytest.raises(ProfileError, match="work_half"):
         Rate(latency_s=0.0, rate=1.0, work_half=-1.0)
+
+
+def test_the_500w_hbm2e_h100_runs_below_the_sxm_by_its_sourced_figures():
+    # torchtitan's Grand Teton H100: 96 GB HBM2e at 2.4 TB/s, 500 W, bf16 peak between the
+    # SXM's 989.5 and the NVL's 835.5 dense TFLOP/s (benchmarks/llama3_h100_202412_torchtitan.md)
+    sxm, grand_teton = h100((8,)), preset("h100-96gb-500w", (8,))
+    device = grand_teton.device
+    assert device.memory_bytes == 96e9 and device.peak_memory_bandwidth == 2.4e12
+    assert 835.5e12 < device.peak_matmul_flops["bf16"] < 989.5e12
+    assert grand_teton.fit("all_reduce", 0) == sxm.fit("all_reduce", 0)  # same NVLink node
+    n = 8192
+    assert tflops(n, n, n, grand_teton) / tflops(n, n, n, sxm) == pytest.approx(
+        device.peak_matmul_flops["bf16"] / sxm.device.peak_matmul_flops["bf16"], rel=1e-3)  # + kernel latency
+    numel = 1 << 28
+    assert pointwise_time(numel, 3, "bf16", grand_teton, "aten.add.Tensor") > \
+        3.35 / 2.4 * 0.99 * pointwise_time(numel, 3, "bf16", sxm, "aten.add.Tensor")
+
+
+def test_a_ring_across_nodes_pays_the_network_latency_only_on_its_steps_between_nodes():
+    # NCCL tuning.cc, ring/Simple: baseLat 8.4 us + (nsteps - nInterSteps) * 3.4 us (NVLink)
+    # + nInterSteps * 9.6 us (network); nInterSteps = 2 (nodes - 1) for an all-reduce
+    us = 1e-6
+    assert h100((8,)).fit("all_reduce", 0).alpha_s == pytest.approx((8.4 + 14 * 3.4) * us)
+    # 16 ranks on 16 nodes: every one of the 30 steps crosses the network
+    assert h100((16, 8)).fit("all_reduce", 0).alpha_s == pytest.approx((8.4 + 30 * 9.6) * us)
+    # 48 ranks, 4 in each of 12 nodes (the inner axis of 2 fills the rest): 22 of 94 steps between nodes
+    two_level = h100((48, 2))
+    assert two_level.fit("all_reduce", 0).alpha_s == pytest.approx((8.4 + 72 * 3.4 + 22 * 9.6) * us)
+    assert two_level.fit("all_gather", 0).alpha_s == pytest.approx((8.4 + 36 * 3.4 + 11 * 9.6) * us)
+    assert two_level.fit("send_recv", 0).alpha_s == pytest.approx((8.4 + 9.6) * us)

@@ -1,10 +1,12 @@
-"""Every ATen op in the forward graphs of the five reference models has a sharding rule."""
+"""Every ATen op in the forward graphs of the reference models, and of the vision and
+encoder-decoder models of ``tests/coverage_models``, has a sharding rule."""
 
 import operator
 
 import pytest
 
 from passes import rules
+from tests.coverage_models import COVERAGE_MODELS, captured
 
 # The ops these models' graphs contain (torch 2.13, transformers 5.23), listed so that a
 # change in either shows up here as a diff rather than as a silent replicate fallback.
@@ -62,3 +64,66 @@ def test_every_op_of_the_model_has_a_rule(name, captured_models):
 def test_required_ops_have_rules():
     registered = set(rules.registered_ops())
     assert REQUIRED_OPS <= registered, sorted(REQUIRED_OPS - registered)
+
+
+# The ops of ResNet, ConvNeXt, CLIP, Whisper, BART and Mixtral with labels (train mode).
+COVERAGE_MODEL_OPS = {
+    "aten.__and__.Tensor", "aten.adaptive_avg_pool2d.default", "aten.add.Tensor",
+    "aten.alias.default", "aten.arange.default", "aten.arange.start", "aten.argmax.default",
+    "aten.batch_norm.default", "aten.cat.default", "aten.chunk.default", "aten.clone.default",
+    "aten.contiguous.default", "aten.conv1d.default", "aten.conv2d.default", "aten.copy_.default",
+    "aten.cos.default", "aten.cross_entropy_loss.default", "aten.cumsum.default",
+    "aten.diff.default", "aten.div.Tensor", "aten.dropout.default", "aten.embedding.default",
+    "aten.empty_like.default", "aten.eq.Scalar", "aten.eq.Tensor", "aten.exp.default",
+    "aten.expand.default", "aten.fill_.Tensor", "aten.flatten.using_ints",
+    "aten.floor_divide.default", "aten.ge.Scalar", "aten.gelu.default", "aten.histc.default",
+    "aten.index.Tensor", "aten.index_put.default", "aten.layer_norm.default", "aten.le.Tensor",
+    "aten.lift_fresh_copy.default", "aten.linear.default", "aten.masked_fill.Scalar",
+    "aten.matmul.default", "aten.max_pool2d.default", "aten.mean.dim", "aten.mul.Tensor",
+    "aten.ne.Scalar", "aten.neg.default", "aten.new_ones.default", "aten.new_zeros.default",
+    "aten.numpy_T.default", "aten.pad.default", "aten.permute.default",
+    "aten.pow.Tensor_Scalar", "aten.relu.default", "aten.repeat.default",
+    "aten.reshape.default", "aten.rsqrt.default", "aten.scaled_dot_product_attention.default",
+    "aten.select.int", "aten.sigmoid.default", "aten.silu.default", "aten.sin.default",
+    "aten.slice.Tensor", "aten.softmax.int", "aten.sort.default", "aten.sub.Tensor",
+    "aten.sum.default", "aten.sum.dim_IntList", "aten.t.default", "aten.to.device",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.topk.default", "aten.transpose.int",
+    "aten.unsqueeze.default", "aten.view.default", "transformers.grouped_mm_fallback.default",
+}
+
+# Vision and encoder-decoder ops named in issue #18, whether or not these models use them.
+VISION_REQUIRED_OPS = {
+    "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+    "aten.convolution.default", "aten.conv_transpose2d.input", "aten.max_pool2d.default",
+    "aten.max_pool2d_with_indices.default", "aten.avg_pool2d.default",
+    "aten.adaptive_avg_pool2d.default", "aten.max_pool1d.default", "aten.avg_pool3d.default",
+    "aten.batch_norm.default", "aten.native_batch_norm.default",
+    "aten._native_batch_norm_legit.default", "aten._native_batch_norm_legit_no_training.default",
+    "aten.group_norm.default", "aten.native_group_norm.default", "aten.minimum.default",
+    "aten.maximum.default", "aten.min.other", "aten.max.other", "aten.upsample_nearest2d.vec",
+    "aten.upsample_bilinear2d.vec", "aten.pad.default", "aten.constant_pad_nd.default",
+    "aten.arange.default", "aten.scalar_tensor.default",
+}
+
+
+def coverage_model_ops(name: str) -> set[str]:
+    cap = captured(name)[3]
+    return {str(n.target) for n in cap.nodes("call_function") if n.target is not operator.getitem}
+
+
+def test_the_coverage_models_use_the_expected_ops():
+    seen = set().union(*(coverage_model_ops(name) for name in COVERAGE_MODELS))
+    assert seen == COVERAGE_MODEL_OPS, (
+        f"new ops: {sorted(seen - COVERAGE_MODEL_OPS)}; gone: {sorted(COVERAGE_MODEL_OPS - seen)}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE_MODELS))
+def test_every_op_of_the_coverage_model_has_a_rule(name):
+    missing = sorted(op for op in coverage_model_ops(name) if rules.rule_for(op) is None)
+    assert not missing, f"{name}: ops without a sharding rule: {missing}"
+
+
+def test_vision_ops_have_rules():
+    registered = set(rules.registered_ops())
+    assert VISION_REQUIRED_OPS <= registered, sorted(VISION_REQUIRED_OPS - registered)

@@ -4,6 +4,7 @@ allocated), with peak memory per rank from torch's MemTracker."""
 
 import copy
 import math
+import os
 import warnings
 from contextlib import redirect_stdout
 from io import StringIO
@@ -11,10 +12,11 @@ from io import StringIO
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar import layouts
+from autopar import dryrun, layouts
 from autopar.cli import main
 from autopar.dryrun import DryRunError, distinct_ranks
 from autopar.models import GPT, GPTConfig
@@ -137,3 +139,35 @@ def test_cli_plan_dry_run(tmp_path):
     assert "rank 3 (coordinate (1, 1)): ok, peak" in text and "predicted / dry run = " in text
     ratio = float(text.split("predicted / dry run = ")[1].split()[0])
     assert math.isfinite(ratio) and ratio > 0
+
+
+def test_the_trackers_peak_is_torchs_memtracker_peak(staged, monkeypatch):
+    """The dry run's tracker keeps only the whole rank's peak (MemTracker's per-module
+    peaks, updated after every op over every module seen, made a 70B dry run quadratic in
+    its depth): the peak and its kinds are what torch's own MemTracker measures."""
+    model, inputs, plan = staged
+    fast = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
+    monkeypatch.setattr(dryrun._Tracker, "_update_peak_stats", MemTracker._update_peak_stats)
+    torchs = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
+    assert [(r.rank, r.peak, r.memory) for r in fast.ranks] == [(r.rank, r.peak, r.memory) for r in torchs.ranks]
+    assert all(r.peak > 0 for r in fast.ranks)
+
+
+def test_ranks_in_worker_processes_give_what_one_process_gives(staged):
+    model, inputs, plan = staged
+    forked = autopar.dry_run(plan, model, inputs, workers=2, raise_on_failure=True)
+    here = autopar.dry_run(plan, model, inputs, workers=1, raise_on_failure=True)
+    assert len(forked.ranks) == 2
+    assert [(r.rank, r.stages, r.peak, r.memory) for r in forked.ranks] == [
+        (r.rank, r.stages, r.peak, r.memory) for r in here.ranks]
+
+
+def test_a_worker_that_dies_fails_its_ranks_with_an_autopar_error(staged, monkeypatch):
+    model, inputs, plan = staged
+    monkeypatch.setattr(dryrun, "_run_rank", lambda *args: os._exit(3))
+    result = autopar.dry_run(plan, model, inputs, workers=2)
+    assert not result.ok and len(result.failures) == 2
+    assert all(r.error.startswith("autopar: the dry run's worker process for rank(s)") and "status 3" in r.error
+               for r in result.failures)
+    with pytest.raises(ValueError, match=r"^autopar: dry_run\(workers=...\) expected at least 1"):
+        autopar.dry_run(plan, model, inputs, workers=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import published  # noqa: E402
 from autopar import layouts  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from passes.capture import capture  # noqa: E402
-from passes.pinned import Pinned, price_pinned  # noqa: E402
+from passes.pinned import BREAKDOWN_PARTS, Pinned, price_pinned  # noqa: E402
 
 
 def tiny_gpt() -> GPT:
@@ -87,3 +88,63 @@ def test_scaled_down_row_numbers():
     assert math.prod(int(n) for n in mesh.split("x")) == 8 and r["dry_run"] == "not run"
     text = published.table([r])
     assert text.splitlines()[0] == published.HEADER and "| tiny | 8 | TP 2, PP 2, DP 2 |" in text
+
+
+@pytest.mark.parametrize("shape, pinned", [
+    ((8,), Pinned(layout="dp")),
+    ((4, 2), Pinned(layout="tp+dp", stages=2, micro_batches=4)),
+    ((4, 2), Pinned(layout="tp+dp", stages=2, micro_batches=4, schedule="interleaved_1f1b")),
+], ids=["intra-op", "1f1b", "interleaved"])
+def test_the_breakdown_of_a_pinned_step_sums_to_its_time(captured, shape, pinned):
+    cost = price_pinned(captured, shape, "h100", lambda g: layouts.hint(pinned.layout, g), pinned, memory_limit=80e9)
+    assert set(cost.parts) == set(BREAKDOWN_PARTS)
+    assert sum(cost.parts.values()) == pytest.approx(cost.step_time, rel=1e-9)
+    assert cost.parts["compute"] > 0 and all(v >= 0 for v in cost.parts.values())
+    assert (cost.parts["bubble"] > 0) == (pinned.stages > 1)  # M + P - 1 slots for M micro-batches' work
+    assert cost.parts["parameter comm"] > 0  # every layout here syncs gradients over a data-parallel axis
+
+
+def test_recomputation_shows_in_the_breakdown_and_not_in_compute(captured):
+    def price(limit: float):
+        return price_pinned(captured, (8,), "h100", lambda g: layouts.hint("dp", g), Pinned(layout="dp"),
+                            memory_limit=limit)
+
+    none = price(math.inf)
+    some = price(none.memory * 0.9)
+    assert none.parts["recompute"] == 0 and some.parts["recompute"] > 0
+    assert some.parts["compute"] == pytest.approx(none.parts["compute"])
+    assert some.step_time - none.step_time == pytest.approx(some.parts["recompute"])
+
+
+def test_a_row_plans_for_its_own_machine_and_can_skip_the_auto_plan():
+    rows = {r.key: r for r in published.published_rows()}
+    assert rows["tt-8b"].device_memory == 96e9 and rows["mlm-7.1b"].device_memory == 80e9
+    row = published.Row(key="tiny", source="test", build=tiny_gpt, gpus=8, batch=16, seq=64, mesh=(8,),
+                        pinned=Pinned(layout="dp"), layout_text="DP 8", tflops_per_gpu=1.0,
+                        hardware=published.GRAND_TETON)
+    r = published.evaluate(row, time_limit_s=3.0, dry_run=False, auto_plan=False)
+    assert r["auto_line"].startswith("skipped") and r["predicted"] > 0
+    on_sxm = published.evaluate(replace(row, hardware="h100"), time_limit_s=3.0, dry_run=False,
+                                auto_plan=False)
+    assert on_sxm["predicted"] > r["predicted"]  # the 500 W board is the slower one
+    assert published.breakdown_row(r).startswith("| tiny | ")
+
+
+@pytest.mark.parametrize("shape, stages", [((8,), 1), ((4, 2), 2)], ids=["intra-op", "pipelined"])
+def test_a_run_that_states_its_recomputation_is_priced_with_it(captured, shape, stages):
+    def price(policy: str, limit: float = 80e9):
+        pinned = Pinned(layout="tp+dp" if stages > 1 else "dp", stages=stages, micro_batches=4 if stages > 1 else 1,
+                        recompute=policy)
+        return price_pinned(captured, shape, "h100", lambda g: layouts.hint(pinned.layout, g), pinned,
+                            memory_limit=limit)
+
+    none, full, fit = price("none"), price("full"), price("fit")
+    assert none.recomputed == 0 == fit.recomputed and full.recomputed == full.layers == 4
+    assert full.step_time > none.step_time == pytest.approx(fit.step_time)
+    assert full.memory < none.memory
+    added = full.step_time - none.step_time  # in a pipeline, the bubble grows with the slowest stage too
+    assert full.parts["recompute"] == pytest.approx(added) if stages == 1 else 0 < full.parts["recompute"] < added
+    squeezed = price("none", none.memory / 2)  # the run was made so: priced, with a note
+    assert squeezed.fits and squeezed.step_time == none.step_time and "over the device" in squeezed.notes[-1]
+    with pytest.raises(ValueError, match="autopar: no recomputation policy"):
+        Pinned(layout="dp", recompute="selective")

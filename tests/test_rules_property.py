@@ -15,6 +15,7 @@ from passes import rules
 from passes.simulate import check_strategy
 from passes.strategies import build_strategy_graph, tensor_inputs
 from passes.strategy import OpInfo
+from tests.coverage_models import COVERAGE_MODELS, captured
 from tests.op_samples import SAMPLERS
 
 MESHES = [(2,), (4,), (2, 2), (2, 2, 2)]
@@ -38,22 +39,30 @@ def test_random_calls(family, mesh):
     checked.append(n)
 
 
-def node_values(model, inputs, cap):
+def node_values(model, inputs, cap, kwargs=None):
+    """node -> (its tensor inputs as it read them, its outputs as it made them)."""
     values = {}
+
+    def copy(tree):
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node):
+            # Copies, taken when the node runs: an in-place op, on the value itself
+            # (Mixtral's div_) or on a view of it (BART's shift_tokens_right writes into
+            # a slice of new_zeros), changes what later readers see.
+            read = [copy(self.env[src]) for src in tensor_inputs(node)] if node.op == "call_function" else []
             out = super().run_node(node)
-            # copies: a later in-place op (Mixtral's div_) must not change what we saw
-            values[node] = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+            values[node] = (read, copy(out))
             return out
 
-    Recorder(cap.gm).run(*cap.placeholder_values(model, inputs))
+    Recorder(cap.gm).run(*cap.placeholder_values(model, inputs, kwargs))
     return values
 
 
 # On the 3-D mesh a linear has hundreds of strategies; a random sample per node keeps
-# the run short while every node and every kind of combination still gets exercised.
+# the run short while every node and every kind of combination still gets exercised
+# (and on the 2-D mesh for the models of tests/coverage_models, on this shared machine).
 SAMPLE_3D = 12
 
 
@@ -61,18 +70,31 @@ SAMPLE_3D = 12
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert", "torch_transformer"])
 def test_every_node_of_real_models(name, mesh, captured_models):
     model, inputs, cap = captured_models[name]
-    values = node_values(model, inputs, cap)
+    sample = SAMPLE_3D if len(mesh) == 3 else None
+    check_every_node(name, model, inputs, {}, cap, mesh, sample)
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE_MODELS))
+def test_every_node_of_vision_and_encoder_decoder_models(name):
+    """ResNet's convolutions and training batch norms, Whisper's conv1d front, ... on a 2x2 mesh."""
+    model, args, kwargs, cap = captured(name)
+    check_every_node(name, model, args, kwargs, cap, (2, 2), SAMPLE_3D)
+
+
+def check_every_node(name, model, args, kwargs, cap, mesh, sample=None):
+    """Every node's strategies (at most ``sample`` of them, drawn at random) simulated."""
+    values = node_values(model, args, cap, kwargs)
     graph = build_strategy_graph(cap, mesh)
     rng = random.Random(name)
     n = 0
     for node, ns in graph.nodes.items():
         if ns.info is None:
             continue
-        node_inputs = [values[src] for src in tensor_inputs(node)]
-        expected = [x for x in pytree.tree_leaves(values[node]) if isinstance(x, torch.Tensor)]
+        node_inputs, outputs = values[node]
+        expected = [x for x in pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
         strategies = ns.strategies
-        if len(mesh) == 3 and len(strategies) > SAMPLE_3D:
-            strategies = [strategies[0], *rng.sample(strategies[1:], SAMPLE_3D - 1)]
+        if sample is not None and len(strategies) > sample:
+            strategies = [strategies[0], *rng.sample(strategies[1:], sample - 1)]
         for strategy in strategies:
             check_strategy(ns.info, strategy, node_inputs, mesh, rng, expected=expected)
         n += len(strategies)

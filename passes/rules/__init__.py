@@ -2,6 +2,7 @@
 
 from passes.rules import (  # noqa: F401  (importing registers the rules)
     attention,
+    conv,
     embedding,
     factory,
     indexing,
@@ -11,6 +12,7 @@ from passes.rules import (  # noqa: F401  (importing registers the rules)
     norm,
     pointwise,
     reduction,
+    spatial,
     view,
 )
 from passes.rules.registry import (

@@ -72,6 +72,7 @@ UNARY = [
     aten.remainder.Tensor, aten.fmod.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
     aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.div.Tensor_mode,
     aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default, aten.atan2.default,
+    aten.min.other, aten.max.other, aten.fmin.default, aten.fmax.default, aten.clamp.Tensor,
 ]
 
 
@@ -117,3 +118,15 @@ def broadcast_tensors(info: OpInfo) -> list[AxisOption]:
     device broadcasts its own shards against each other)."""
     return broadcast_options(info)
 
+
+@register(aten.copy_.default, aten.fill_.Tensor, aten.fill_.Scalar, aten.copy.default,
+          aten.fill.Tensor, aten.fill.Scalar)
+def overwrite(info: OpInfo) -> list[AxisOption]:
+    """``copy_(self, src)`` / ``fill_(self, value)`` write into (a view of) ``self``, so
+    ``self`` keeps the output's placement in every option: then each device writes its
+    own part of the tensor that ``self`` views. A pending sum copied over a pending sum
+    stays one; a filled value is not a pending sum."""
+    options = broadcast_options(info)
+    if info.op in (aten.copy_.default, aten.copy.default):
+        options.append(_partial_at(info, {0, 1}))
+    return options

@@ -93,7 +93,7 @@ def transpose(info: OpInfo) -> list[AxisOption]:
     return remap(info, {d: swap.get(d, d) for d in range(n)})
 
 
-@register(aten.t.default)
+@register(aten.t.default, aten.numpy_T.default)
 def t(info: OpInfo) -> list[AxisOption]:
     n = info.inputs[0].ndim
     return remap(info, {d: n - 1 - d for d in range(n)})
@@ -203,3 +203,13 @@ def stack(info: OpInfo) -> list[AxisOption]:
     n = info.inputs[0].ndim
     dim = norm(info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0), n + 1)
     return _join(info, {d: (d if d < dim else d + 1) for d in range(n)})
+
+
+@register(aten.repeat.default)
+def repeat(info: OpInfo) -> list[AxisOption]:
+    """A dim repeated once keeps its split; new leading dims (``repeats`` longer than
+    the input's rank) shift the output dims. Tiling is linear: a pending sum stays one."""
+    x = info.inputs[0]
+    repeats = list(info.args[1])
+    shift = len(repeats) - x.ndim
+    return remap(info, {d: d + shift for d in range(x.ndim) if repeats[d + shift] == 1})

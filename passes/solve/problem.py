@@ -176,6 +176,9 @@ def _validate(problem: SolveProblem) -> None:
         raise ValueError(
             f"autopar: SolveProblem expected {n} node_names, found {len(problem.node_names)}."
         )
+    if _costs_look_valid(problem):  # the common case, checked at once; else find the culprit
+        _validate_restrictions(problem)
+        return
     for v, (t, m) in enumerate(zip(problem.node_time, problem.node_memory)):
         if len(t) == 0 or len(t) != len(m):
             raise ValueError(
@@ -200,6 +203,34 @@ def _validate(problem: SolveProblem) -> None:
                 f"autopar: edge ({problem.name(u)}, {problem.name(v)}) expected a resharding table "
                 f"of shape {expected} without NaN or -inf, found shape {cost.shape}."
             )
+    _validate_restrictions(problem)
+
+
+def _costs_look_valid(problem: SolveProblem) -> bool:
+    """Every node and edge cost well formed, checked in a few array operations (a large graph
+    has tens of thousands of nodes and edges; repeated layers share their edge tables, each
+    distinct table checked once); False sends ``_validate`` through them one by one to name
+    the first bad one."""
+    n, times, memories = problem.num_nodes, problem.node_time, problem.node_memory
+    if any(len(t) == 0 or len(t) != len(m) for t, m in zip(times, memories)):
+        return False
+    if n:
+        t, m = np.concatenate(times), np.concatenate(memories)
+        if np.isnan(t).any() or np.isneginf(t).any() or not np.isfinite(m).all():
+            return False
+        if not all(np.isfinite(t).any() for t in times):
+            return False
+    tables = {}
+    for u, v, cost in problem.edges:
+        if not (0 <= u < n and 0 <= v < n) or u == v or cost.shape != (len(times[u]), len(times[v])):
+            return False
+        tables[id(cost)] = cost
+    return not any(np.isnan(c).any() or np.isneginf(c).any() for c in tables.values())
+
+
+def _validate_restrictions(problem: SolveProblem) -> None:
+    """The memory limit, ties, followers and hints (after the costs)."""
+    n = problem.num_nodes
     if problem.memory_limit is not None and not np.isfinite(problem.memory_limit):
         raise ValueError(f"autopar: memory_limit must be finite or None, found {problem.memory_limit}.")
     for group in problem.ties:

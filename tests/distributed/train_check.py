@@ -220,7 +220,7 @@ CLIP_MAX_NORM = {2.0: 0.05, 3.0: 0.02, float("inf"): 0.002}  # below every step'
 
 
 def clip_case(spec: str) -> dict:
-    """clip[-<norm type>][-loop]:<mesh>:<model>:<layout> or clip[-<norm type>]:pp:<pipeline case>:
+    """clip[-<norm type>][-loop]:<mesh>:<model>:<layout> or clip[-<norm type>][-loop]:pp:<pipeline case>:
     ``train_step(max_norm=)`` (``loop``: the loop people write, ``pm.loss(...).backward()``,
     ``pm.clip_grad_norm_``, ``pm.step()``) trains like one process clipping with
     ``torch.nn.utils.clip_grad_norm_``, and ``clip_grad_norm_`` returns torch's norm on every rank."""
@@ -500,16 +500,6 @@ def error_cases(nproc: int) -> dict:
     with_loss.model, with_loss.pipeline = "WithLoss", Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
     expect("pipeline planned with the loss", lambda: autopar.compile(
         model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=with_loss))
-    # a pipeline plan with ZeRO-1/2 storage runs, with a warning that its stages keep the state whole
-    staged = pipeline_plan(model, tokens, (2, nproc // 2), "GPipe", 2, 1)
-    fqn = next(iter(staged.params))
-    staged.params[fqn], staged.zero[fqn] = "S(0)", 1
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        autopar.compile(model, init_device_mesh("cpu", (2, nproc // 2), mesh_dim_names=("pp", "dp")), (tokens,),
-                        loss_fn=loss_fn, optimizer=adamw, plan=staged)
-    messages["pipeline with ZeRO-1 storage (warning)"] = next(
-        (str(w.message) for w in seen if "ZeRO level" in str(w.message)), "no warning")
     return {"case": "errors", "messages": messages}
 
 
@@ -662,6 +652,93 @@ def pipeline_case(spec: str) -> dict:
             "params": plan.params}
 
 
+def pipeline_zero2_case(spec: str) -> dict:
+    """pp-zero2:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>:<intra-op ZeRO-1 layout>: the
+    layout's ZeRO-1 parameters raised to ZeRO-2 (``tp+zero1`` has no ZeRO-2 twin in
+    autopar.layouts): slices split over an axis on which the gradient is whole (tensor
+    parallel) as well as over data-parallel ones train like one process."""
+    _, mesh_text, model_name, schedule, m, v, layout = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, batches[0][0], mesh_shape, schedule, int(m), int(v), layout)
+    plan.zero = {fqn: 2 if level == 1 else level for fqn, level in plan.zero.items()}
+    pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    reduced = pm.optimizer_slices.reduced
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
+            "zero_levels": sorted(set(plan.zero.values())), "zero2_here": len(reduced),
+            "reduce_scattered_axes": sorted({a for axes in reduced.values() for a in axes})}
+
+
+def held_gradient_bytes(pm) -> int:
+    """Bytes of the gradients a pipeline keeps after its step: its stages' parameters' and
+    the optimizer's slices' that are not views of those (ZeRO-2's, reduce-scattered)."""
+    wholes = [t.grad for t, _ in pm.state.values() if isinstance(t, torch.nn.Parameter) and t.grad is not None]
+    storages = {g.untyped_storage().data_ptr() for g in wholes}
+    own = [s.grad for s in pm.optimizer_slices.slices.values()
+           if s.grad is not None and s.grad.untyped_storage().data_ptr() not in storages]
+    return sum(g.numel() * g.element_size() for g in wholes + own)
+
+
+def optimizer_bytes(opt) -> int:
+    return sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values() if t.dim() > 0)
+
+
+def reduce_scatters(step) -> int:
+    """How many reduce-scatters this rank calls while ``step()`` runs."""
+    calls, original = [], dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        step()
+    finally:
+        dist.reduce_scatter_single = original
+    return len(calls)
+
+
+def pipeline_memory_case(spec: str) -> dict:
+    """pp-memory:<mesh>:<model>:<schedule>:<micro-batches>: pipeline stages hold the optimizer
+    state and gradients their plan predicts, at ZeRO 0 (intra-op layout ``dp``), 1 and 2
+    (``zero1``, ``zero2``: stored split over the data-parallel axes). On a float32 copy of the
+    model, after one ``train_step``: each rank's AdamW state bytes and kept gradient bytes,
+    summed over the pipeline ranks of its intra-op coordinate (together they hold every
+    layer), against ``plan.predicted.memory`` of the intra-op layout (which prices every
+    layer on one device). ZeRO-2's reduce-scatters: as many in a step of 2 accumulated
+    schedule runs as in a step of one (once per step, not per micro-batch)."""
+    _, mesh_text, model_name, schedule, m = spec.split(":")
+    mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
+    model, loss_fn, batches = MODELS[model_name]()
+    model = model.float()
+    inputs, target = (t.float() if t.is_floating_point() else t for t in batches[0])
+    result = {"case": spec}
+    for layout in ("dp", "zero1", "zero2"):
+        plan = pipeline_plan(model, inputs, mesh_shape, schedule, int(m), 1, layout)
+        pm = autopar.compile(copy.deepcopy(model), mesh, (inputs,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+        scatters = [reduce_scatters(lambda: pm.train_step((inputs,), target, accumulate=k)) for k in (2, 1)]
+        mine = torch.tensor([optimizer_bytes(pm.optimizer), held_gradient_bytes(pm)], dtype=torch.float64)
+        summed = mine.clone()
+        dist.all_reduce(summed, group=mesh.get_group(0))  # over the pipeline ranks: every layer once
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, summed.tolist())
+        predicted = plan.predicted.memory
+        result[layout] = {
+            "zero_levels": sorted(set(plan.zero.values())),
+            "optimizer_rank0": mine[0].item(), "gradients_rank0": mine[1].item(),
+            "optimizer_stages_summed": sorted({o for o, _ in everyone}),  # per intra-op coordinate
+            "gradients_stages_summed": sorted({g for _, g in everyone}),
+            "predicted_optimizer": predicted["optimizer"], "predicted_gradients": predicted["gradients"],
+            "reduce_scatters_per_step": scatters,  # train_step(accumulate=2), then accumulate=1
+        }
+    return result
+
+
 _PLANS: dict[tuple, Plan] = {}  # (mesh shape, layout) -> the plan made for the first case that named it
 
 
@@ -689,8 +766,7 @@ def accumulate_case(spec: str) -> dict:
     """accum:<mesh>:<model>:<layout or pp:...>: a batch run as 2 micro-batches with gradients
     synchronised once trains like one process on the whole batch, both by
     ``train_step(accumulate=2)`` and by the loop written by hand (``no_sync()`` for the first
-    micro-batch, then ``step()``, ``zero_grad()``); pipelines: accumulate, and ``no_sync()`` is
-    an ``autopar:`` error."""
+    micro-batch, then ``step()``, ``zero_grad()``), pipelines included."""
     _, mesh_text, model_name, *parts = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     model, loss_fn, batches = MODELS[model_name]()
@@ -727,9 +803,7 @@ def accumulate_case(spec: str) -> dict:
     sent, sent_inside = [], []  # gradient buckets sent by the manual loop's backwards; inside no_sync()
     for name, loop in loops.items():
         pm = compiled_for(parts, copy.deepcopy(model), mesh_shape, batches[0][0], loss_fn)
-        if name == "manual" and not hasattr(pm, "loss"):  # a pipeline (the planner may choose one)
-            break
-        if name == "manual":
+        if name == "manual" and hasattr(pm, "grads"):  # pipelines sum their gradients per stage, unbucketed
             start = pm.grads._start
 
             def counted(params, *rest):
@@ -742,9 +816,10 @@ def accumulate_case(spec: str) -> dict:
         result[name] = {"losses": losses, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                         "param_err": max((full[n] - p.detach()).abs().max().item()
                                          for n, p in reference.named_parameters())}
-        if name == "manual" or not hasattr(pm, "loss"):
+        if name == "manual":
             result["mixed"] = mixed_error(pm, *batches[0])
     result["buckets_sent"], result["buckets_sent_inside_no_sync"] = len(sent), sum(sent_inside)
+    result["pipeline"] = pm.plan.pipeline is not None
     result["loss_err"] = max(r["loss_err"] for r in result.values() if isinstance(r, dict))
     result["param_err"] = max(r["param_err"] for r in result.values() if isinstance(r, dict))
     return result
@@ -752,13 +827,12 @@ def accumulate_case(spec: str) -> dict:
 
 def mixed_error(pm, inputs, target) -> str:
     """A backward inside no_sync() onto summed gradients must be an error, not a silent
-    second sum (pipelines: no_sync() itself is one). None where nothing is summed after
-    backward (ZeRO-3: gradients leave backward reduce-scattered, and those sums just add up)."""
+    second sum. None where nothing is summed after backward (ZeRO-3: gradients leave
+    backward reduce-scattered, and those sums just add up)."""
     if hasattr(pm, "grads") and not pm.grads.buckets:
         return None
     try:
-        if hasattr(pm, "loss"):
-            pm.loss((inputs,), target).backward()
+        pm.loss((inputs,), target).backward()
         with pm.no_sync():
             pm.loss((inputs,), target).backward()
         return "no error"
@@ -809,6 +883,10 @@ def main(cases: list[str]) -> None:
                 result = compiled_pipeline_case(spec)
             elif spec.startswith("pp:"):
                 result = pipeline_case(spec)
+            elif spec.startswith("pp-memory:"):
+                result = pipeline_memory_case(spec)
+            elif spec.startswith("pp-zero2:"):
+                result = pipeline_zero2_case(spec)
             elif spec.startswith("resume:"):
                 result = resume_case(spec)
             elif spec.startswith("recompute:"):
