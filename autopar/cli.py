@@ -29,6 +29,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from autopar.layouts import LAYOUTS
+from autopar import pictures
+from autopar.costmodels import PRESETS, HardwareProfile
+from autopar.costmodels.profiler import Sweep, profile_mesh
+from autopar.costmodels.report import profile_table
+from autopar.dryrun import dry_run
+from autopar.models import GPT, GPTConfig, WideMLP, llama3
+from autopar.passes.plan import Plan
+from autopar.planning import plan
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +98,6 @@ class Builtin:
 
 
 def _gpt_small(batch: int, seq: int) -> tuple:
-    from autopar.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(max_seq_len=max(seq, GPTConfig.max_seq_len)))
     return model, (_tokens(batch, seq),)
@@ -104,7 +111,6 @@ def _gpt2(batch: int, seq: int) -> tuple:
 
 def _llama(size: str) -> Callable[[int, int], tuple]:
     def build(batch: int, seq: int) -> tuple:
-        from autopar.models import llama3
 
         return llama3(size, seq), (_tokens(batch, seq),)
 
@@ -123,8 +129,6 @@ def _mixtral(batch: int, seq: int) -> tuple:
 
 def _wide_mlp(batch: int, seq: int) -> tuple:
     import torch
-
-    from autopar.models import WideMLP
 
     return WideMLP(dim=4096, hidden=16384, n_layers=8), (torch.zeros(batch, seq, 4096),)
 
@@ -183,9 +187,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from costmodels.profiler import Sweep, profile_mesh
-    from costmodels.report import profile_table
-
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise _UsageError(
             "`autopar profile` measures the real mesh, so it runs on every rank under torchrun; "
@@ -221,7 +222,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.planning import plan
 
     model, inputs = load_model(args.model, args.batch, args.seq)
     hardware = _hardware(args.hardware)
@@ -235,7 +235,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nplan: {out / 'plan.json'}")
     _write_pictures(result, out)
     if args.dry_run:
-        from autopar.dryrun import dry_run
 
         print()
         checked = dry_run(result, model, inputs)
@@ -245,7 +244,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from passes.plan import Plan
 
     plan = Plan.load(_existing(args.plan))
     print(plan.explain())
@@ -256,7 +254,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from passes.plan import Plan
 
     a, b = (Plan.load(_existing(p)) for p in (args.a, args.b))
     print(a.diff(b))
@@ -278,7 +275,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _hardware(text: str):
     """A preset name, or a HardwareProfile read from a JSON file."""
-    from costmodels import PRESETS, HardwareProfile
 
     if text.lower() in PRESETS:
         return text.lower()
@@ -297,7 +293,6 @@ def _existing(path: str) -> Path:
 
 
 def _write_pictures(plan, out: Path) -> None:
-    from autopar import pictures
 
     for name, path in pictures.write_all(plan, out).items():
         print(f"{name}: {path}" if isinstance(path, Path) else f"{name}: not drawn: {path}")

@@ -12,13 +12,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.pipeline import PipelineModule
+from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
-from autopar.runtime import ParallelModule
-from costmodels.profiler import profile_mesh
-from passes.capture import capture
-from passes.plan import Plan
-from passes.strategies import build_strategy_graph
+from autopar.runtime.module import ParallelModule
+from autopar.costmodels.profiler import profile_mesh
+from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 def compile(  # noqa: A001  (the public name users expect)

@@ -25,13 +25,17 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import autopar
+from autopar.compiler import plan_once
+from autopar.costmodels.profiler import Sweep, profile_mesh
+from autopar.models import GPT, GPTConfig, llama3
+
 RANKS = 4
 STEPS = 6  # the first is warm-up (and builds the loss program); the rest are timed
 BATCH, SEQ = 16, 64
 
 
 def _small_gpt():
-    from autopar.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=512, max_seq_len=SEQ, dim=128, n_heads=4, n_layers=2))
@@ -61,10 +65,6 @@ def _ms(seconds: float) -> str:
 def worker() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    import autopar
-    from costmodels.profiler import Sweep, profile_mesh
-    from autopar.compiler import plan_once
 
     dist.init_process_group("gloo")
     logging.disable(logging.WARNING)  # torch's notes on gloo's missing all_to_all and DTensor's hops
@@ -140,8 +140,6 @@ def worker() -> None:
 
 # --- part 3 and the launcher ---------------------------------------------------------------
 def plan_70b() -> None:
-    import autopar
-    from autopar.models import llama3
 
     with torch.device("meta"):
         model = llama3("70b")

@@ -11,7 +11,7 @@ memory is measured by torch's own tracker (``torch.distributed._tools.mem_tracke
 MemTracker``), as torchtitan's memory estimation does, in a step that holds the optimizer
 state from the start (as every step after the first).
 
-Distinct ranks: shards are even by construction (``passes.placements.fits``), so every
+Distinct ranks: shards are even by construction (``autopar.passes.placements.fits``), so every
 coordinate of an intra-op axis runs the same program on the same shapes; programs differ
 by pipeline coordinate. One rank per pipeline coordinate is run, the intra-op axes at 0 but
 for the last coordinate, where the world's last rank runs (the far end of every axis: shard
@@ -56,14 +56,14 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 
-from autopar.pipeline import PipelineModule
-from autopar.loss import WithLoss
-from autopar.runtime import ParallelModule
-from passes.capture import Captured, capture
-from passes.loss_memory import cross_entropy, default_loss
-from passes.placements import local_shape, local_slice
-from passes.plan import Plan, choice_from_plan
-from passes.strategies import StrategyGraph, build_strategy_graph
+from autopar.runtime.pipeline import PipelineModule
+from autopar.runtime.loss import WithLoss
+from autopar.runtime.module import ParallelModule
+from autopar.passes.capture import Captured, capture
+from autopar.passes.loss_memory import cross_entropy, default_loss
+from autopar.passes.placements import local_shape, local_slice
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 # MemTracker's reference types -> the plan's kinds. Buffers and constants are held state,
@@ -325,7 +325,7 @@ def _on_cpu(captured: Captured) -> Captured:
 
 
 def _default_loss(captured: Captured, inputs: list[torch.Tensor], micro_batches: int) -> tuple[Callable, torch.Tensor]:
-    """The loss the planner prices for a plan made without one (``passes.loss_memory.
+    """The loss the planner prices for a plan made without one (``autopar.passes.loss_memory.
     default_loss``), with a whole-batch target (``captured`` may be one of ``micro_batches``
     micro-batches)."""
     loss_fn, target = default_loss(captured)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from passes.costing import BACKWARD_FACTOR
-from passes.explain import _common_prefix, _kinds
-from passes.placements import parse_spec, spec_str
+from autopar.passes.costing import BACKWARD_FACTOR
+from autopar.passes.explain import _common_prefix, _kinds
+from autopar.passes.placements import parse_spec, spec_str
 
 GIB = float(1 << 30)
 

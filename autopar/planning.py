@@ -14,13 +14,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-import costmodels
-from autopar import layouts
-from autopar.loss import WithLoss
-from passes.capture import capture
-from passes.plan import Plan
-from passes.planner import plan_captured
-from passes.strategies import NoRuleWarning
+from autopar import costmodels
+from autopar.passes.planner import layouts
+from autopar.runtime.loss import WithLoss
+from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
+from autopar.passes.planner.search import plan_captured
+from autopar.passes.strategy_graph import NoRuleWarning
 
 
 def plan(

@@ -1,8 +1,8 @@
 """Auto versus manual layouts, predicted and measured: the whole benchmark in one command.
 
-    python benchmarks/auto_vs_manual.py                         # every model and mesh, 10-15 minutes here
-    python benchmarks/auto_vs_manual.py --models gpt2 llama --meshes gloo-4 h100-64
-    python benchmarks/auto_vs_manual.py --quick                 # a tiny subset, under a minute
+    python -m benchmarks.auto_vs_manual                         # every model and mesh, 10-15 minutes here
+    python -m benchmarks.auto_vs_manual --models gpt2 llama --meshes gloo-4 h100-64
+    python -m benchmarks.auto_vs_manual --quick                 # a tiny subset, under a minute
 
 Writes results/bench/table.md, results.json and PNG charts (see ``autopar.bench``).
 """
@@ -10,12 +10,9 @@ Writes results/bench/table.md, results.json and PNG charts (see ``autopar.bench`
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autopar import bench  # noqa: E402
+from autopar import bench
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """How well does the cost model predict this machine? Predict, then measure.
 
-    python benchmarks/costmodel_accuracy.py                 # 2, 4 and 8 gloo ranks
-    python benchmarks/costmodel_accuracy.py --ranks 2 4     # a subset
+    python -m benchmarks.costmodel_accuracy                 # 2, 4 and 8 gloo ranks
+    python -m benchmarks.costmodel_accuracy --ranks 2 4     # a subset
 
 For each world size this launches ``torchrun`` on costmodel_worker.py, which measures
 a fresh profile and then compares predictions with measurements of (1) each collective
@@ -10,7 +10,7 @@ the benchmark GPT's shapes (each timed right after its own fit), (3) a whole GPT
 training step under DP, Megatron TP and ZeRO-3: autopar's own compiled step, predicted
 by its plan (the planner's cost tables), with its time blocked in collectives; and the
 same layouts by hand (DDP; parallelize_module on the MLPs; FSDP2), predicted by
-``costmodels.step_time`` and timed by phase. It prints markdown tables (fitted
+``autopar.costmodels.step_time`` and timed by phase. It prints markdown tables (fitted
 alpha/beta, every row, and the median absolute error per category) and writes them,
 with the raw rows as JSON, under results/ (gitignored).
 """
@@ -42,14 +42,15 @@ def run_world(n: int, out: Path, steps: int) -> dict:
         "--standalone",
         "--nproc_per_node",
         str(n),
-        str(REPO / "benchmarks" / "costmodel_worker.py"),
+        "-m",
+        "benchmarks.costmodel_worker",
         "--out",
         str(out),
         "--steps",
         str(steps),
     ]
     t0 = time.time()
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if run.returncode != 0:
         sys.stderr.write(run.stderr[-4000:])
         raise SystemExit(f"autopar: the {n}-rank benchmark run failed (exit {run.returncode}); see above.")
@@ -252,7 +253,7 @@ def main() -> None:
         "# Cost-model accuracy on this machine",
         "",
         f"{os.cpu_count()} CPUs, gloo, OMP_NUM_THREADS=1, load average at the end {load[0]:.2f}. "
-        "Error = (predicted - measured) / measured. Command: `python benchmarks/costmodel_accuracy.py "
+        "Error = (predicted - measured) / measured. Command: `python -m benchmarks.costmodel_accuracy "
         + " ".join(f"--ranks {' '.join(map(str, args.ranks))}".split())
         + "`. Each held-out row is the median of timed batches: "
         + ", ".join(f"{k} {v}" for k, v in (results[0].get("repeats", {}) if results else {}).items())

@@ -4,10 +4,10 @@ Used by the accuracy benchmark to get the per-rank op inventory of a model's for
 pass from its shapes (the hand-written layouts run through DTensor, FSDP and DDP, so
 the sharded model is the graph). DTensor arguments count by their local shards.
 Collectives are not recorded: the benchmark prices them from the layout. Every op keeps
-its ATen name, which picks the rate that prices it (``costmodels.op_kind``) and the ops
-its backward runs (``costmodels.backward_ops``). View ops count with zero FLOPs and
+its ATen name, which picks the rate that prices it (``autopar.costmodels.op_kind``) and the ops
+its backward runs (``autopar.costmodels.backward_ops``). View ops count with zero FLOPs and
 bytes (they still pay the fixed per-op cost). Attention counts its heads (batch x
-heads), each priced by its size (``costmodels.compute_time``).
+heads), each priced by its size (``autopar.costmodels.compute_time``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from costmodels import Op, op_kind
+from autopar.costmodels import Op, op_kind
 
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 _DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -1,6 +1,6 @@
 """One world size of the cost-model accuracy benchmark (run by costmodel_accuracy.py).
 
-    torchrun --standalone --nproc_per_node N benchmarks/costmodel_worker.py --out rows.json
+    torchrun --standalone --nproc_per_node N -m benchmarks.costmodel_worker --out rows.json
 
 On N gloo ranks: measure a fresh profile (1-D mesh) and, right after each of its fits,
 time the same quantity where the fit did not: (1) every collective at message sizes
@@ -12,7 +12,7 @@ right after the collectives and fp32 compute are fitted: autopar's own compiled 
 layout=)``, planned against the profile just measured, predicted by the planner's own
 cost tables: ``plan.predicted``), and the same three layouts written by hand with
 torch's tools (DDP; parallelize_module on the MLPs; FSDP2 fully_shard), predicted by
-``costmodels.step_time`` from their op inventory; the six take turns, step by step, so
+``autopar.costmodels.step_time`` from their op inventory; the six take turns, step by step, so
 that all see the same load. Last, the fp32 matmul and all-reduce fits are measured
 again: their drift over the run is the noise floor. Rank 0 writes the rows (predicted
 and measured seconds), the profile, the drift and the load average along the way as
@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -33,21 +32,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from costmodel_ops import OpRecorder  # noqa: E402
+from benchmarks.costmodel_ops import OpRecorder
 
-import autopar  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
-from passes.plan import Plan  # noqa: E402
-from costmodels import collective_time, compute_time  # noqa: E402
-from costmodels.comm import Step  # noqa: E402
-from costmodels.fit import fit_linear  # noqa: E402
-from costmodels.formulas import BUS_FACTOR, N  # noqa: E402
-from costmodels.profiler import ATTENTION_BACKWARD_FLOPS, Sweep, measure_profile  # noqa: E402
-from costmodels.step import adamw_ops, step_time  # noqa: E402
-from costmodels.timing import (  # noqa: E402
+import autopar
+from autopar.models import GPT, GPTConfig
+from autopar.passes.plan import Plan
+from autopar.costmodels import collective_time, compute_time
+from autopar.costmodels.comm import Step
+from autopar.costmodels.fit import fit_linear
+from autopar.costmodels.formulas import BUS_FACTOR, N
+from autopar.costmodels.profiler import ATTENTION_BACKWARD_FLOPS, Sweep, measure_profile
+from autopar.costmodels.step import adamw_ops, step_time
+from autopar.costmodels.timing import (
     MATMUL_LAYOUTS,
     WORKING_SET_BYTES,
     OperandPool,
@@ -225,12 +222,12 @@ def build_compiled(label: str, mesh, profile):
 def loss_prediction(pm, profile) -> float:
     """The compiled step's loss program priced by the planner's own cost tables (the plan
     covers the model alone; the runtime lays the loss out from the model's output
-    placements, ``autopar.loss.build_loss_program``): its forward, its backward (the
+    placements, ``autopar.runtime.loss.build_loss_program``): its forward, its backward (the
     model's outputs carry the gradient back) and its collectives, as the runtime lays it."""
-    from autopar.loss import best_target_layout
-    from passes.costing import build_costs
-    from passes.solve import plan_costs
-    from passes.strategies import build_strategy_graph
+    from autopar.runtime.loss import best_target_layout
+    from autopar.passes.costing import build_costs
+    from autopar.passes.solve import plan_costs
+    from autopar.passes.strategy_graph import build_strategy_graph
 
     cap = pm._loss_captured
     graph = build_strategy_graph(cap, tuple(pm.mesh.shape))
@@ -244,7 +241,7 @@ def loss_prediction(pm, profile) -> float:
 
 class CollectiveClock:
     """Seconds this thread spends blocked in the torch.distributed collectives autopar's
-    runtime calls (``passes.collectives``, ``passes.buckets``, ``autopar.gradsync``), while
+    runtime calls (``autopar.passes.lowering.collectives``, ``autopar.passes.lowering.buckets``, ``autopar.runtime.gradsync``), while
     active: each call timed, and an asynchronous one's ``wait()``; and each call's kind and
     buffer X (``formulas.COLLECTIVE_BUFFER``) in ``calls``. The module functions are wrapped
     for the duration of a ``with`` block and restored after."""
@@ -418,7 +415,7 @@ def measure_steps(mesh, steps: int, profile) -> dict:
 def step_rows(measured: dict, profile) -> list[dict]:
     """Each layout's step, predicted beside its measurement: autopar's compiled step by
     its plan's prediction (the planner's cost tables, planned against the profile); the
-    hand-written one by ``costmodels.step_time`` from ``profile``."""
+    hand-written one by ``autopar.costmodels.step_time`` from ``profile``."""
     rows = []
     for layout, m in measured["autopar"].items():
         pred = m["plan"]["predicted"]

@@ -1,10 +1,10 @@
 """Predicted memory per device against the full-scale dry run's measured peak, per plan and kind.
 
-    python benchmarks/dryrun_memory.py [--cases gpt@64,wide-mlp@8,...] [--plan PLAN.json --model llama-70b]
+    python -m benchmarks.dryrun_memory [--cases gpt@64,wide-mlp@8,...] [--plan PLAN.json --model llama-70b]
 
 Cases (``--cases``, comma-separated; ``all``: every one of ``CASES``):
 
-- ``NAME@GPUS`` for a benchmark workload (``autopar.bench_models``, bf16 on the meta device)
+- ``NAME@GPUS`` for a benchmark workload (``autopar.bench.workloads``, bf16 on the meta device)
   on an H100 mesh of ``autopar bench`` (``@8``: 2x4, ``@64``: 8x8, ``@512``: 64x8), planned as
   ``autopar plan`` plans a model: alone (``--with-loss``: with its loss, as ``autopar bench``
   does, which a pipeline plan cannot train);
@@ -25,14 +25,11 @@ the worst rank's peak (``autopar.dryrun``).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
@@ -64,7 +61,7 @@ def main() -> None:
 
 def _saved(path: str, model_name: str):
     from autopar.cli import load_model
-    from passes.plan import Plan
+    from autopar.passes.plan import Plan
 
     plan = Plan.load(path)
     model, inputs = load_model(model_name)
@@ -74,10 +71,10 @@ def _saved(path: str, model_name: str):
 def _planned(case: str, time_limit: float, with_loss: bool):
     import autopar
     from autopar import layouts
-    from autopar.bench_models import build
+    from autopar.bench.workloads import build
     from autopar.models import GPT, GPTConfig, llama3, megatron_gpt
-    from passes.capture import capture
-    from passes.planner_pipeline import pipeline_plan
+    from autopar.passes.capture import capture
+    from autopar.passes.planner.pipeline import pipeline_plan
 
     def tokens(batch: int, seq: int) -> tuple:
         return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
@@ -116,7 +113,7 @@ def _planned(case: str, time_limit: float, with_loss: bool):
 
 def _row(label: str, plan, model, inputs, loss) -> str:
     import autopar
-    from passes.costing import at_peak
+    from autopar.passes.costing import at_peak
 
     pp = plan.pipeline
     shape = f"{plan.kind} {plan.mesh_shape}" + (f" PP{pp.stages} M={pp.micro_batches} {pp.schedule}" if pp else "")

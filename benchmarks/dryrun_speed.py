@@ -1,6 +1,6 @@
 """Wall and CPU seconds of the full-scale dry run of a Llama-3 demo plan (meta device, H100 preset).
 
-    python benchmarks/dryrun_speed.py --size 70b --mesh 8 8 [--layers 8] [--plan PLAN.json] [--profile OUT.prof]
+    python -m benchmarks.dryrun_speed --size 70b --mesh 8 8 [--layers 8] [--plan PLAN.json] [--profile OUT.prof]
 
 Plans the model as ``benchmarks/plan_llama.py`` does (batch 16 x 4096; or loads ``--plan``,
 a plan saved for the same model and shape; ``--save`` keeps the one made), then runs
@@ -16,16 +16,13 @@ import argparse
 import cProfile
 import os
 import resource
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
-from plan_llama import llama_arguments  # noqa: E402  (beside this script)
+from benchmarks.plan_llama import llama_arguments
 
 
 def main() -> None:
@@ -39,7 +36,7 @@ def main() -> None:
     from autopar.dryrun import dry_run
     from autopar.models import llama3
     from autopar.planning import plan as make_plan
-    from passes.plan import Plan
+    from autopar.passes.plan import Plan
 
     warnings.simplefilter("ignore")
     with torch.device("meta"):

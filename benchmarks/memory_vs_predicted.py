@@ -1,13 +1,13 @@
 """Memory per rank, measured while training, against the plan's prediction.
 
-    python benchmarks/memory_vs_predicted.py            # launches 4 gloo ranks itself
+    python -m benchmarks.memory_vs_predicted            # launches 4 gloo ranks itself
 
 For the small GPT of ``runtime_vs_manual.py`` on 4 ranks: DP, ZeRO-1, ZeRO-2, ZeRO-3
 (the same layouts as that benchmark: DP's ops, parameters stored split on dim 0), Megatron
 TP, the same with every layer recomputed in backward (``+recompute``: activation
-checkpointing, ``passes.recompute``), and the automatic plan (``autopar.plan`` with the
+checkpointing, ``autopar.passes.lowering.recompute``), and the automatic plan (``autopar.plan`` with the
 H100 preset, no pipeline). Each layout's prediction is ``plan.predicted.memory`` from the
-planner's own cost model (``passes.costing``, ``passes.planner.predict``; bytes per
+planner's own cost model (``autopar.passes.costing``, ``autopar.passes.planner.search.predict``; bytes per
 device by kind).
 
 There is no allocator to ask on CPU, so each kind is measured as what it is, per rank,
@@ -43,24 +43,21 @@ import copy
 import os
 import sys
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import autopar  # noqa: E402
-from costmodels.presets import preset  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.costing import build_costs  # noqa: E402
-from passes.plan import Plan, choice_from_plan  # noqa: E402
-from passes.buckets import gathered  # noqa: E402
-from passes.planner import node_breakdown, predict, storage_specs, zero_levels  # noqa: E402
-from passes.recompute import Recomputed  # noqa: E402
-from passes.strategies import build_strategy_graph  # noqa: E402
-from runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for  # noqa: E402
+import autopar
+from autopar.costmodels.presets import preset
+from autopar.passes.capture import capture
+from autopar.passes.costing import build_costs
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.lowering.buckets import gathered
+from autopar.passes.planner.assemble import node_breakdown, predict, storage_specs, zero_levels
+from autopar.passes.lowering.recompute import Recomputed
+from autopar.passes.strategy_graph import build_strategy_graph
+from benchmarks.runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+recompute", "zero3+recompute", "tp+recompute", "auto")
@@ -184,4 +181,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main() if "RANK" in os.environ else launch(__file__))
+    sys.exit(main() if "RANK" in os.environ else launch("benchmarks.memory_vs_predicted"))

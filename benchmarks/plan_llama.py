@@ -1,6 +1,6 @@
 """Planning time and plan quality for Llama-shaped models on the meta device (H100 preset).
 
-    python benchmarks/plan_llama.py --size 70b --mesh 8 8 [--time-limit 60]
+    python -m benchmarks.plan_llama --size 70b --mesh 8 8 [--time-limit 60]
 
 Prints the capture / planning seconds, the auto plan's prediction and every manual
 layout's predicted step time with the ratio auto / layout (must be <= 1.00).
@@ -9,16 +9,13 @@ layout's predicted step time with the ratio auto / layout (must be <= 1.00).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
-from autopar.models import LLAMA3  # noqa: E402
+from autopar.models import LLAMA3
 
 
 def llama_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

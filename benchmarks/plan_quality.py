@@ -1,6 +1,6 @@
 """Plan quality: predicted step time of the automatic plan / every manual layout (<= 1.00).
 
-    python benchmarks/plan_quality.py [--time-limit 20]
+    python -m benchmarks.plan_quality [--time-limit 20]
 
 Models (meta device, H100 preset): a GPT with a 128k vocabulary (the embedding and head
 dominate: per-layer choices should beat any uniform layout), a small Mixtral (MoE), and
@@ -11,14 +11,11 @@ model, the auto plan and auto / layout for every manual layout that fits.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
 
 def models():

@@ -1,13 +1,13 @@
 """Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
 
-    python benchmarks/published.py [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
+    python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
 
 For each published run, on the meta device with the preset of its machine (``Row.hardware``:
 ``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W):
 
 - published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published,
   with FLOPs per token = 6 * parameters + 12 * layers * hidden * sequence);
-- predicted tokens/s/GPU of the PUBLISHED layout (``passes.pinned.price_pinned``: its
+- predicted tokens/s/GPU of the PUBLISHED layout (``autopar.passes.planner.pinned.price_pinned``: its
   intra-op layout, stages, micro-batches and schedule, with its activation checkpointing
   where the source states it (full, or none), else the fewest recomputed layers that fit
   the run's GPU memory), and predicted / published;
@@ -18,7 +18,7 @@ For each published run, on the meta device with the preset of its machine (``Row
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
 
 Prints a markdown table, and the published layouts' predicted step by where it goes
-(``passes.pinned.breakdown``), and writes them to results/published.md.
+(``autopar.passes.planner.pinned.breakdown``), and writes them to results/published.md.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # costmodels/ is not in the editable install's map
 
-import autopar  # noqa: E402
-import costmodels  # noqa: E402
-from autopar import layouts  # noqa: E402
-from autopar.models import llama3, megatron_gpt  # noqa: E402
-from autopar.planning import plan as plan_auto  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.pinned import BREAKDOWN_PARTS, Pinned, price_pinned  # noqa: E402
-from passes.strategies import NoRuleWarning  # noqa: E402
+import autopar
+from autopar import layouts
+from autopar.models import llama3, megatron_gpt
+from autopar.planning import plan as plan_auto
+from autopar.passes.capture import capture
+from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, price_pinned
+from autopar.passes.strategy_graph import NoRuleWarning
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet; FACTS.md)
 GB, GIB = 1e9, 2**30
@@ -71,13 +69,13 @@ class Row:
     tokens_per_gpu: float | None = None  # published tokens/s/GPU ...
     tflops_per_gpu: float | None = None  # ... or TFLOP/s/GPU
     memory_gib: float | None = None  # published peak memory per GPU
-    hardware: str = "h100"  # the preset of the run's machine (costmodels.PRESETS)
+    hardware: str = "h100"  # the preset of the run's machine (autopar.costmodels.PRESETS)
     note: str = ""
 
     @property
     def device_memory(self) -> float:
         """Bytes of one GPU of the run's machine: the memory limit of its plans."""
-        return costmodels.preset(self.hardware, (1,)).device.memory_bytes
+        return autopar.costmodels.preset(self.hardware, (1,)).device.memory_bytes
 
     @property
     def auto_mesh(self) -> tuple[int, ...]:

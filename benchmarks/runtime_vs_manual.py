@@ -1,7 +1,7 @@
 """Compiled layouts against the same layouts written by hand with torch's own APIs.
 
-    python benchmarks/runtime_vs_manual.py                      # launches 4 gloo ranks itself
-    python benchmarks/runtime_vs_manual.py --layouts dp tp+dp   # a subset
+    python -m benchmarks.runtime_vs_manual                      # launches 4 gloo ranks itself
+    python -m benchmarks.runtime_vs_manual --layouts dp tp+dp   # a subset
 
 For one small GPT and one batch, each layout as autopar runs it (a plan that is the same
 layout op for op: ``plan_for``, ``pipeline_plan_for``) and as people write it by hand:
@@ -20,7 +20,7 @@ The pipelines' halves: the embeddings and the first half of the blocks; the othe
 the final norm and the head. ``Schedule1F1B`` / ``ScheduleGPipe``, 4 micro-batches per
 step on each data-parallel rank; autopar's plan cuts its stages at the same place.
 
-autopar's ZeRO-1 (``autopar.zero1``) keeps parameters whole and all-reduces gradients in
+autopar's ZeRO-1 (``autopar.runtime.zero1``) keeps parameters whole and all-reduces gradients in
 DDP's buckets while backward runs, steps AdamW on this rank's slice (dim 0) of each
 parameter and all-gathers the slices after the step, a bucket at a time;
 ``ZeroRedundancyOptimizer`` gives each parameter to one rank and broadcasts it after
@@ -52,15 +52,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import autopar  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.layers import layer_path  # noqa: E402
-from passes.plan import Pipeline, plan_from_choice  # noqa: E402
-from passes.propagate import choose_by_propagation  # noqa: E402
-from passes.strategies import build_strategy_graph, tensor_inputs  # noqa: E402
+import autopar
+from autopar.models import GPT, GPTConfig
+from autopar.passes.capture import capture
+from autopar.passes.layers import layer_path
+from autopar.passes.plan import Pipeline, plan_from_choice
+from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 
 STEPS, WARMUP = 60, 4  # timed steps per side (``--steps``), and untimed ones before them
 CFG = GPTConfig(vocab_size=512, max_seq_len=64, dim=128, n_heads=4, n_layers=2)
@@ -359,11 +358,15 @@ def gpt_and_batch():
     return base, tokens, target
 
 
-def launch(script: str, args: Sequence[str] = (), nproc: int = 4) -> int:
-    """Run ``script`` on ``nproc`` gloo ranks (torchrun), one thread each."""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(module: str, args: Sequence[str] = (), nproc: int = 4) -> int:
+    """Run ``python -m module`` (``benchmarks.<name>``, from the repository root) on ``nproc``
+    gloo ranks (torchrun), one thread each."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={nproc}", script, *args], env=env)
+                            f"--nproc_per_node={nproc}", "-m", module, *args], env=env, cwd=REPO)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -378,4 +381,4 @@ if __name__ == "__main__":
     options = parse(sys.argv[1:])
     if "RANK" in os.environ:
         sys.exit(main(options.layouts, options.steps))
-    sys.exit(launch(__file__, ["--layouts", *options.layouts, "--steps", str(options.steps)]))
+    sys.exit(launch("benchmarks.runtime_vs_manual", ["--layouts", *options.layouts, "--steps", str(options.steps)]))

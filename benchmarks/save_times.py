@@ -1,6 +1,6 @@
 """How long a Checkpointer save blocks training, synchronous against asynchronous.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 benchmarks/save_times.py --dim 512 --repeat 3
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 -m benchmarks.save_times --dim 512 --repeat 3
 
 A GPT (float32, ``--dim`` wide, 4 layers, vocab 4096) laid out ``--layout`` on 4 gloo
 ranks takes one AdamW step, then is saved ``--repeat`` times each way. Rank 0 prints one
@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -28,12 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ and costmodels/ from a checkout
 
-import autopar  # noqa: E402
-from autopar.checkpoint import Checkpointer  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
-from tests.distributed.train_check import layout_plan  # noqa: E402
+import autopar
+from autopar.runtime.checkpoint import Checkpointer
+from autopar.models import GPT, GPTConfig
+from tests.distributed.train_check import layout_plan
 
 VOCAB, SEQ, BATCH = 4096, 64, 8
 

@@ -1,6 +1,6 @@
 """Soak: a long data-parallel run with checkpoints, its memory and its losses against one process.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 benchmarks/soak.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 -m benchmarks.soak \
         --steps 1000 --every 50 --layout fsdp --out soak.json
 
 A GPT (float64, dropout 0: a one-process run draws other dropout masks) trains ``--steps``
@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -37,12 +36,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ and costmodels/ from a checkout
 
-import autopar  # noqa: E402
-from autopar.checkpoint import Checkpointer  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
-from tests.distributed.train_check import layout_plan  # noqa: E402
+import autopar
+from autopar.runtime.checkpoint import Checkpointer
+from autopar.models import GPT, GPTConfig
+from tests.distributed.train_check import layout_plan
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BATCH, SEQ, VOCAB = 8, 32, 256

@@ -1,6 +1,6 @@
 """Time of the pipeline search on a synthetic 80-layer model (made-up costs).
 
-    python benchmarks/solve_pipeline.py
+    python -m benchmarks.solve_pipeline
 
 64 devices; P pipeline ranks leave 64 / P devices for intra-op parallelism, and M
 micro-batches split a batch of 512 sequences. Per layer and micro-batch: compute
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from passes.solve.pipeline_search import LayerCosts, search_pipeline
+from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
 
 DEVICES, BATCH, LAYERS = 64, 512, 80
 GIB = 2**30

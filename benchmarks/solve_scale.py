@@ -1,7 +1,7 @@
 """Solve times of the intra-op solver on synthetic problems (made-up costs).
 
-    python benchmarks/solve_scale.py                      # everything, 60 s CP-SAT limit
-    python benchmarks/solve_scale.py --sizes 500 --time-limit 20 --only chain dag
+    python -m benchmarks.solve_scale                      # everything, 60 s CP-SAT limit
+    python -m benchmarks.solve_scale --sizes 500 --time-limit 20 --only chain dag
 
 Problems (8 strategies per node unless said otherwise):
   chain N      a series graph, resharding 0 on the diagonal and random elsewhere,
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from passes.solve import Follower, SolveOptions, SolveProblem, solve
+from autopar.passes.solve import Follower, SolveOptions, SolveProblem, solve
 
 STRATEGIES = 8
 

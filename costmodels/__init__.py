@@ -17,11 +17,11 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
   ``pipeline_time(...)``;
 - ``step_time(forward_ops, profile, forward_comm=..., backward_extra=..., optimizer_ops=...)``.
 
-The formulas themselves are sympy expressions in ``costmodels.formulas``.
+The formulas themselves are sympy expressions in ``autopar.costmodels.formulas``.
 """
 
-from costmodels.cache import check_profile, default_cache_dir, load_profile
-from costmodels.comm import (
+from autopar.costmodels.cache import check_profile, default_cache_dir, load_profile
+from autopar.costmodels.comm import (
     Step,
     backward_reshard_plan,
     bucket_copy_bytes,
@@ -33,9 +33,9 @@ from costmodels.comm import (
     reshard_time,
     short,
 )
-from costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
-from costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
-from costmodels.memory import (
+from autopar.costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
+from autopar.costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
+from autopar.costmodels.memory import (
     activation_bytes,
     bubble_fraction,
     layer_activation_bytes,
@@ -43,8 +43,8 @@ from costmodels.memory import (
     model_state_bytes,
     pipeline_time,
 )
-from costmodels.presets import PRESETS, a100, h100, preset
-from costmodels.profile import (
+from autopar.costmodels.presets import PRESETS, a100, h100, preset
+from autopar.costmodels.profile import (
     COLLECTIVES,
     AxisProfile,
     CollectiveFit,
@@ -53,7 +53,7 @@ from costmodels.profile import (
     ProfileError,
     Rate,
 )
-from costmodels.step import StepCost, adamw_ops, backward_time, step_time
+from autopar.costmodels.step import StepCost, adamw_ops, backward_time, step_time
 
 __all__ = [
     "COLLECTIVES",

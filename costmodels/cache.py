@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from costmodels.profile import HardwareProfile, ProfileError
+from autopar.costmodels.profile import HardwareProfile, ProfileError
 
 ENV_CACHE_DIR = "AUTOPAR_CACHE_DIR"
 

@@ -18,8 +18,8 @@ from typing import NamedTuple, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from costmodels.formulas import compiled
-from costmodels.profile import COLLECTIVES, HardwareProfile
+from autopar.costmodels.formulas import compiled
+from autopar.costmodels.profile import COLLECTIVES, HardwareProfile
 
 Spec = tuple[Placement, ...]
 
@@ -90,7 +90,7 @@ def _collective_fn(collective: str):
 
 def short(placement: Placement) -> str:
     """``S(0)``, ``R``, ``P`` (a pending sum), ``P(max)``: the printed short form, the one
-    place it is defined (``passes.placements`` prints with it too)."""
+    place it is defined (``autopar.passes.placements`` prints with it too)."""
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Replicate):

@@ -23,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from costmodels.formulas import compiled
-from costmodels.opkinds import op_kind
-from costmodels.profile import DTYPES, HardwareProfile, Rate
+from autopar.costmodels.formulas import compiled
+from autopar.costmodels.opkinds import op_kind
+from autopar.costmodels.profile import DTYPES, HardwareProfile, Rate
 
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from costmodels.formulas import BYTES_PER_PARAM, IN_FLIGHT, compiled
+from autopar.costmodels.formulas import BYTES_PER_PARAM, IN_FLIGHT, compiled
 
 SCHEDULES = tuple(IN_FLIGHT)
 

@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from costmodels.opkinds import POINTWISE_KINDS
-from costmodels.profile import AxisProfile, CollectiveFit, DeviceProfile, HardwareProfile, Rate
+from autopar.costmodels.opkinds import POINTWISE_KINDS
+from autopar.costmodels.profile import AxisProfile, CollectiveFit, DeviceProfile, HardwareProfile, Rate
 
 GB = 1e9
 TFLOPS = 1e12

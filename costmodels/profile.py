@@ -9,7 +9,7 @@ latency alpha and bandwidth beta of each collective on that axis, fitted to
 where X is the collective's buffer size in bytes and beta is the *bus* bandwidth in
 nccl-tests' sense (so published nccl-tests ``busbw`` figures drop straight in).
 Compute follows the same fixed-cost-plus-rate form: ``t = latency + amount / rate``,
-with one rate per kind of op (``costmodels.opkinds``): matmuls and fused attention in
+with one rate per kind of op (``autopar.costmodels.opkinds``): matmuls and fused attention in
 FLOP/s, pointwise kinds in effective bytes/s. Fused attention is priced head by head:
 its rates keep measured points per head (batch x heads of them in an op), since a CPU
 kernel runs a bigger head at a higher FLOP rate.
@@ -37,7 +37,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
+from autopar.costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
 
 PROFILE_VERSION = 4
 
@@ -254,7 +254,7 @@ class HardwareProfile:
                 f"autopar: this hardware profile was made for mesh {self.mesh_shape}, but the "
                 f"plan uses mesh {tuple(mesh_shape)}. Profile that mesh (`autopar profile "
                 f"--mesh {'x'.join(map(str, mesh_shape))}`) or build a preset for it "
-                f"(`costmodels.preset(name, mesh_shape)`)."
+                f"(`autopar.costmodels.preset(name, mesh_shape)`)."
             )
 
     # -- JSON ---------------------------------------------------------------------------

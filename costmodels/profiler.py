@@ -31,12 +31,13 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from costmodels.cache import cache_path, check_profile, machine_fingerprint
-from costmodels.fit import fit_linear, fit_per_item
-from costmodels.formulas import BUS_FACTOR
-from costmodels.formulas import N as N_SYM
-from costmodels.opkinds import POINTWISE_KINDS
-from costmodels.profile import (
+from autopar.costmodels.cache import cache_path, check_profile, machine_fingerprint
+from autopar.costmodels.fit import fit_linear, fit_per_item
+from autopar.costmodels.formulas import BUS_FACTOR
+from autopar.costmodels.formulas import N as N_SYM
+from autopar.costmodels.opkinds import POINTWISE_KINDS
+from autopar.costmodels.presets import PRESETS
+from autopar.costmodels.profile import (
     COLLECTIVES,
     DTYPES,
     AxisProfile,
@@ -46,7 +47,7 @@ from costmodels.profile import (
     ProfileError,
     Rate,
 )
-from costmodels.timing import (
+from autopar.costmodels.timing import (
     MATMUL_LAYOUTS,
     WORKING_SET_BYTES,
     OperandPool,
@@ -171,7 +172,6 @@ def _device_info(device: torch.device) -> tuple[str, int]:
 
 def _peaks(dev_name: str, matmul: dict, bandwidth: dict) -> dict:
     """Datasheet peaks for a device a preset knows (by name), else the measured rates."""
-    from costmodels.presets import PRESETS
 
     for key, build in PRESETS.items():
         if key in dev_name.lower():
@@ -390,7 +390,7 @@ class _Measure:
             mesh_shape=shape,
             device=device_profile,
             axes=axes,
-            source=f"measured by costmodels.profiler on {dist.get_world_size()} ranks, "
+            source=f"measured by autopar.costmodels.profiler on {dist.get_world_size()} ranks, "
             f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__}"
             + (f"; provisional: {', '.join(missing)} not yet measured, {first}'s rates stand in" if missing else ""),
         )

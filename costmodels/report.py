@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from costmodels.profile import COLLECTIVES, HardwareProfile
+from autopar.costmodels.profile import COLLECTIVES, HardwareProfile
 
 
 def _si(x: float, unit: str) -> str:

@@ -21,11 +21,11 @@ from typing import Iterable
 
 import torch
 
-from costmodels.comm import Step, collective_time
-from costmodels.compute import ITEMSIZE, compute_time, dtype_name
-from costmodels.formulas import compiled
-from costmodels.opkinds import Op, backward_ops
-from costmodels.profile import HardwareProfile
+from autopar.costmodels.comm import Step, collective_time
+from autopar.costmodels.compute import ITEMSIZE, compute_time, dtype_name
+from autopar.costmodels.formulas import compiled
+from autopar.costmodels.opkinds import Op, backward_ops
+from autopar.costmodels.profile import HardwareProfile
 
 DUAL_COLLECTIVE = {
     "all_gather": "reduce_scatter",

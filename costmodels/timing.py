@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from costmodels.profile import COLLECTIVES
+from autopar.costmodels.profile import COLLECTIVES
 
 TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The three products of a linear layer in a training step: forward x @ W.T ("nt"), input
@@ -209,7 +209,7 @@ def _layer_norm_backward(g, x):
 
 
 # kind -> (number of operands, a call on operands of ``numel`` elements, tensors of that
-# size the op reads plus writes); costmodels.opkinds.POINTWISE_KINDS says which ops each
+# size the op reads plus writes); autopar.costmodels.opkinds.POINTWISE_KINDS says which ops each
 # kind prices.
 POINTWISE_CALLS: dict[str, tuple[int, Callable, int]] = {
     "memory": (2, lambda a, b: (lambda: torch.add(a, b)), 3),

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopar
-from autopar import checkpoint
+from autopar.runtime import checkpoint
 from autopar.compiler import plan_once
 
 

@@ -6,7 +6,7 @@ node per parameter. A ZeRO node's strategies are pairs (placement i, level z), z
 1/2 shard the optimizer state (and the gradient) over the mesh axes on which the
 placement is Replicate; ZeRO 3 is not a level here but a placement: a parameter
 split over an axis on which its consumers need it whole is gathered in forward and
-its gradient reduce-scattered in backward (``passes.codegen``), which the edge tables
+its gradient reduce-scattered in backward (``autopar.passes.lowering.codegen``), which the edge tables
 price. Per strategy of an op node, on local shapes:
 
     time    = forward + backward compute (roofline ``compute_time``); for ops on a
@@ -16,21 +16,21 @@ price. Per strategy of an op node, on local shapes:
               gelu, nothing for an add; 2x the forward for ops the table does not
               know, Kaplan et al. 2020), each at its own kind's measured rate;
               ``Costs.forward`` keeps the forward alone (what recomputation repeats)
-    memory  = bytes of the local outputs some backward keeps (``passes.saved``); in a
+    memory  = bytes of the local outputs some backward keeps (``autopar.passes.saved``); in a
               recomputed layer (activation checkpointing), its inputs whole (the
               checkpoint holds them), what leaves it as usual, and what stays inside
               divided by the number of recomputed layers: backward rebuilds one
               layer's activations at a time, so together they charge one layer's.
               A graph that ends before its loss (planned without ``loss_fn``) trains
               with the default loss all the same: its memory for each placement of the
-              first output, measured on fake tensors (``passes.loss_memory``), is added
+              first output, measured on fake tensors (``autopar.passes.loss_memory``), is added
               to that output's node: what its backward keeps as activations, what exists
               only while it runs (gradients being made, a gathered copy) as temporary
 
 Per ZeRO node (i, z): parameter + gradient + AdamW state bytes of the local shard as
 the runtime holds them (``state_breakdown``: a bf16 model's AdamW state in bf16; level 2's
 whole copy gathered for the step), the AdamW step on the local optimizer shard, and the
-all-gather of updated parameters: at level 1 after the step (``autopar.zero1``: the
+all-gather of updated parameters: at level 1 after the step (``autopar.runtime.zero1``: the
 gradient is all-reduced whole, as at level 0, and the gathers are bucketed as the
 gradients are), at level 2 in forward, where the reduce-scatter that replaces the
 gradient all-reduce is also counted, minus that all-reduce (≈ 0 on a ring). Both
@@ -39,7 +39,7 @@ levels step the optimizer on 1/N of the state, which is what they buy in time.
 Per edge (producer u, consumer v, input position p): forward resharding of u's
 output placement to what v's strategy needs (``reshard_time``) plus, when u is on
 a gradient path, the backward collectives of the gradient, which arrives in
-``codegen.gradient_spec(needed, v's outputs)`` (``backward_reshard_plan``): this is
+``placements.gradient_spec(needed, v's outputs)`` (``backward_reshard_plan``): this is
 where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
 gradients are counted, exactly as codegen runs them. An activation's collectives are
 priced as a step meets them, right after compute (the profile's ``in_step`` fits); a
@@ -80,16 +80,16 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Replicate
 
-import costmodels
-from passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
-from costmodels.formulas import BYTES_PER_PARAM
-from passes.codegen import gradient_spec
-from passes.layers import find_layers
-from passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
-from passes.placements import Spec, local_shape
-from passes.solve import Follower, SolveProblem
-from passes.strategies import StrategyGraph, tensor_inputs
-from passes.strategy import ShardingStrategy, TensorMeta
+from autopar import costmodels
+from autopar.passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
+from autopar.costmodels.formulas import BYTES_PER_PARAM
+from autopar.passes.placements import gradient_spec
+from autopar.passes.layers import find_layers
+from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
+from autopar.passes.placements import Spec, local_shape
+from autopar.passes.solve import Follower, SolveProblem
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
 
 ZERO_LEVELS = (0, 1, 2)
 # Backward of an op as a multiple of its forward, where only the uniform approximation
@@ -101,7 +101,7 @@ MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten
            "aten.matmul.default", "aten.baddbmm.default"}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
 LINEAR = "aten.linear.default"
-# Ops whose output aliases their input (no compute, nothing new saved): passes.saved.VIEWS
+# Ops whose output aliases their input (no compute, nothing new saved): autopar.passes.saved.VIEWS
 
 
 @dataclass
@@ -186,8 +186,8 @@ class Shares:
     """The part of one call's latency a parameter's collectives pay: the runtime packs
     parameters into buckets, so a bucket pays alpha once. ``gather``: all-gathers and
     reduce-scatters, one call per segment of the graph (a layer, or a stretch between
-    layers: ``passes.codegen.plan_buckets``); ``all_reduce``: gradient all-reduces in
-    DDP-style buckets (``autopar.gradsync``). Activations travel alone (1, 1)."""
+    layers: ``autopar.passes.lowering.codegen.plan_buckets``); ``all_reduce``: gradient all-reduces in
+    DDP-style buckets (``autopar.runtime.gradsync``). Activations travel alone (1, 1)."""
 
     gather: float = 1.0
     all_reduce: float = 1.0
@@ -256,7 +256,7 @@ class _Pricer:
     def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
              bucketed: bool = False) -> float:
         """Seconds of a value's forward reshard and its gradient's backward one; ``bucketed``
-        (a parameter: ``passes.buckets`` gathers and reduce-scatters it packed in a flat
+        (a parameter: ``autopar.passes.lowering.buckets`` gathers and reduce-scatters it packed in a flat
         buffer) adds the packing copies (``costmodels.bucket_copy_bytes``) at the measured
         copy rate."""
         key = (meta.shape, meta.dtype, src, dst, grad, shares, bucketed)
@@ -362,7 +362,7 @@ def state_breakdown(numel: float, level: int, shards: int, precision: str) -> di
     """Bytes by kind of ``numel`` parameters at a ZeRO level, as the runtime holds them:
     level 1 splits the optimizer state; level 2 the gradients too, and stores the parameter
     split as well, gathering a whole copy once per step in forward that backward keeps
-    (``passes.codegen`` storage; the dry run counts it with the activations)."""
+    (``autopar.passes.lowering.codegen`` storage; the dry run counts it with the activations)."""
     p, g, o = BYTES_PER_PARAM[precision]
     n = max(shards, 1)
     return {
@@ -379,7 +379,7 @@ def at_peak(held: dict[str, float]) -> dict[str, float]:
     compete: backward's start, where every kept activation and the loss's backward
     temporaries are alive and no gradient is made yet; and the gradients' sum after
     backward, where the activations are freed and every gradient has a copy in its bucket
-    (``autopar.gradsync`` packs them before the sums are written back). The solver's
+    (``autopar.runtime.gradsync`` packs them before the sums are written back). The solver's
     memory constraint adds every kind: an upper bound of both."""
     held = {"gradients": 0.0, "activations": 0.0, "temporary": 0.0, **held}
     start = {**held, "gradients": 0.0}

@@ -13,7 +13,7 @@ import re
 
 from torch import fx
 
-from passes.strategies import StrategyGraph
+from autopar.passes.strategy_graph import StrategyGraph
 
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")

@@ -2,9 +2,9 @@
 
 A model planned alone (``autopar.plan(model, mesh, inputs)``, no ``loss_fn``) ends at its
 outputs, yet every training step runs a loss over them: its own small program, laid out
-from the outputs' placements (``autopar.loss.build_loss_program``). That program can hold
+from the outputs' placements (``autopar.runtime.loss.build_loss_program``). That program can hold
 more than the model: a mean cross-entropy is never split over the class dim
-(``passes.rules.loss``), so logits split over the vocabulary are gathered whole, their
+(``autopar.passes.rules.loss``), so logits split over the vocabulary are gathered whole, their
 log-softmax is kept for backward, and its backward makes two more tensors of that size.
 
 The loss priced is the one ``autopar.dry_run`` trains a plan with when given none
@@ -32,11 +32,11 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils import _pytree as pytree
 
-from passes.capture import Captured, capture
-from passes.placements import Spec, local_shape
-from passes.propagate import choose_by_propagation, reshard_bytes
-from passes.strategies import StrategyGraph, build_strategy_graph, tensor_inputs
-from passes.strategy import TensorMeta
+from autopar.passes.capture import Captured, capture
+from autopar.passes.placements import Spec, local_shape
+from autopar.passes.propagate import choose_by_propagation, reshard_bytes
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph, tensor_inputs
+from autopar.passes.op_strategies import TensorMeta
 
 
 def _first_output(outputs: Any) -> torch.Tensor:
@@ -96,7 +96,7 @@ class _LossOfFirst(nn.Module):
 
 def best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:
     """Lay the target out however makes the loss cheapest (usually: like the outputs' batch):
-    the choice the runtime's loss program makes (``autopar.loss.build_loss_program``)."""
+    the choice the runtime's loss program makes (``autopar.runtime.loss.build_loss_program``)."""
     best, best_cost = None, math.inf
     for strategy in graph[target].strategies:
         choice = choose_by_propagation(graph, {**fixed, target: strategy.output})

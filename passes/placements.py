@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from typing import Collection, Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from costmodels.comm import short
+from autopar.costmodels.comm import short
 
 Spec = tuple[Placement, ...]
 
@@ -109,3 +109,22 @@ def is_partial(spec: Spec | None) -> bool:
 
 def mesh_size(mesh_shape: Sequence[int]) -> int:
     return math.prod(mesh_shape)
+
+
+def gradient_spec(needed: Spec, outputs: Sequence[Spec], shared: Collection[int] = ()) -> Spec:
+    """Placement of the local gradient an op hands back for an input laid out as ``needed``.
+
+    ``shared``: mesh axes on which the op's output gradient itself arrives as this
+    device's share (``gradient_shares``); an op replicated there hands back shares too.
+    """
+    grad = []
+    for axis, p in enumerate(needed):
+        if isinstance(p, Shard):
+            grad.append(p)
+        elif isinstance(p, Partial):
+            grad.append(Replicate())  # each part of a sum gets the whole gradient
+        elif all(isinstance(out[axis], Replicate) for out in outputs) and axis not in shared:
+            grad.append(Replicate())  # every device computed the same thing
+        else:
+            grad.append(Partial())  # this device's share of the gradient
+    return tuple(grad)

@@ -17,8 +17,9 @@ from typing import Any
 
 from torch import fx
 
-from passes.placements import spec_str
-from passes.strategies import StrategyGraph
+from autopar.passes.explain import diff as plan_diff, explain as explain_plan
+from autopar.passes.placements import spec_str
+from autopar.passes.strategy_graph import StrategyGraph
 
 FORMAT_VERSION = 1
 
@@ -35,7 +36,7 @@ class Pipeline:
     chunks_per_rank: int = 1
     # The whole batch (sequences per step) and the number every micro-batch's sequence count
     # must be a multiple of: the devices the plan's strategies split the batch over
-    # (``passes.microbatch.batch_split``); 0 = not recorded (a hand-written plan), not checked.
+    # (``autopar.passes.planner.microbatch.batch_split``); 0 = not recorded (a hand-written plan), not checked.
     batch_size: int = 0
     batch_split: int = 1
 
@@ -84,7 +85,7 @@ class Plan:
     # qualified name -> ZeRO level. ``params`` gives where a parameter is STORED (and its
     # optimizer state with it). Level 1 uses it whole, as its ops need it (gradients
     # all-reduced), steps the stored slice and gathers the slices after the step
-    # (``autopar.zero1``); level 2 gathers it once per step, shared by every use
+    # (``autopar.runtime.zero1``); level 2 gathers it once per step, shared by every use
     # (gradients reduce-scattered); level 3 at each use. Level 0 stores it as the ops use it.
     zero: dict[str, int] = field(default_factory=dict)
     pipeline: Pipeline | None = None
@@ -114,15 +115,11 @@ class Plan:
     # --- inspection (passes/explain.py) -----------------------------------------
     def explain(self) -> str:
         """A table per layer and a summary of why this layout was chosen."""
-        from passes.explain import explain
-
-        return explain(self)
+        return explain_plan(self)
 
     def diff(self, other: "Plan") -> str:
         """What differs between this plan and ``other``: placements, ZeRO, pipeline, prediction."""
-        from passes.explain import diff
-
-        return diff(self, other)
+        return plan_diff(self, other)
 
     # --- JSON ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Sequence
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
-from passes.placements import Spec, local_shape, spec_str
-from passes.strategies import StrategyGraph, tensor_inputs
-from passes.strategy import TensorMeta
+from autopar.passes.placements import Spec, local_shape, spec_str
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+from autopar.passes.op_strategies import TensorMeta
 
 
 def reshard_bytes(meta: TensorMeta, src: Spec, dst: Spec | None, mesh_shape: Sequence[int]) -> float:

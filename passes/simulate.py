@@ -1,7 +1,7 @@
 """Single-process SPMD simulation on a virtual mesh.
 
 The reference for every sharding rule: split each input by its placement over the mesh,
-run the op on each virtual device (:func:`passes.rules.run_local`, as codegen will),
+run the op on each virtual device (:func:`autopar.passes.rules.run_local`, as codegen will),
 then put the output back together by its placement — concatenate shards, sum (or max)
 Partials, and check that replicated copies agree — and compare with the unsharded op.
 
@@ -21,10 +21,10 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from passes import rules
-from passes.placements import Spec
-from passes.strategies import StrategyGraph, tensor_inputs
-from passes.strategy import OpInfo, ShardingStrategy
+from autopar.passes import rules
+from autopar.passes.placements import Spec
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+from autopar.passes.op_strategies import OpInfo, ShardingStrategy
 
 Coord = tuple[int, ...]
 Pieces = dict[Coord, Any]

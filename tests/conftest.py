@@ -8,7 +8,7 @@ from tests.models import MODELS
 @pytest.fixture(scope="session")
 def captured_models():
     """name -> (model, example_inputs, Captured), captured once per test session."""
-    from passes.capture import capture
+    from autopar.passes.capture import capture
 
     out = {}
     with warnings.catch_warnings():

@@ -123,7 +123,7 @@ COVERAGE_MODELS = {
 @functools.cache
 def captured(name: str):
     """(model, args, kwargs, Captured) of one model, captured once per test session (train mode)."""
-    from passes.capture import capture
+    from autopar.passes.capture import capture
 
     model, args, kwargs = COVERAGE_MODELS[name]()
     with warnings.catch_warnings():

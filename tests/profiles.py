@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import costmodels
-
-
+from autopar import costmodels
 def measured_style(shape: tuple[int, ...], slow_bytes_per_s: float = 2e9) -> costmodels.HardwareProfile:
     """A profile as ``autopar profile`` writes one (fitted numbers, the mesh's own axis
     names ``nodes``, ``gpus0``, ...), for a mesh whose outermost axis is slow (by default

@@ -1,4 +1,4 @@
-"""Micro-batches for accumulation and the batch sizes a plan's splits divide (autopar.batch).
+"""Micro-batches for accumulation and the batch sizes a plan's splits divide (autopar.runtime.batch).
 
 The multi-rank runs (accumulated training, the loop written with ``no_sync()``, eval at
 other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_distributed.py.
@@ -7,8 +7,8 @@ other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_di
 import pytest
 import torch
 
-from autopar.batch import check_divisible, split_batch
-from passes.placements import R, S
+from autopar.runtime.batch import check_divisible, split_batch
+from autopar.passes.placements import R, S
 
 
 def test_split_batch_cuts_every_input_and_the_target_along_dim_0():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from autopar import bench
-from autopar.bench_report import COLUMNS, SUMMARY_COLUMNS
+from autopar.bench.report import COLUMNS, SUMMARY_COLUMNS
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,11 @@ def test_layout_plans_share_costs_and_match_autopar_plan():
     autopar.plan(..., layout=name), which builds them one at a time."""
     import warnings
 
-    import costmodels
+    from autopar import costmodels
     import autopar
-    from autopar.bench_models import build
-    from autopar.loss import WithLoss
-    from passes.capture import capture
+    from autopar.bench.workloads import build
+    from autopar.runtime.loss import WithLoss
+    from autopar.passes.capture import capture
 
     work = build("wide-mlp", "cpu")
     with warnings.catch_warnings():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from passes.capture import CaptureError, capture
+from autopar.passes.capture import CaptureError, capture
 from tests.models import MODELS
 
 

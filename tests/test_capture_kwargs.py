@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from passes.capture import capture
+from autopar.passes.capture import capture
 from tests.models import gpt2
 
 

@@ -1,5 +1,5 @@
-"""Checkpoints and faults on real processes (gloo, CPU): autopar.checkpoint.Checkpointer and
-autopar.faults.
+"""Checkpoints and faults on real processes (gloo, CPU): autopar.runtime.checkpoint.Checkpointer and
+autopar.runtime.faults.
 
 - Resuming reproduces the uninterrupted run's losses bit-exactly (``==``) with dropout 0.1
   and an LR warm-up (LambdaLR as ``extra``), for DP, FSDP, TP+DP and a pipeline (1F1B),
@@ -10,7 +10,7 @@ autopar.faults.
 - A rank killed by SIGKILL inside a save: a fresh launch resumes from the last complete
   checkpoint and reproduces the uninterrupted losses exactly.
 - A rank that dies or hangs mid-step, launched without torchrun: the other exits with an
-  ``autopar:`` message within the deadline (``autopar.faults.deadline``).
+  ``autopar:`` message within the deadline (``autopar.runtime.faults.deadline``).
 """
 
 import json
@@ -27,7 +27,7 @@ RESUMED = ["resume:4:dp", "resume:4:fsdp", "resume:2x2:tp+dp", "resume:2x2:pp:1F
 RESHARDED = ["reshard:4:dp:2x2:tp+dp", "reshard:4:fsdp:2x2:pp:1F1B:2:1"]
 EXPORTED = ["export:4:fsdp", "export:2x2:pp:1F1B:2:1"]
 KILL_STEPS, KILLED_AT = 8, 6  # checkpoints after every second step; a rank dies inside the 6th's save
-DEADLINE = 10.0  # seconds (autopar.faults.deadline) around each step of the fault test
+DEADLINE = 10.0  # seconds (autopar.runtime.faults.deadline) around each step of the fault test
 SLACK = 20.0  # start-up of the exit on a loaded 2-core machine
 
 

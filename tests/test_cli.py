@@ -14,8 +14,8 @@ import pytest
 
 from autopar import pictures
 from autopar.cli import main
-from passes.plan import Pipeline, Plan, Prediction
-from passes.solve.stages import pipeline_step_time
+from autopar.passes.plan import Pipeline, Plan, Prediction
+from autopar.passes.solve.stages import pipeline_step_time
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

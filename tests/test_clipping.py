@@ -1,4 +1,4 @@
-"""Gradient clipping's counting (autopar.clipping): every element once, whatever the layout.
+"""Gradient clipping's counting (autopar.runtime.clipping): every element once, whatever the layout.
 
 The shares of simulated ranks (each shard cut from the whole gradient as its placement
 says) add up to torch's norm; on one real gloo rank, clipping scales the gradients
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.clipping import clip_grad_norm_, norm_share, replicas
-from passes.placements import P, R, S, local_slice, parse_spec
+from autopar.runtime.clipping import clip_grad_norm_, norm_share, replicas
+from autopar.passes.placements import P, R, S, local_slice, parse_spec
 
 NORM_TYPES = (2.0, 1.0, 3.0, math.inf, -math.inf)
 

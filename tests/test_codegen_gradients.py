@@ -8,10 +8,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.codegen import Flow, gradient_shares, plan_buckets
-from passes.propagate import choose_by_propagation
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.lowering.codegen import Flow, gradient_shares, plan_buckets
+from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 @pytest.fixture(scope="module")

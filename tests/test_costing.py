@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-import costmodels
-from passes.capture import capture
-from passes.costing import ZERO_LEVELS, build_costs, zero_costs
-from passes.strategies import build_strategy_graph
-from passes.strategy import TensorMeta
+from autopar import costmodels
+from autopar.passes.capture import capture
+from autopar.passes.costing import ZERO_LEVELS, build_costs, zero_costs
+from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.passes.op_strategies import TensorMeta
 from tests.models import small_gpt
 
 
@@ -43,7 +43,7 @@ def test_splitting_the_batch_cuts_compute(gpt_costs):
 
 
 def test_replicated_weight_of_batch_split_op_pays_gradient_all_reduce(gpt_costs):
-    """codegen.gradient_spec: the weight's gradient comes back Partial over both axes -> all-reduced."""
+    """placements.gradient_spec: the weight's gradient comes back Partial over both axes -> all-reduced."""
     costs, profile = gpt_costs, gpt_costs.profile
     node = _node(costs, "linear")
     weight = node.args[1]
@@ -68,7 +68,7 @@ def test_replicated_weight_of_batch_split_op_pays_gradient_all_reduce(gpt_costs)
 def test_bucketed_parameters_pay_each_call_latency_once(gpt_costs):
     """Over all parameters the latency shares add up to one alpha per bucket: per
     gradient bucket for all-reduces, per layer (or stretch between layers) for gathers."""
-    from passes.costing import parameter_shares
+    from autopar.passes.costing import parameter_shares
 
     shares = parameter_shares(gpt_costs.graph, gpt_costs.layer_of)
     params = [n for n in gpt_costs.graph.nodes if n.name in gpt_costs.graph.captured.params]
@@ -143,7 +143,7 @@ def test_ties_bind_leaders_only_so_the_problem_shrinks():
     """A follower's leader may sit outside its layer (Llama's first cast follows the embedding):
     ties hold leaders only, so ``shrink_problem`` never sees a tie it must reject (seen on the
     126-layer 405B graph; this small model checks the invariant)."""
-    from passes.solve.shrink import shrink_problem
+    from autopar.passes.solve.shrink import shrink_problem
     from tests.models import llama
 
     model, inputs = llama()
@@ -203,7 +203,7 @@ def test_recomputed_layers_keep_their_inputs_and_one_layers_activations(gpt_cost
     """Checkpointed layers hold what enters them (whether or not an op's backward would) and,
     while backward rebuilds them one at a time, one layer's activations: every layer
     recomputed keeps one layer's inside activations in all, not none."""
-    from passes.costing import checkpoint_inputs
+    from autopar.passes.costing import checkpoint_inputs
 
     costs = gpt_costs
     again = build_costs(costs.graph, costs.profile, memory_limit=80e9, recompute=True)
@@ -270,7 +270,7 @@ def test_bucketed_parameter_moves_pay_their_packing_copies():
     the gradient (X and X). Hand-computed for a (256, 64) fp32 weight on 4 ranks."""
     from types import SimpleNamespace
 
-    from passes.costing import _Pricer
+    from autopar.passes.costing import _Pricer
 
     assert costmodels.bucket_copy_bytes("all_gather", 65536, 4) == 2 * 16384 + 2 * 65536
     assert costmodels.bucket_copy_bytes("reduce_scatter", 65536, 4) == 2 * 65536

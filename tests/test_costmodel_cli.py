@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.cli import main
-from costmodels import HardwareProfile
-from costmodels.profiler import Sweep, profile_mesh
+from autopar.costmodels import HardwareProfile
+from autopar.costmodels.profiler import Sweep, profile_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = Sweep(

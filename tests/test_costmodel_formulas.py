@@ -5,11 +5,11 @@ import math
 import pytest
 import sympy as sp
 
-from costmodels import formulas
-from costmodels.comm import collective_time
-from costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
-from costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
-from costmodels.profile import (
+from autopar.costmodels import formulas
+from autopar.costmodels.comm import collective_time
+from autopar.costmodels.compute import compute_time, matmul_flops, matmul_time, pointwise_time
+from autopar.costmodels.opkinds import POINTWISE_KINDS, Op, backward_ops, op_kind
+from autopar.costmodels.profile import (
     COLLECTIVES,
     AxisProfile,
     CollectiveFit,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from costmodels import (
+from autopar.costmodels import (
     activation_bytes,
     bubble_fraction,
     layer_activation_bytes,

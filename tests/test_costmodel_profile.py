@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from costmodels import (
+from autopar.costmodels import (
     POINTWISE_KINDS,
     CollectiveFit,
     HardwareProfile,
@@ -17,7 +17,7 @@ from costmodels import (
     load_profile,
     preset,
 )
-from costmodels.presets import axis_links
+from autopar.costmodels.presets import axis_links
 
 
 def test_json_round_trip_is_exact(tmp_path):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from costmodels import HardwareProfile, ProfileError, Rate, a100, h100, preset
-from costmodels.compute import compute_time, matmul_efficiency, matmul_size, matmul_time, pointwise_time
-from costmodels.presets import group_nics
+from autopar.costmodels import HardwareProfile, ProfileError, Rate, a100, h100, preset
+from autopar.costmodels.compute import compute_time, matmul_efficiency, matmul_size, matmul_time, pointwise_time
+from autopar.costmodels.presets import group_nics
 
 SDPA = "aten.scaled_dot_product_attention.default"
 SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_backward.default"

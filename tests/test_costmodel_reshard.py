@@ -5,8 +5,8 @@ from torch.distributed.tensor import Partial as P
 from torch.distributed.tensor import Replicate as R
 from torch.distributed.tensor import Shard as S
 
-from costmodels import backward_reshard_plan, h100, reshard_plan, reshard_time
-from costmodels.comm import Step, grad_target, short
+from autopar.costmodels import backward_reshard_plan, h100, reshard_plan, reshard_time
+from autopar.costmodels.comm import Step, grad_target, short
 
 SHAPE, ITEM = (1024, 512), 4
 FULL = 1024 * 512 * 4

@@ -2,8 +2,8 @@
 
 import pytest
 
-from costmodels import CollectiveFit, Op, Step, adamw_ops, step_time
-from costmodels.step import ADAMW_OPS, dual_steps
+from autopar.costmodels import CollectiveFit, Op, Step, adamw_ops, step_time
+from autopar.costmodels.step import ADAMW_OPS, dual_steps
 from tests.test_costmodel_formulas import make_profile
 
 

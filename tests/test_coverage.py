@@ -5,7 +5,7 @@ import operator
 
 import pytest
 
-from passes import rules
+from autopar.passes import rules
 from tests.coverage_models import COVERAGE_MODELS, captured
 
 # The ops these models' graphs contain (torch 2.13, transformers 5.23), listed so that a

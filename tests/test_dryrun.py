@@ -20,8 +20,8 @@ from autopar import dryrun, layouts
 from autopar.cli import main
 from autopar.dryrun import DryRunError, distinct_ranks
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.planner_pipeline import pipeline_plan
+from autopar.passes.capture import capture
+from autopar.passes.planner.pipeline import pipeline_plan
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 

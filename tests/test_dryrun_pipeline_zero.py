@@ -10,8 +10,8 @@ import torch
 import autopar
 from autopar import layouts
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.planner_pipeline import pipeline_plan
+from autopar.passes.capture import capture
+from autopar.passes.planner.pipeline import pipeline_plan
 
 INTRA = 8  # data-parallel ranks inside each stage
 STEP_BYTES = 4  # AdamW's float32 step counter per parameter, counted as optimizer state

@@ -5,9 +5,9 @@ import warnings
 import pytest
 
 from autopar import layouts
-from passes.capture import capture
-from passes.plan import Plan, choice_from_plan
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.strategy_graph import build_strategy_graph
 from tests.models import small_gpt
 
 
@@ -21,7 +21,7 @@ def gpt_graph():
 
 
 def _param_specs(graph, hint):
-    from passes.placements import spec_str
+    from autopar.passes.placements import spec_str
 
     return {graph.captured.params[n.name]: spec_str(spec) for n, spec in hint.fixed.items()
             if n.name in graph.captured.params}
@@ -46,10 +46,10 @@ def test_each_layout_places_parameters_as_it_promises(gpt_graph):
     dp = _param_specs(graph, by_name["dp"])
     assert set(dp.values()) == {"RR"}
     tokens = next(n for n in graph.nodes if n.name == "tokens")
-    from passes.placements import spec_str
+    from autopar.passes.placements import spec_str
 
     assert spec_str(by_name["dp"].fixed[tokens]) == "S(0)S(0)"
-    completed = layouts.hint("tp+dp", graph, complete=True)  # by passes.propagate
+    completed = layouts.hint("tp+dp", graph, complete=True)  # by autopar.passes.propagate
     assert len(completed.choice) == len(graph.nodes)
     fsdp = _param_specs(graph, by_name["fsdp"])
     assert fsdp["blocks.0.mlp.up.weight"] == "S(0)S(0)" and fsdp["blocks.0.mlp.down.weight"] == "S(1)S(1)"

@@ -1,7 +1,7 @@
 """Predicted memory per device against the full-scale dry run's (``autopar.dry_run``,
 torch's MemTracker on fake tensors), by kind: a bf16 model's optimizer state as it runs
 (pure bf16 AdamW), and the loss a plan made without one trains with (its kept log-softmax
-and its backward's gradients), priced by ``passes.loss_memory``."""
+and its backward's gradients), priced by ``autopar.passes.loss_memory``."""
 
 import warnings
 
@@ -11,8 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.loss_memory import loss_memory
+from autopar.passes.capture import capture
+from autopar.passes.loss_memory import loss_memory
 
 GIB = 2**30
 
@@ -64,8 +64,8 @@ def test_the_loss_of_vocab_split_logits_holds_more_than_of_batch_split_ones():
 
 def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():
     model, inputs = _language_model()
-    from autopar.loss import WithLoss
-    from autopar.bench_models import lm_loss
+    from autopar.runtime.loss import WithLoss
+    from autopar.bench.workloads import lm_loss
 
     target = torch.zeros(8, 256, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
@@ -75,7 +75,7 @@ def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():
 
 
 def test_the_peak_is_backward_start_or_the_gradient_sum_whichever_holds_more():
-    from passes.costing import at_peak
+    from autopar.passes.costing import at_peak
 
     held = {"parameters": 1.0, "gradients": 1.0, "optimizer": 2.0, "activations": 5.0, "temporary": 1.0}
     assert at_peak(held) == {**held, "gradients": 0.0}  # no gradient made yet at backward's start

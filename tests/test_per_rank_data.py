@@ -6,7 +6,7 @@ import itertools
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.batch import Cut, DataParallel
+from autopar.runtime.batch import Cut, DataParallel
 
 MESH = (2, 2)
 

@@ -14,17 +14,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-import costmodels
+from autopar import costmodels
 from autopar import layouts
 from autopar.models import WideMLP
 from autopar.planning import plan
-from passes.capture import capture
-from passes.microbatch import batch_dims, batch_size, batch_split, valid_counts
-from passes.plan import Pipeline, Plan
-from passes.costing import build_costs
-from passes.planner_pipeline import LayerNumbers, node_layers, pipeline_plan, search
-from passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
+from autopar.passes.plan import Pipeline, Plan
+from autopar.passes.costing import build_costs
+from autopar.passes.planner.pipeline import LayerNumbers, node_layers, pipeline_plan, search
+from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
+from autopar.passes.strategy_graph import build_strategy_graph
 from tests.profiles import measured_style
 
 
@@ -247,7 +247,7 @@ def test_a_manual_layout_predicted_faster_than_the_search_is_returned():
     costing replaces it (here the search's plan is made to look slower than every layout)."""
     from dataclasses import replace
 
-    from passes.planner import _no_slower_than_layouts, _profile
+    from autopar.passes.planner.search import _no_slower_than_layouts, _profile
 
     with torch.device("meta"):
         model = WideMLP(dim=1024, hidden=4096, n_layers=2)

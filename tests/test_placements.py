@@ -1,8 +1,8 @@
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.placements import fits, local_shape, parse_spec, shard_offset, spec_str
-from passes.strategy import ShardingStrategy
+from autopar.passes.placements import fits, local_shape, parse_spec, shard_offset, spec_str
+from autopar.passes.op_strategies import ShardingStrategy
 
 
 def test_short_form_round_trips():

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-import costmodels
+from autopar import costmodels
 from autopar.models import Attention, GPTConfig, WideMLP
 from autopar.planning import plan
-from passes.capture import capture
-from passes.placements import parse_spec
-from passes.plan import Plan, choice_from_plan
-from passes.planner import PlanningError
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.placements import parse_spec
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.planner.intra_op import PlanningError
+from autopar.passes.strategy_graph import build_strategy_graph
 from tests.models import small_gpt
 from tests.profiles import measured_style
 
@@ -338,7 +338,7 @@ def test_pipeline_depths_tried_spread_first_then_bisect_towards_the_best():
     a bisection between the best found and its tried neighbours, the deepest untried while
     nothing fits. On a valley-shaped step time over 15 depths it reaches the bottom within 7
     plans wherever the bottom lies (trying all would take 15)."""
-    from passes.planner import next_factorisation
+    from autopar.passes.planner.search import next_factorisation
 
     options = [(p, (8,)) for p in range(2, 17)]
     results: dict[int, float] = {}
@@ -364,7 +364,7 @@ def test_pipelines_deeper_than_the_layers_and_past_the_budget_are_not_planned():
     """Two layers on a 4 x 2 mesh: a 4-stage pipeline would leave stages empty, so only the
     2-stage one is planned, and the notes say why; the budget of depths is a count from the
     graph's size and the time limit, never the clock."""
-    from passes.planner import factorisation_budget, repeated_layer_count
+    from autopar.passes.planner.search import factorisation_budget, repeated_layer_count
 
     model, inputs = small_gpt()
     captured = capture(model, inputs)

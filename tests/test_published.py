@@ -4,21 +4,17 @@ layouts (intra-op with the fewest recomputed layers, pipelined) and one scaled-d
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import published  # noqa: E402
-from autopar import layouts  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.pinned import BREAKDOWN_PARTS, Pinned, price_pinned  # noqa: E402
+from benchmarks import published
+from autopar import layouts
+from autopar.models import GPT, GPTConfig
+from autopar.passes.capture import capture
+from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, price_pinned
 
 
 def tiny_gpt() -> GPT:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.codegen import lower
-from passes.layers import find_layers
-from passes.recompute import Recomputed, layers_to_recompute, recompute_layers
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.lowering.codegen import lower
+from autopar.passes.layers import find_layers
+from autopar.passes.lowering.recompute import Recomputed, layers_to_recompute, recompute_layers
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 def saved_tensor_bytes(fn, *args: Any) -> tuple[Any, int]:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from passes import rules
-from passes.simulate import check_strategy
-from passes.strategies import build_strategy_graph, tensor_inputs
-from passes.strategy import OpInfo
+from autopar.passes import rules
+from autopar.passes.simulate import check_strategy
+from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
+from autopar.passes.op_strategies import OpInfo
 from tests.coverage_models import COVERAGE_MODELS, captured
 from tests.op_samples import SAMPLERS
 

@@ -5,10 +5,10 @@ import warnings
 import torch
 
 from autopar.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.costing import requires_grad
-from passes.saved import VIEWS, kept_for_backward, saved_roles
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.costing import requires_grad
+from autopar.passes.saved import VIEWS, kept_for_backward, saved_roles
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 def test_kept_bytes_match_what_autograd_saves():

@@ -7,8 +7,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.simulate import SimulationMismatch, check_strategy
-from passes.strategy import OpInfo, ShardingStrategy
+from autopar.passes.simulate import SimulationMismatch, check_strategy
+from autopar.passes.op_strategies import OpInfo, ShardingStrategy
 
 R, P = Replicate(), Partial()
 

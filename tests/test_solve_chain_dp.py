@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from passes.solve import SolveOptions, SolveProblem, evaluate_memory, evaluate_time, solve
-from passes.solve.chain_dp import chain_order, chain_tables, lagrangian_chain, viterbi
-from passes.solve.heuristics import chain_relaxation_plan, improve_locally
-from passes.solve.shrink import shrink_problem
+from autopar.passes.solve import SolveOptions, SolveProblem, evaluate_memory, evaluate_time, solve
+from autopar.passes.solve.chain_dp import chain_order, chain_tables, lagrangian_chain, viterbi
+from autopar.passes.solve.heuristics import chain_relaxation_plan, improve_locally
+from autopar.passes.solve.shrink import shrink_problem
 
 
 def random_chain(rng, n: int, k: int, memory_fraction: float | None, skip_every: int = 0) -> SolveProblem:

@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 import pytest
 
-from passes.solve import (
+from autopar.passes.solve import (
     Follower, SolveOptions, SolveProblem, evaluate_time, plan_costs, respects_restrictions, solve,
 )
-from passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
-from passes.solve.shrink import shrink_problem
+from autopar.passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
+from autopar.passes.solve.shrink import shrink_problem
 
 EXACT = dict(relative_gap_limit=0.0, time_limit_s=20.0)
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-import costmodels
-from passes.solve.pipeline_search import LayerCosts, evaluate_pipeline, search_pipeline
-from passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches, pipeline_step_time
+from autopar import costmodels
+from autopar.passes.solve.pipeline_search import LayerCosts, evaluate_pipeline, search_pipeline
+from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches, pipeline_step_time
 
 
 def brute_force_cut(time, static, activation, in_flight, limit, send, num_stages):

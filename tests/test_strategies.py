@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.capture import capture
-from passes.placements import parse_spec
-from passes.strategies import NoRuleWarning, build_strategy_graph
+from autopar.passes.capture import capture
+from autopar.passes.placements import parse_spec
+from autopar.passes.strategy_graph import NoRuleWarning, build_strategy_graph
 
 R = Replicate()
 

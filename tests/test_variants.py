@@ -1,7 +1,7 @@
-"""Programs per input shapes and mode (autopar.variants.Variants): built once per key, the
+"""Programs per input shapes and mode (autopar.runtime.variants.Variants): built once per key, the
 compiled one always kept, the others bounded, least recently used dropped first."""
 
-from autopar.variants import Variants
+from autopar.runtime.variants import Variants
 
 
 def test_each_key_is_built_once_and_the_least_recently_used_is_dropped():

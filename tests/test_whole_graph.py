@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from passes.simulate import simulate_graph
-from passes.strategies import build_strategy_graph
+from autopar.passes.simulate import simulate_graph
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -2,7 +2,7 @@
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.zero1 import slice_axes
+from autopar.runtime.zero1 import slice_axes
 
 R = Replicate()
 

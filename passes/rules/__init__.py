@@ -1,6 +1,6 @@
 """Sharding rules, one module per op family, all registered in ``registry``'s table."""
 
-from passes.rules import (  # noqa: F401  (importing registers the rules)
+from autopar.passes.rules import (  # noqa: F401  (importing registers the rules)
     attention,
     conv,
     embedding,
@@ -15,7 +15,7 @@ from passes.rules import (  # noqa: F401  (importing registers the rules)
     spatial,
     view,
 )
-from passes.rules.registry import (
+from autopar.passes.rules.registry import (
     LocalContext,
     registered_ops,
     rule_for,

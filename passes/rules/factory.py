@@ -10,8 +10,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.rules.registry import kernel, local_out_shape, register, with_arg
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.rules.registry import kernel, local_out_shape, register, with_arg
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.rules.registry import register
-from passes.rules.view import norm
-from passes.strategy import AxisOption, OpInfo, TensorMeta
+from autopar.passes.rules.registry import register
+from autopar.passes.rules.view import norm
+from autopar.passes.op_strategies import AxisOption, OpInfo, TensorMeta
 
 R = Replicate()
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.placements import local_shape
-from passes.rules.registry import kernel, register
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.placements import local_shape
+from autopar.passes.rules.registry import kernel, register
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

@@ -21,8 +21,8 @@ import string
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.ops import aten
 
-from passes.rules.registry import register
-from passes.strategy import AxisOption, OpInfo, TensorMeta
+from autopar.passes.rules.registry import register
+from autopar.passes.op_strategies import AxisOption, OpInfo, TensorMeta
 
 R = Replicate()
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.placements import shard_offset
-from passes.rules.registry import kernel, register
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.placements import shard_offset
+from autopar.passes.rules.registry import kernel, register
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

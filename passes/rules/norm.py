@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.ops import aten
 
-from passes.placements import local_shape
-from passes.rules.registry import register, with_arg
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.placements import local_shape
+from autopar.passes.rules.registry import register, with_arg
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.rules.registry import register
-from passes.strategy import AxisOption, OpInfo, TensorMeta
+from autopar.passes.rules.registry import register
+from autopar.passes.op_strategies import AxisOption, OpInfo, TensorMeta
 
 R = Replicate()
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.placements import local_shape
-from passes.rules.registry import kernel, register
-from passes.rules.view import norm
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.placements import local_shape
+from autopar.passes.rules.registry import kernel, register
+from autopar.passes.rules.view import norm
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from passes.placements import local_shape
-from passes.strategy import AxisOption, OpInfo, ShardingStrategy, expand_to_mesh
+from autopar.passes.placements import local_shape
+from autopar.passes.op_strategies import AxisOption, OpInfo, ShardingStrategy, expand_to_mesh
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from passes.rules.registry import local_out_shape, register, with_arg
-from passes.strategy import AxisOption, OpInfo
+from autopar.passes.rules.registry import local_out_shape, register, with_arg
+from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 

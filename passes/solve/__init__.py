@@ -23,8 +23,8 @@ Example (two nodes with two strategies each, 1 GB per device)::
     print(result.summary())
 """
 
-from passes.solve.intra_op import SolveOptions, solve
-from passes.solve.problem import (
+from autopar.passes.solve.intra_op import SolveOptions, solve
+from autopar.passes.solve.problem import (
     Follower,
     PlanCosts,
     SolveProblem,

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
-from passes.solve.shrink import ShrunkProblem
+from autopar.passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
+from autopar.passes.solve.shrink import ShrunkProblem
 
 ROUGH_LABELS = 256  # per state in the first, heuristic pass
 THIN_LABELS = 64  # per state once out of time or label budget

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.solve.chain_dp import ChainSolution, chain_tables, constrained_chain_dp, lagrangian_chain, solve_chain
-from passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
-from passes.solve.shrink import ShrunkProblem
+from autopar.passes.solve.chain_dp import ChainSolution, chain_tables, constrained_chain_dp, lagrangian_chain, solve_chain
+from autopar.passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
+from autopar.passes.solve.shrink import ShrunkProblem
 
 
 def chain_relaxation_plan(

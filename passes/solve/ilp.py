@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
-from passes.solve.shrink import ShrunkProblem
+from autopar.passes.solve.problem import MEMORY_RELATIVE_TOLERANCE
+from autopar.passes.solve.shrink import ShrunkProblem
 
 TIME_UNITS = 10**9  # integer units for the incumbent's shifted time
 # CP-SAT's presolve probing (default level 2) fixes little here (712 of 50k booleans on

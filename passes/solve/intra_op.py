@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_chain
-from passes.solve.heuristics import chain_relaxation_plan
-from passes.solve.ilp import count_variables, solve_ilp
-from passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
-from passes.solve.shrink import ShrunkProblem, shrink_problem
+from autopar.passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_chain
+from autopar.passes.solve.heuristics import chain_relaxation_plan
+from autopar.passes.solve.ilp import count_variables, solve_ilp
+from autopar.passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
+from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 
 METHODS = ("auto", "ilp", "chain_dp")
 

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from passes.solve.stages import StageCut, cut_stages, in_flight_microbatches, pipeline_step_time
+from autopar.passes.solve.stages import StageCut, cut_stages, in_flight_microbatches, pipeline_step_time
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Mapping
 
 import numpy as np
 
-from passes.solve.problem import SolveProblem
+from autopar.passes.solve.problem import SolveProblem
 
 
 @dataclass

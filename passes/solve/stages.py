@@ -48,8 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
-import costmodels
-
+from autopar import costmodels
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 

@@ -1,4 +1,4 @@
-"""Run under torchrun: autopar.checkpoint.Checkpointer on 4 gloo ranks. Prints one JSON
+"""Run under torchrun: autopar.runtime.checkpoint.Checkpointer on 4 gloo ranks. Prints one JSON
 line per case on rank 0 ("RESULT {...}").
 
     torchrun --standalone --nproc_per_node 4 -m tests.distributed.checkpoint_check <root> resume:4:dp ...
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from autopar import checkpoint
-from autopar.checkpoint import Checkpointer
+from autopar.runtime import checkpoint
+from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
 from tests.distributed import train_check
 from tests.distributed.train_check import DTYPE, lm_loss

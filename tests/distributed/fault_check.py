@@ -3,7 +3,7 @@ process per rank, ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set by
 
     python -m tests.distributed.fault_check <die|hang> <rank that fails> <deadline seconds>
 
-Every rank trains a data-parallel MLP under ``autopar.faults.deadline``; at step 2 the
+Every rank trains a data-parallel MLP under ``autopar.runtime.faults.deadline``; at step 2 the
 failing rank either kills itself (SIGKILL) or sleeps for an hour before its step. The
 others must exit with an ``autopar:`` message on stderr; each prints ``STEP <n>`` as it
 enters a step, so the caller can time the exit from the failing step's start.
@@ -19,7 +19,7 @@ import warnings
 
 import torch.distributed as dist
 
-from autopar.faults import deadline
+from autopar.runtime.faults import deadline
 from tests.distributed.train_check import MODELS, compiled_for
 
 FAILING_STEP = 2

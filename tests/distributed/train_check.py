@@ -25,11 +25,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig, WideMLP
 import autopar
-from autopar import checkpoint
-from passes.capture import capture
-from passes.plan import Pipeline, Plan, plan_from_choice
-from passes.propagate import choose_by_propagation
-from passes.strategies import build_strategy_graph
+from autopar.runtime import checkpoint
+from autopar.passes.capture import capture
+from autopar.passes.plan import Pipeline, Plan, plan_from_choice
+from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.strategy_graph import build_strategy_graph
 
 STEPS = 5
 
@@ -389,7 +389,7 @@ def hf_loss_case(spec: str) -> dict:
 def recompute_case(spec: str) -> dict:
     """recompute:<mesh>:<model>:<layout>: the layout (from autopar.layouts) with layer 0
     recomputed in backward, as a plan that must recompute some layers to fit would say."""
-    from passes.recompute import Recomputed
+    from autopar.passes.lowering.recompute import Recomputed
 
     _, mesh_text, model_name, layout = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
@@ -416,8 +416,8 @@ def moves_case() -> dict:
 
     from torch.distributed.tensor import Partial, distribute_tensor
 
-    from passes.codegen import Reshard
-    from passes.collectives import grad_side
+    from autopar.passes.lowering.codegen import Reshard
+    from autopar.passes.lowering.collectives import grad_side
 
     mesh = init_device_mesh("cpu", (2, 2))
     coord = mesh.get_coordinate()
@@ -592,8 +592,8 @@ def planned_pipeline_case(spec: str) -> dict:
     ``recompute``, every layer is recomputed in backward inside its stage; with ``measured``,
     planned from a measured-style profile of the (P, D) mesh (``tests.profiles``)."""
     from autopar import layouts
-    from passes.planner_pipeline import pipeline_plan as plan_pipeline
-    from passes.recompute import Recomputed, plan_layers
+    from autopar.passes.planner.pipeline import pipeline_plan as plan_pipeline
+    from autopar.passes.lowering.recompute import Recomputed, plan_layers
     from tests.profiles import measured_style
 
     _, mesh_text, model_name, *extra = spec.split(":")

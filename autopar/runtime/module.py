@@ -1,6 +1,6 @@
 """ParallelModule: one rank's share of a model, trained with torch.distributed.
 
-The model's captured graph runs as this rank's program (``passes.codegen``) on local
+The model's captured graph runs as this rank's program (``autopar.passes.lowering.codegen``) on local
 shards of the parameters, laid out as the plan says. The loss is a second, small
 program, captured at the first training step (when a target is first seen) and laid
 out by propagation from the model's output placements, so that a data-parallel loss is
@@ -27,19 +27,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
-from autopar.batch import Cut, DataParallel, SameInputs, check_divisible, rows_text, split_batch
-from autopar.clipping import clip_grad_norm_, replicas
-from autopar.gradsync import GradientSync, Rider, sync_gradients
-from autopar.loss import build_loss_program, model_loss
-from autopar.meshes import mesh_device, whole
-from autopar.state_dicts import in_state_dict_order
-from autopar.variants import Variant, Variants, backward_order, lower_plan, stored_layouts
-from autopar.zero1 import OptimizerSlices
-from passes.capture import Captured, capture
-from passes.codegen import RankProgram
-from passes.placements import Spec, fits, local_slice, spec_str
-from passes.plan import Plan
-from passes.strategies import StrategyGraph, build_strategy_graph
+from autopar.runtime.batch import Cut, DataParallel, SameInputs, check_divisible, rows_text, split_batch
+from autopar.runtime.clipping import clip_grad_norm_, replicas
+from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
+from autopar.runtime.loss import build_loss_program, model_loss
+from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.state_dicts import in_state_dict_order
+from autopar.runtime.variants import Variant, Variants, backward_order, lower_plan, stored_layouts
+from autopar.runtime.zero1 import OptimizerSlices
+from autopar.passes.capture import Captured, capture
+from autopar.passes.lowering.codegen import RankProgram
+from autopar.passes.placements import Spec, fits, local_slice, spec_str
+from autopar.passes.plan import Plan
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
 class ParallelModule(nn.Module):

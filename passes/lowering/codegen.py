@@ -7,7 +7,7 @@ what its consumer needs, a :class:`Reshard` node moves the value; ``print(gm.cod
 shows each one by the collectives it performs.
 
 Gradients. A Reshard's backward is the dual collective: a move on one mesh axis calls
-torch.distributed directly (``passes.collectives``), others are DTensor's ``from_local
+torch.distributed directly (``autopar.passes.lowering.collectives``), others are DTensor's ``from_local
 -> redistribute -> to_local``. What the consumer's local gradient *means* is declared
 per edge (``grad``): a replicated input of an op whose output differs across an axis
 (it is split or partial there) receives only this device's share of its gradient — a
@@ -18,7 +18,7 @@ reduce-scattered, with no special case for either. Shares are not summed where t
 arise when they can travel further up unreduced (``gradient_shares``): through ops
 replicated on that axis, to the parameters, where all of them are summed once per step
 (``RankProgram.grad_sync``, DDP's buckets). Parameters stored split and used whole are
-gathered a bucket per layer (``plan_buckets``, ``passes.buckets``), as FSDP does.
+gathered a bucket per layer (``plan_buckets``, ``autopar.passes.lowering.buckets``), as FSDP does.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, ContextManager, Sequence
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import fx, nn
@@ -34,32 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from passes import buckets, rules
-from passes.buckets import Gather, GatherBucket
-from passes.collectives import Axis, AxisMove, grad_side
-from passes.layers import layer_path
-from passes.placements import Spec, spec_str
-from passes.strategies import StrategyGraph, tensor_inputs
-from passes.strategy import OpInfo, ShardingStrategy
-
-
-def gradient_spec(needed: Spec, outputs: Sequence[Spec], shared: Collection[int] = ()) -> Spec:
-    """Placement of the local gradient an op hands back for an input laid out as ``needed``.
-
-    ``shared``: mesh axes on which the op's output gradient itself arrives as this
-    device's share (``gradient_shares``); an op replicated there hands back shares too.
-    """
-    grad = []
-    for axis, p in enumerate(needed):
-        if isinstance(p, Shard):
-            grad.append(p)
-        elif isinstance(p, Partial):
-            grad.append(Replicate())  # each part of a sum gets the whole gradient
-        elif all(isinstance(out[axis], Replicate) for out in outputs) and axis not in shared:
-            grad.append(Replicate())  # every device computed the same thing
-        else:
-            grad.append(Partial())  # this device's share of the gradient
-    return tuple(grad)
+from autopar.passes import rules
+from autopar.passes.lowering import buckets
+from autopar.passes.lowering.buckets import Gather, GatherBucket
+from autopar.passes.lowering.collectives import Axis, AxisMove, grad_side
+from autopar.passes.layers import layer_path
+from autopar.passes.placements import Spec, gradient_spec, spec_str
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+from autopar.passes.op_strategies import OpInfo, ShardingStrategy
 
 
 def collectives(src: Spec, dst: Spec) -> list[str]:
@@ -147,7 +129,7 @@ class RankProgram:
 
     def saving(self, observe: Callable[[torch.Tensor, bool], None] | None = None) -> ContextManager:
         """The context to run the program (forward) in: gathered weights that it frees are
-        saved for backward as references and gathered again (``passes.buckets``);
+        saved for backward as references and gathered again (``autopar.passes.lowering.buckets``);
         ``observe(tensor, is_weight)`` sees every tensor kept for backward."""
         if self.regathers or observe is not None:
             return buckets.saving(observe)
@@ -193,7 +175,7 @@ def lower(
     A value moved to the same layout for several consumers is moved once and shared.
     Parameters stored split and used whole — the placeholders named in
     ``gather_per_use`` (ZeRO-3) and those in ``storage`` (ZeRO-1/2: kept in another
-    layout than their strategy's) — are gathered in buckets (``passes.buckets``), one per
+    layout than their strategy's) — are gathered in buckets (``autopar.passes.lowering.buckets``), one per
     segment of the graph (a repeated layer, or the stretch between layers): ZeRO-3 ones
     freed after use and gathered again in backward, ZeRO-1/2 ones kept for backward.
     With a ``part``, only that piece of the graph is built (a pipeline
@@ -276,7 +258,7 @@ def lower(
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             env[node] = out.call_function(operator.getitem, (env[producer], index))
-            env[node].meta["autopar_node"] = node.name  # passes.recompute finds layers by it
+            env[node].meta["autopar_node"] = node.name  # autopar.passes.lowering.recompute finds layers by it
         elif node.op == "call_function":
             ns = graph[node]
             strategy = ns.strategies[choice[node]]
@@ -451,7 +433,7 @@ def gradient_shares(flow: Flow, batch_grad_sync: bool = True) -> set[tuple[fx.No
 
 @dataclass
 class Bucket:
-    """Parameters gathered together (``passes.buckets``): over ``axes``, gradients reduced
+    """Parameters gathered together (``autopar.passes.lowering.buckets``): over ``axes``, gradients reduced
     back where ``reduce`` says, freed after use unless ``keep``."""
 
     key: tuple

@@ -17,15 +17,15 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.batch import Cut
-from autopar.gradsync import GradientSync
-from autopar.zero1 import slice_axes
-from passes.capture import Captured
-from passes.codegen import RankProgram, lower
-from passes.placements import Spec, local_shape, local_slice, parse_spec
-from passes.plan import Plan, choice_from_plan
-from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
-from passes.strategies import StrategyGraph, tensor_inputs
+from autopar.runtime.batch import Cut
+from autopar.runtime.gradsync import GradientSync
+from autopar.runtime.zero1 import slice_axes
+from autopar.passes.capture import Captured
+from autopar.passes.lowering.codegen import RankProgram, lower
+from autopar.passes.placements import Spec, local_shape, local_slice, parse_spec
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 
 @dataclass
@@ -69,7 +69,7 @@ def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     stored = stored_layouts(captured, plan)
     choice = choice_from_plan(graph, plan)
-    # ZeRO-1 parameters are held as their ops use them (autopar.zero1); ZeRO-2 ones
+    # ZeRO-1 parameters are held as their ops use them (autopar.runtime.zero1); ZeRO-2 ones
     # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
     level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
                                            if plan.zero.get(fqn, 0) == 1 and ph in stored})

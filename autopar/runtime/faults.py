@@ -17,7 +17,7 @@ message. So every surviving rank exits, within ``seconds`` of entering its step,
 an ``autopar:`` message; a relaunch resumes from the last complete checkpoint.
 
     for step in range(start, steps):
-        with autopar.faults.deadline(60):   # well above one step's time
+        with autopar.runtime.faults.deadline(60):   # well above one step's time
             loss = pm.train_step(inputs, target)
 """
 

@@ -15,14 +15,14 @@ is turned into per-layer numbers (``layer_numbers``):
 - the point-to-point send of the activation leaving each layer, on the pipeline axis.
 
 The Plan's strategies and parameter placements are on the intra-op mesh (each stage
-runs its nodes there; ``passes.plan.choice_from_plan`` drops the pipeline axis).
+runs its nodes there; ``autopar.passes.plan.choice_from_plan`` drops the pipeline axis).
 
 Nodes outside repeated layers go to the first layer (before it in graph order) or the
-last. ``passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
+last. ``autopar.passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
 schedule. Recomputation is decided per stage by the stage search: the fewest layers
 that make the stage fit for its micro-batches in flight, each keeping its inputs and
-running its forward again (``passes.solve.stages``). Micro-batch counts are those whose
-micro-batches divide over every axis that splits the batch (``passes.microbatch``).
+running its forward again (``autopar.passes.solve.stages``). Micro-batch counts are those whose
+micro-batches divide over every axis that splits the batch (``autopar.passes.planner.microbatch``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.tensor import Replicate
 
-import costmodels
-from passes.costing import Costs, build_costs, state_breakdown
-from passes.microbatch import batch_dims, batch_size, batch_split, valid_counts
-from passes.placements import local_shape
-from passes.solve.pipeline_search import LayerCosts, search_pipeline
-from passes.strategy import TensorMeta
-from passes.explain import duration
+from autopar import costmodels
+from autopar.passes.costing import Costs, build_costs, state_breakdown
+from autopar.passes.plan import Pipeline, Plan, Prediction
+from autopar.passes.planner.assemble import node_breakdown, param_layers, storage_specs, zero_levels
+from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
+from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
+from autopar.passes.placements import local_shape
+from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
+from autopar.passes.op_strategies import TensorMeta
+from autopar.passes.explain import duration
+from autopar.passes.strategy_graph import build_strategy_graph
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 
@@ -236,8 +240,6 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: costmodels
 
     ``hardware``: a preset name or a profile (``pipeline_profile``); ``graph``: the strategy
     graph on ``intra`` when the caller has it."""
-    from passes.planner import PlanningError, plan_intra_op
-    from passes.strategies import build_strategy_graph
 
     full = pipeline_profile(hardware, p, tuple(intra))
     names = ("pp",) + full.axis_names[1:]
@@ -283,9 +285,6 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: costmodels
 
 
 def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names, batching: tuple[int, int]):
-    from passes.plan import Pipeline, Plan, Prediction
-    from passes.planner import node_breakdown, param_layers, storage_specs, zero_levels
-
     option, _ = found
     graph = costs.graph
     choice, _ = costs.choice(assignment)

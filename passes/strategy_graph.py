@@ -2,7 +2,7 @@
 
 - a placeholder (parameter, buffer, input) may be laid out in any placement whose shards
   divide evenly, except Partial (a whole value is not a pending sum);
-- an op node gets the strategies of its rule (``passes.rules``), or only the
+- an op node gets the strategies of its rule (``autopar.passes.rules``), or only the
   replicated one, with one warning per op that has no rule;
 - a ``getitem`` of a multi-output op follows its producer: it has the producer's
   strategies, taking the chosen output's placement.
@@ -21,10 +21,10 @@ from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from passes import rules
-from passes.capture import Captured
-from passes.placements import Spec, fits
-from passes.strategy import OpInfo, ShardingStrategy, TensorMeta
+from autopar.passes import rules
+from autopar.passes.capture import Captured
+from autopar.passes.placements import Spec, fits
+from autopar.passes.op_strategies import OpInfo, ShardingStrategy, TensorMeta
 
 
 class NoRuleWarning(UserWarning):

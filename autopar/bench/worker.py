@@ -1,6 +1,6 @@
 """The measuring half of ``autopar.bench``: runs on every rank under torchrun (gloo on CPU).
 
-    torchrun --standalone --nproc_per_node 4 -m autopar.bench_worker JOB.json
+    torchrun --standalone --nproc_per_node 4 -m autopar.bench.worker JOB.json
 
 ``JOB.json`` (written by ``autopar.bench``) names the mesh, and either ``"profile"``
 (measure or load this machine's profile for the mesh and write it to a file) or a list
@@ -39,12 +39,13 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.bench_models import build
-from autopar.loss import WithLoss
-from autopar.runtime import ParallelModule
-from passes.capture import capture
-from passes.plan import Plan
-from passes.strategies import build_strategy_graph
+from autopar.bench.workloads import build
+from autopar.costmodels.profiler import Sweep, profile_mesh
+from autopar.runtime.loss import WithLoss
+from autopar.runtime.module import ParallelModule
+from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 def compile_plan(model, captured, graph, plan: Plan, mesh, inputs: tuple):
@@ -158,7 +159,6 @@ def run_model(job: Job, mesh, model_name: str, cases: list[dict]) -> None:
 
 
 def profile_only(job: Job) -> None:
-    from costmodels.profiler import Sweep, profile_mesh
 
     spec = job.spec
     sweep = Sweep.quick() if spec.get("quick_sweep") else None

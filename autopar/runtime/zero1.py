@@ -1,12 +1,12 @@
 """ZeRO-1 (Rajbhandari et al. 2020, stage 1): parameters whole, the optimizer on a slice.
 
 The program uses a level-1 parameter as its ops need it, and its gradient is summed
-whole over the data-parallel axes while backward runs (``autopar.gradsync``), exactly
+whole over the data-parallel axes while backward runs (``autopar.runtime.gradsync``), exactly
 as for plain data parallelism. The optimizer holds only this rank's slice of the
 parameter, where the plan stores it: a view into the whole parameter, so the slice costs
 no memory of its own, stepped with the same slice of the summed gradient. After the
 step, the updated slices are all-gathered into every rank's whole parameter, a bucket
-at a time, by the gather ZeRO-2/3 use (``passes.buckets``); buckets are sized as the
+at a time, by the gather ZeRO-2/3 use (``autopar.passes.lowering.buckets``); buckets are sized as the
 gradients' are, so that one all-gather follows each gradient all-reduce.
 (``ZeroRedundancyOptimizer`` broadcasts each parameter from the rank that owns it.)
 
@@ -27,11 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from autopar.gradsync import buckets_of
-from passes.buckets import Gather, GatherBucket
-from passes.codegen import gathered_axes
-from passes.collectives import Axis, grad_side
-from passes.placements import Spec, spec_str
+from autopar.runtime.gradsync import buckets_of
+from autopar.passes.lowering.buckets import Gather, GatherBucket
+from autopar.passes.lowering.codegen import gathered_axes
+from autopar.passes.lowering.collectives import Axis, grad_side
+from autopar.passes.placements import Spec, spec_str
 
 
 class OptimizerSlices:

@@ -4,7 +4,7 @@ Rules describe an op on ONE mesh axis (:class:`AxisOption`); :func:`expand_to_me
 takes the product over the N axes of the mesh and keeps the combinations whose shards
 divide evenly. Axis-wise options compose because each one is a valid way to split the
 op's work, and splitting a piece again along another axis is again valid — the
-simulator (``passes.simulate``) checks every combination on 1-, 2- and 3-axis meshes.
+simulator (``autopar.passes.simulate``) checks every combination on 1-, 2- and 3-axis meshes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate
 from torch.utils import _pytree as pytree
 
-from passes.placements import Spec, fits, is_partial, spec_str
+from autopar.passes.placements import Spec, fits, is_partial, spec_str
 
 
 @dataclass(frozen=True)

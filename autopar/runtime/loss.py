@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from passes.capture import Captured, capture
-from passes.codegen import RankProgram, lower
-from passes.loss_memory import best_target_layout
-from passes.placements import Spec
-from passes.propagate import choose_by_propagation
-from passes.strategies import build_strategy_graph
+from autopar.passes.capture import Captured, capture
+from autopar.passes.lowering.codegen import RankProgram, lower
+from autopar.passes.loss_memory import best_target_layout
+from autopar.passes.placements import Spec
+from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.strategy_graph import build_strategy_graph
 
 
 class WithLoss(nn.Module):

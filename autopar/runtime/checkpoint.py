@@ -47,9 +47,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from safetensors.torch import save_file
 
-from autopar.pipeline import PipelineModule
-from autopar.runtime import ParallelModule
-from passes.placements import Spec
+from autopar.runtime.pipeline import PipelineModule
+from autopar.runtime.module import ParallelModule
+from autopar.passes.placements import Spec
 
 Module = ParallelModule | PipelineModule
 
@@ -195,7 +195,7 @@ def _metadata(path: Path):
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001  (any failure to read is reported the same way)
         raise ValueError(f"autopar: checkpoint {path} is unreadable: its metadata could not be read "
-                         f"({type(exc).__name__}: {exc}); expected a folder written by autopar.checkpoint") from exc
+                         f"({type(exc).__name__}: {exc}); expected a folder written by autopar.runtime.checkpoint") from exc
 
 
 def _check_matches(path: Path, wanted: dict[str, Any], metadata) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from passes.collectives import Axis
+from autopar.passes.lowering.collectives import Axis
 
 
 @dataclass(frozen=True)

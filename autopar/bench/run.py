@@ -18,7 +18,7 @@ model; the predicted step time, memory per device and planning time are recorded
   float32 models. Predictions use this machine's measured hardware profile (cached by
   ``costmodels.profiler.profile_mesh``; measured once in a torchrun launch if missing).
   Every plan is then compiled and trained under ONE torchrun launch per mesh
-  (``autopar.bench_worker``): median step time and peak memory per rank, measured.
+  (``autopar.bench.worker``): median step time and peak memory per rank, measured.
 - ``h100-8`` / ``h100-64`` / ``h100-512``: 2x4, 8x8 and 64x8 meshes of the H100 preset,
   bf16 models sized for those machines, built on the meta device: predicted only.
 
@@ -26,7 +26,7 @@ Each model is planned together with its loss (``autopar.plan(..., loss_fn=, targ
 and on gloo the same module (model and loss) is what trains, so the prediction covers
 the step that is measured. A layout that does not apply, does not fit, or fails to
 compile or run is a row with its one-line reason. Writes ``table.md``, ``results.json``
-and PNG charts (``autopar.bench_report``) to ``out_dir``.
+and PNG charts (``autopar.bench.report``) to ``out_dir``.
 """
 
 from __future__ import annotations
@@ -42,14 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import costmodels
-from autopar import bench_report, layouts
-from autopar.bench_models import MODELS, build
-from autopar.loss import WithLoss
-from passes.capture import capture
-from passes.costing import build_costs
-from passes.planner import complete, layout_plan, plan_captured
-from passes.strategies import NoRuleWarning, build_strategy_graph
+from autopar import costmodels
+from autopar.costmodels.cache import cache_path, check_profile, machine_fingerprint
+from autopar import layouts
+from autopar.bench import report as bench_report
+from autopar.bench.workloads import MODELS, build
+from autopar.runtime.loss import WithLoss
+from autopar.passes.capture import capture
+from autopar.passes.costing import build_costs
+from autopar.passes.planner.intra_op import complete, layout_plan
+from autopar.passes.planner.search import plan_captured
+from autopar.passes.strategy_graph import NoRuleWarning, build_strategy_graph
 
 __all__ = ["MODELS", "MESHES", "run"]
 
@@ -61,7 +64,7 @@ class MeshSpec:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     hardware: str  # "gloo": this machine, measured; else a preset name, predicted only
-    scale: Any  # the model size (``autopar.bench_models``)
+    scale: Any  # the model size (``autopar.bench.workloads``)
 
     @property
     def devices(self) -> int:
@@ -218,7 +221,7 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
 def layout_plans(captured, profile: costmodels.HardwareProfile, names: Sequence[str],
                  axis_names: Sequence[str]) -> dict[str, tuple[Any, float, str | None]]:
     """Layout -> (Plan or None, seconds, why not). Each is what ``autopar.plan(..., layout=name)``
-    returns (``passes.planner.plan_intra_op``'s layout branch: the hint completed on the cost
+    returns (``autopar.passes.planner.search.plan_intra_op``'s layout branch: the hint completed on the cost
     tables, then costed), with the strategy graph and cost tables built once for all layouts;
     the seconds are the time that one layout alone would take after capture (the shared build
     included)."""
@@ -323,7 +326,6 @@ def gloo_profile(mesh: str, settings: Settings) -> costmodels.HardwareProfile:
 def _cached_profile(spec: MeshSpec, cache_dir: Path | None = None) -> costmodels.HardwareProfile | None:
     """The cached profile for ``spec`` (default cache unless ``cache_dir``) when one matches this
     machine (as ``profile_mesh`` names it under torchrun: ``cpu (N ranks per host)``)."""
-    from costmodels.cache import cache_path, check_profile, machine_fingerprint
 
     machine = machine_fingerprint(f"cpu ({spec.devices} ranks per host)")
     path = cache_path(machine, "gloo", spec.shape, spec.names, cache_dir)
@@ -390,13 +392,13 @@ def _measured(event: dict) -> dict:
 
 
 def launch(nproc: int, job: dict, job_path: Path, timeout: float) -> tuple[bool, str]:
-    """Run ``autopar.bench_worker`` on ``nproc`` gloo ranks; (succeeded, last line of its output)."""
+    """Run ``autopar.bench.worker`` on ``nproc`` gloo ranks; (succeeded, last line of its output)."""
     job_path.write_text(json.dumps(job, indent=1))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     log = job_path.with_suffix(".log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "autopar.bench_worker", str(job_path)]
+           "-m", "autopar.bench.worker", str(job_path)]
     with log.open("w") as f:
         try:
             rc = subprocess.call(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)

@@ -94,7 +94,7 @@ def recompute_layers(gm: fx.GraphModule, layer_of: dict[str, int], layers: set[i
     if not segment_layer:
         raise ValueError(
             "autopar: no node of this program belongs to a recomputed layer; the program was built "
-            "without codegen's node tags (passes.codegen.lower sets them)"
+            "without codegen's node tags (autopar.passes.lowering.codegen.lower sets them)"
         )
     split = split_module(gm, gm, lambda n: segment_of[n], keep_original_order=True)
     for index, layer in segment_layer.items():

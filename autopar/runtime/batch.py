@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.gradsync import Rider
-from passes.placements import Spec, is_partial, local_shape, shard_counts, shard_offset, spec_str
+from autopar.runtime.gradsync import Rider
+from autopar.passes.placements import Spec, is_partial, local_shape, shard_counts, shard_offset, spec_str
 
 
 def check_divisible(shapes: Sequence[tuple[int, ...]], specs: Sequence[Spec], compiled: Sequence[tuple[int, ...]],

@@ -12,7 +12,7 @@ own (``Stages``), captured again and cut and laid out by the same plan, on the s
 
 ZeRO-1/2 (``Plan.zero``, stored as ``Plan.params`` says on the intra-op mesh), as
 Megatron's distributed optimizer runs with pipelines: stages hold parameters as their ops
-use them, and the optimizer steps this rank's slices of them (``autopar.zero1``). The
+use them, and the optimizer steps this rank's slices of them (``autopar.runtime.zero1``). The
 gradients accumulate whole over every micro-batch and schedule run of a step, and are
 summed once per step: all-reduced (ZeRO-1), or reduce-scattered into the slices over the
 data-parallel axes and then dropped whole (ZeRO-2); the updated slices are all-gathered
@@ -36,20 +36,20 @@ from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, 
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
-from autopar.clipping import clip_grad_norm_, replicas
-from autopar.gradsync import Rider, sync_gradients
-from autopar.batch import DataParallel, check_divisible, split_batch
-from autopar.loss import build_loss_program
-from autopar.meshes import mesh_device, whole
-from autopar.state_dicts import in_state_dict_order
-from autopar.variants import Variants, backward_order, stored_layouts
-from autopar.zero1 import OptimizerSlices, slice_axes
-from passes.capture import Captured, capture
-from passes.recompute import layers_to_recompute, plan_layers, recompute_layers
-from passes.codegen import Part, RankProgram, lower
-from passes.placements import Spec, local_slice, parse_spec
-from passes.plan import Plan, choice_from_plan
-from passes.strategies import StrategyGraph, build_strategy_graph
+from autopar.runtime.clipping import clip_grad_norm_, replicas
+from autopar.runtime.gradsync import Rider, sync_gradients
+from autopar.runtime.batch import DataParallel, check_divisible, split_batch
+from autopar.runtime.loss import build_loss_program
+from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.state_dicts import in_state_dict_order
+from autopar.runtime.variants import Variants, backward_order, stored_layouts
+from autopar.runtime.zero1 import OptimizerSlices, slice_axes
+from autopar.passes.capture import Captured, capture
+from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
+from autopar.passes.lowering.codegen import Part, RankProgram, lower
+from autopar.passes.placements import Spec, local_slice, parse_spec
+from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 @dataclass
 class Stages:
@@ -291,7 +291,7 @@ class PipelineModule(nn.Module):
     def _optimizer_slices(self) -> tuple[OptimizerSlices, dict[str, Spec]]:
         """ZeRO-1/2 as the plan stores them (``Plan.params``, on the intra-op mesh): the
         optimizer steps this rank's slices of the parameters stored split further than the
-        stages use them, over axes on which they are replicated (``autopar.zero1``); ZeRO-2
+        stages use them, over axes on which they are replicated (``autopar.runtime.zero1``); ZeRO-2
         reduce-scatters their gradients into the slices, once per step, over the axes on
         which they are data-parallel shares. Also the stored layout of each sliced one."""
         captured = self._compiled.captured

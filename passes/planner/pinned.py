@@ -26,13 +26,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-import costmodels
-from passes.costing import Costs, build_costs
-from passes.planner import Hint, PlanningError, complete, cost_layout
-from passes.microbatch import batch_size, batch_split
-from passes.solve import plan_costs
-from passes.planner_pipeline import SCHEDULE_NAMES, LayerNumbers, layer_numbers, pipeline_profile, search
-from passes.strategies import StrategyGraph, build_strategy_graph
+from autopar import costmodels
+from autopar.passes.costing import Costs, build_costs
+from autopar.passes.planner.intra_op import Hint, PlanningError, complete, cost_layout
+from autopar.passes.planner.microbatch import batch_size, batch_split
+from autopar.passes.solve import plan_costs
+from autopar.passes.planner.pipeline import SCHEDULE_NAMES, LayerNumbers, layer_numbers, pipeline_profile, search
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
 RECOMPUTE_POLICIES = ("fit", "full", "none")
@@ -209,7 +209,7 @@ def _rank_sends(cut, profile: costmodels.HardwareProfile, num: LayerNumbers, m: 
 
 def _micro_batch_notes(graph: StrategyGraph, choice, micro_batches: int) -> list[str]:
     """Where the completed layout splits the batch over more devices than a micro-batch
-    holds sequences (``passes.microbatch``): priced all the same, as the run was made."""
+    holds sequences (``autopar.passes.planner.microbatch``): priced all the same, as the run was made."""
     batch = batch_size(graph)
     if not batch:
         return []

@@ -27,7 +27,7 @@ from torch import fx
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._ops._view_ops import Flatten, InputDim, Split, view_groups
 
-from passes.strategies import StrategyGraph, tensor_inputs
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 MAX_COUNTS = 16  # micro-batch counts tried per pipeline: the stage search runs once per count
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from autopar.gradsync import axes_group
-from passes.placements import Spec, spec_str
+from autopar.runtime.gradsync import axes_group
+from autopar.passes.placements import Spec, spec_str
 
 
 def replicas(spec: Spec | None, mesh_shape: Sequence[int]) -> int:

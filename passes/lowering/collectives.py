@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from passes.placements import Spec
+from autopar.passes.placements import Spec
 
 
 def _sum(p: Placement) -> bool:

@@ -1,7 +1,7 @@
 """Why a plan: the comparisons the planner writes into ``Plan.reasons`` for ``explain()``.
 
 For the costliest repeated layer, the collectives the chosen plan runs there (forward
-resharding and the backward duals, gradient syncs included, as ``passes.costing``
+resharding and the backward duals, gradient syncs included, as ``autopar.passes.costing``
 prices them) against those of the fastest manual layout that lays the layer out
 differently: e.g. ``tp on axis1: all_reduce on axis1 0.8 ms/layer beats dp's
 all_reduce on axis0 3.1 ms/layer``. And what each mesh axis does in the plan.
@@ -13,11 +13,13 @@ from typing import Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-import costmodels
-from passes.codegen import gradient_spec
-from passes.costing import Costs, requires_grad
-from passes.strategy import TensorMeta
-from passes.explain import duration
+from autopar import costmodels
+from autopar.passes.solve import evaluate_time
+from autopar.passes.strategy_graph import tensor_inputs
+from autopar.passes.placements import gradient_spec
+from autopar.passes.costing import Costs, requires_grad
+from autopar.passes.op_strategies import TensorMeta
+from autopar.passes.explain import duration
 
 
 def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int, grad_nodes=None) -> dict[str, float]:
@@ -82,7 +84,6 @@ def axis_roles(costs: Costs, assignment: Sequence[int]) -> list[str]:
 
 
 def _inputs(node):
-    from passes.strategies import tensor_inputs
 
     return tensor_inputs(node)
 
@@ -114,7 +115,6 @@ def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, S
 
 
 def _time(costs: Costs, assignment) -> float:
-    from passes.solve import evaluate_time
 
     return evaluate_time(costs.problem, assignment)
 

@@ -1,0 +1,340 @@
+"""The intra-op planner: one mesh, no pipeline -> the fastest Plan that fits.
+
+Manual layouts (the caller's hints: fixed placeholder placements and ZeRO levels,
+completed by ``complete`` with the solver's heuristic) are evaluated on the same costs and
+handed to ``autopar.passes.solve.solve`` as candidate solutions, so the result is never
+predicted slower than the best layout that fits. The solve has a deterministic search
+budget (the same call gives the same plan; the wall clock is only a reported safety net).
+Manual layouts that fit only with layers recomputed are costed so (``cost_layout``), and one
+predicted faster than the solver's plan is the plan (``fastest_of``). A memory limit
+nothing meets raises an ``autopar:`` error with the least memory any plan needs, its
+breakdown, and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from torch import fx
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar import costmodels
+from autopar.passes.costing import Costs, build_costs
+from autopar.passes.plan import Plan
+from autopar.passes.planner.assemble import Solved, build_plan, memory_breakdown, record_recompute
+from autopar.passes.solve import SolveOptions, plan_costs, solve
+from autopar.passes.solve.heuristics import chain_relaxation_plan
+from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
+from autopar.passes.strategy_graph import StrategyGraph
+
+GB = 1e9
+
+
+class PlanningError(ValueError):
+    """No plan fits, or the request cannot be planned."""
+
+
+@dataclass
+class Hint:
+    """A manual layout: fixed placeholder placements (``fixed``) and ZeRO levels 0..2 per
+    parameter; ``choice`` (a strategy per node) is filled in by ``complete`` unless given."""
+
+    name: str
+    choice: dict[fx.Node, int] | None = None
+    zero: dict[fx.Node, int] = field(default_factory=dict)
+    fixed: dict[fx.Node, tuple] = field(default_factory=dict)
+    keep_axes: tuple[int, ...] = ()  # mesh axes on which parameters are used where they lie (Megatron)
+    # mesh axes that split the data: ops reading a parameter use it whole there (gathered,
+    # under FSDP) and split their work (else a tiny model "wins" by replicating everything)
+    data_axes: tuple[int, ...] = ()
+    everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
+
+
+def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> dict[fx.Node, int] | None:
+    """A full choice from the hint's fixed placeholder placements and ZeRO levels, completed by
+    the solver's own heuristic (chain relaxation plus local improvement, ``autopar.passes.solve.
+    heuristics``) on the problem with every other placement of those placeholders forbidden:
+    the best completion of the layout the heuristic finds, not a greedy pass that lets
+    pending sums travel and pays for them later.
+
+    ``shrunk``: ``shrink_problem(costs.problem)``, when the caller completes several hints.
+    The restrictions are inf added to node times, which fold into the shrunk problem like
+    any node cost (``ShrunkProblem.with_added_time``), so it is not shrunk again per hint;
+    they are listed once per strategy table (tied layers share theirs)."""
+    graph, problem = costs.graph, costs.problem
+    replicated = tuple(Replicate() for _ in graph.mesh_shape)
+    added: dict[int, np.ndarray] = {}  # problem node -> seconds added to each strategy (inf forbids it)
+    tables: dict[tuple, object] = {}  # per strategy table: the allowed placements, the forbidden strategies
+
+    def allowed_outputs(ns, want) -> list[int]:
+        key = ("output", id(ns.strategies), want)
+        if key not in tables:
+            tables[key] = [i for i, s in enumerate(ns.strategies) if s.output == want] or [0]
+        return tables[key]
+
+    def restrict(v: int, forbid: np.ndarray) -> None:
+        """Forbid where the node keeps some finite choice (else it is left as it was)."""
+        combined = problem.node_time[v] + added.get(v, 0.0) + forbid
+        if np.isfinite(combined).any():
+            added[v] = added.get(v, 0.0) + forbid
+
+    for node, ns in graph.nodes.items():
+        if node.op != "placeholder":
+            continue
+        allowed = allowed_outputs(ns, hint.fixed.get(node, replicated))
+        if node in costs.zero_node:
+            zi, k = costs.zero_node[node], len(ns.strategies)
+            times = problem.node_time[zi]
+            per = len(times) // k
+            keep = np.full(len(times), np.inf)
+            level = min(hint.zero.get(node, 0), per - 1)
+            for i in allowed:  # the layout's level where it means something, else level 0
+                keep[i * per + (level if np.isfinite(times[i * per + level]) else 0)] = 0.0
+            added[zi] = keep
+        else:
+            keep = np.full(len(ns.strategies), np.inf)
+            keep[allowed] = 0.0
+            added[costs.index[node]] = keep
+    if hint.keep_axes or hint.data_axes:  # how the layout computes with its weights
+        for src, dst, position in costs.edge_inputs:
+            if src.name not in graph.captured.params:
+                continue
+            want = hint.fixed.get(src, replicated)
+            strategies = graph.nodes[dst].strategies
+            key = ("uses", id(strategies), position, want)
+            if key not in tables:
+                tables[key] = np.array([0.0 if s.inputs[position] is None or (
+                    all(_used_where_it_lies(s.inputs[position][a], want[a]) for a in hint.keep_axes)
+                    and all(isinstance(s.inputs[position][a], Replicate)
+                            and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
+                    for s in strategies])
+            restrict(costs.index[dst], tables[key])  # an op with no such strategy moves the weight after all
+    if hint.everything_whole:
+        for node, ns in graph.nodes.items():
+            if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
+                continue
+            key = ("whole", id(ns.strategies))
+            if key not in tables:
+                tables[key] = np.array([0.0 if all(p is None or all(isinstance(q, Replicate) for q in p)
+                                                   for p in (*s.inputs, *s.outputs)) else np.inf
+                                        for s in ns.strategies])
+            restrict(costs.index[node], tables[key])
+    try:
+        base = shrunk if shrunk is not None else shrink_problem(problem)
+        restricted = replace(base.with_added_time(added), memory_limit=None)
+    except ValueError:  # the layout contradicts a tie or follower (e.g. tied layers placed apart)
+        return None
+    decisions, _ = chain_relaxation_plan(restricted)
+    if decisions is None:
+        return None
+    choice, _ = costs.choice(restricted.expand(decisions))
+    return choice
+
+
+def _used_where_it_lies(need, have) -> bool:
+    """A parameter placed ``have`` on an axis is read there as it lies: as placed, or, when
+    whole, as a pending sum (a row-parallel layer's bias is added once, after the reduction:
+    Replicate -> Partial moves nothing)."""
+    return need == have or (isinstance(have, Replicate) and isinstance(need, Partial))
+
+
+
+def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints: Sequence[Hint] = (), *,
+                memory_limit: float | None, time_limit_s: float = 60.0, tie_layers: bool = True,
+                recompute: bool = False, pricer=None) -> Solved:
+    costs = build_costs(graph, profile, memory_limit=memory_limit, tie_layers=tie_layers, recompute=recompute,
+                        pricer=pricer)
+    shrunk = shrink_problem(costs.problem)  # once, for the completions and the solve
+    for h in hints:
+        if h.choice is None:
+            h.choice = complete(costs, h, shrunk)
+    hints = [h for h in hints if h.choice is not None]  # a layout that does not apply here is left out
+    assignments = [costs.assignment(h.choice, h.zero) for h in hints]
+    costs.problem.hints = assignments
+    hint_times = {}
+    for h, a in zip(hints, assignments):
+        pc = plan_costs(costs.problem, a)
+        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+    options = SolveOptions(time_limit_s=max(time_limit_s, 0.5), relative_gap_limit=1e-3)
+    return Solved(costs, solve(costs.problem, options, shrunk=shrunk), hint_times, list(hints))
+
+
+
+def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hint_fn=None, *,
+                  memory_limit: float | None, time_limit_s: float = 60.0, layout: str | None = None,
+                  axis_names: Sequence[str] | None = None) -> tuple[Plan, Solved]:
+    """Solve (or, with ``layout``, only cost that layout) on one mesh; raise if nothing fits."""
+    hints = list(hint_fn(graph)) if hint_fn else []
+    names = tuple(axis_names or profile.axis_names)
+    if layout is not None:
+        chosen = [h for h in hints if h.name == layout]
+        if not chosen:
+            raise PlanningError(f"autopar: layout {layout!r} does not apply here; expected one of "
+                                f"{[h.name for h in hints]}")
+        costs = build_costs(graph, profile, memory_limit=memory_limit)
+        if chosen[0].choice is None:
+            chosen[0].choice = complete(costs, chosen[0])
+        if chosen[0].choice is None:
+            raise PlanningError(f"autopar: layout {layout!r} contradicts this model's structure on mesh "
+                                f"{graph.mesh_shape} (its placements break tied layers or followers); "
+                                "expected a layout that places repeated layers alike; pick another layout")
+        return layout_plan(costs, chosen[0], memory_limit, names)
+    # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
+    # never what the wall clock left over.
+    solved = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s)
+    built: dict[int, Costs] = {}  # costs by number of recomputed layers, shared by the layouts
+    manual = [cost_layout(solved.costs, h, memory_limit, built) for h in solved.hints]
+    if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
+        retry = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s,
+                            recompute=True, pricer=solved.costs.pricer)
+        if not retry.result.feasible:
+            raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
+        solved = fewest_recomputed(retry, memory_limit, time_limit_s=max(time_limit_s / 2, 0.5))
+    solved = fastest_of(solved, manual)
+    plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
+    record_recompute(plan, solved.costs)
+    if solved.result.method.startswith("layout "):
+        plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
+                            "fastest plan that fits; the solver found none faster")
+    return plan, solved
+
+
+def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
+                axis_names: Sequence[str]) -> tuple[Plan, Solved]:
+    """A completed manual layout's Plan, costed with the fewest recomputed layers that fit."""
+    laid = cost_layout(costs, hint, memory_limit)
+    solved = Solved(laid.costs, None, {hint.name: (laid.time, laid.memory)})
+    plan = build_plan(solved, laid.assignment, kind=hint.name, axis_names=tuple(axis_names))
+    record_recompute(plan, laid.costs)
+    return plan, solved
+
+
+
+@dataclass
+class Laid:
+    """A manual layout costed as it would run: with the fewest recomputed layers that fit."""
+
+    name: str
+    costs: Costs  # with its recomputed layers (``costs.recompute``)
+    assignment: list[int]
+    time: float
+    memory: float
+    fits: bool
+
+
+def cost_layout(costs: Costs, hint: Hint, memory_limit: float | None, built: dict[int, Costs] | None = None) -> Laid:
+    """``hint`` (completed) on ``costs``; where it does not fit, re-costed with the fewest
+    repeated layers recomputed that make it fit (its placements kept), as auto plans are.
+    ``built``: as ``recompute_to_fit``'s."""
+    assignment = costs.assignment(hint.choice, hint.zero)
+    fitted = recompute_to_fit(costs, assignment, memory_limit, built)
+    used = fitted if fitted is not None else costs
+    pc = plan_costs(used.problem, assignment)
+    return Laid(hint.name, used, assignment, pc.total_time, float(pc.node_memory.sum()), fitted is not None)
+
+
+def fastest_of(solved: Solved, manual: Sequence[Laid]) -> Solved:
+    """``solved``, or the fastest manual layout that fits where it is predicted faster (a
+    layout that fits only with layers recomputed is a different problem from the solver's,
+    so the solver cannot see it as a candidate); ``hint_times`` from each layout's own costing."""
+    hint_times = {laid.name: (laid.time, laid.memory) for laid in manual}
+    mine = plan_costs(solved.costs.problem, solved.result.assignment).total_time if solved.result.feasible \
+        else math.inf
+    best = min((laid for laid in manual if laid.fits), key=lambda laid: laid.time, default=None)
+    if best is None or best.time >= mine:
+        return replace(solved, hint_times=hint_times)
+    best.costs.problem.hints = [laid.assignment for laid in manual]
+    result = replace(solved.result, status="feasible", assignment=list(best.assignment), objective=best.time,
+                     memory=best.memory, method=f"layout {best.name}", gap=math.inf)  # no bound on its problem
+    return Solved(best.costs, result, hint_times, solved.hints)
+
+
+def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: float | None,
+                     built: dict[int, Costs] | None = None) -> Costs | None:
+    """Costs under which ``assignment`` fits ``memory_limit`` with the fewest repeated layers
+    recomputed (``costs`` itself when it fits as it is; the first k layers, which are alike);
+    None when it does not fit even with every layer recomputed. Memory falls as layers are
+    added (each one's activations leave, one layer's worth stays for backward to rebuild in),
+    so k is estimated from none and every layer recomputed and then walked to the fewest.
+    ``built``: costs by k already built for this graph and profile (shared among layouts)."""
+    limit = (memory_limit or math.inf) * (1 + 1e-9)
+    layers = sorted(set(costs.layer_of.values()))
+    built = {} if built is None else built
+    if set(costs.recompute) == set(layers[:len(costs.recompute)]):
+        built.setdefault(len(costs.recompute), costs)
+    memory: dict[int, float] = {}
+
+    def at(k: int) -> float:
+        """The assignment's bytes with the first k layers recomputed."""
+        if k not in built:
+            built[k] = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=layers[:k],
+                                   pricer=costs.pricer)
+        if k not in memory:
+            memory[k] = float(plan_costs(built[k].problem, assignment).node_memory.sum())
+        return memory[k]
+
+    if at(0) <= limit:
+        return built[0]
+    if not layers or at(len(layers)) > limit:
+        return None
+    per_layer = (at(0) - at(len(layers))) / max(len(layers) - 1, 1)
+    k = max(1, min(len(layers), math.ceil((at(0) - limit) / per_layer) + 1)) if per_layer > 0 else len(layers)
+    while k < len(layers) and at(k) > limit:
+        k += 1
+    while k > 1 and at(k - 1) <= limit:
+        k -= 1
+    return built[k]
+
+
+def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:
+    """The fewest layers recomputed that fit in memory, and the placements solved for them.
+
+    ``solved`` recomputes every repeated layer. The layers are alike (tied), so each one
+    recomputed saves the same bytes and costs the same time: the number ``k`` needed by
+    ``solved``'s placements follows from their memory with none and with all recomputed,
+    checked by re-costing. Those placements were chosen for all layers recomputed, though:
+    recomputation makes compute (1 + 1 / (1 + BACKWARD_FACTOR)) times dearer and saved
+    activations nearly free, which favours placements that compute less and keep more
+    activations (e.g. activations replicated rather than split). With only ``k`` layers
+    recomputed the trade differs, so re-solving can choose other placements. With
+    ``time_limit_s`` > 0 the problem with ``k`` layers recomputed is solved once, given the
+    kept placements as a candidate (so it is never worse), and the better one is kept.
+    """
+    costs, assignment = solved.costs, solved.result.assignment
+    if not costs.layer_of or memory_limit is None:
+        return solved
+    fewer = recompute_to_fit(costs, assignment, memory_limit)
+    if fewer is None or fewer is costs:
+        return solved
+    hints = costs.problem.hints
+    fewer.problem.hints = hints + [list(assignment)]
+    result = solved.result
+    if time_limit_s > 0:
+        again = solve(fewer.problem, SolveOptions(time_limit_s=time_limit_s, relative_gap_limit=1e-3))
+        if again.feasible and again.objective < plan_costs(fewer.problem, assignment).total_time:
+            result = again
+    fewer.problem.hints = hints
+    hint_times = {}
+    for h, a in zip(solved.hints, hints):
+        pc = plan_costs(fewer.problem, a)
+        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+    return Solved(fewer, result, hint_times, solved.hints)
+
+
+def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
+    costs, result = solved.costs, solved.result
+    need = memory_breakdown(costs, result.min_memory_assignment)
+    parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in need.items())
+    limit = costs.problem.memory_limit or 0.0
+    total = sum(need.values())
+    more = math.ceil(devices * total / max(limit, 1.0))
+    return PlanningError(
+        f"autopar: no plan fits in {limit / GB:.3g} GB per device{what}; expected a plan within the limit, "
+        f"found the smallest predicted memory {total / GB:.3g} GB per device ({parts}). To fit: give devices "
+        f"with at least {total / GB:.3g} GB, or about {more}+ devices instead of {devices}, or a smaller "
+        f"batch or sequence (activations), or allow pipeline stages."
+    )

@@ -1,0 +1,187 @@
+"""Manual layouts as Plans: the ones people write by hand, for any model they apply to.
+
+A layout is a set of constraints on where parameters and inputs live, plus axis roles
+and ZeRO levels; the planner completes it into one strategy per node with the same
+cost tables the solver uses (``autopar.passes.planner.intra_op.complete``: each op, in graph order, the
+fastest strategy given its producers; ``hint(..., complete=True)`` uses
+``autopar.passes.propagate`` instead). The planner
+evaluates every layout with the same cost model and gives it to the solver as a
+candidate solution, so the automatic plan is never predicted slower than the best
+layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor parallel):
+
+- ``replicated``: every device runs the whole step (the baseline of no parallelism);
+- ``dp``: parameters replicated, batch split over every axis;
+- ``zero1`` / ``zero2``: ``dp`` with optimizer state (and gradients) sharded;
+- ``fsdp`` (ZeRO-3): every parameter split over every axis along its largest
+  dimension that divides, gathered before use;
+- ``tp``: Megatron tensor parallelism over every axis: the first linear of a pair
+  split by output features (column), the one reading a split activation by input
+  features (row), embeddings split by vocabulary; Hugging Face GPT-2's ``Conv1D``
+  (``addmm`` with a weight stored [in, out]) alike, on the transposed dims;
+- ``tp+dp``: Megatron on the last (fastest) axis, data parallel on the others;
+- ``tp+zero1``: ``tp+dp`` with the optimizer state sharded over the data-parallel axes
+  (Megatron-LM's distributed optimizer);
+- ``tp+sp``: ``tp+dp`` plus sequence parallelism (inputs split by sequence on tp);
+- ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others.
+
+Pipeline layouts (``pp+dp`` with 1F1B, and 3-D ``pp+tp+dp``) are these intra-op
+layouts inside the pipeline search (``autopar.passes.planner.pipeline``). The public name
+is ``autopar.layouts``, which adds ``build`` (a layout's Plan for a model).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.passes.placements import Spec, fits
+from autopar.passes.planner.intra_op import Hint
+from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.strategy_graph import StrategyGraph
+
+LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp")
+LINEAR = "aten.linear.default"  # weight [out, in]
+ADDMM = "aten.addmm.default"  # Conv1D: addmm(bias, x, weight), weight [in, out]
+EMBEDDING = "aten.embedding.default"
+
+
+def axis_roles(name: str, ndim: int) -> tuple[str, ...]:
+    """The role of every mesh axis under layout ``name``."""
+    if name == "replicated":
+        return ("replica",) * ndim
+    if name in ("dp", "zero1", "zero2", "fsdp"):
+        return ("dp",) * ndim
+    if name == "tp":
+        return ("tp",) * ndim
+    if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp"):
+        return ("dp",) * (ndim - 1) + ("tp",)
+    raise ValueError(f"autopar: no layout named {name!r}; expected one of {LAYOUTS}")
+
+
+def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
+    """Parameter placeholder -> the dim Megatron splits it along on the tp axis.
+
+    Walks the graph in order, marking activations that are split by the tp axis: a
+    linear reading an unsplit activation is column-parallel (weight and bias split
+    on dim 0, output split); one reading a split activation is row-parallel (weight
+    split on dim 1, bias whole, output whole after its all-reduce). A Conv1D's
+    ``addmm(bias, x, weight)`` with its weight stored [in, out] is the same with the
+    weight's dims swapped (column: dim 1, row: dim 0). Embedding tables are split by
+    vocabulary (dim 0). Other ops pass the mark on.
+    """
+    split: set[fx.Node] = set()
+    dims: dict[fx.Node, int] = {}
+    params = graph.captured.params
+    for node in graph.captured.nodes("call_function"):
+        target = str(node.target)
+        weighted = _weighted(node, target, params)
+        if weighted is not None:
+            x, w, bias, out_dim = weighted
+            row = x in split
+            if isinstance(w, fx.Node) and w.name in params:
+                dims.setdefault(w, 1 - out_dim if row else out_dim)
+            if isinstance(bias, fx.Node) and bias.name in params and not row:
+                dims.setdefault(bias, 0)
+            if not row:
+                split.add(node)
+        elif target == EMBEDDING:
+            w = node.args[0]
+            if isinstance(w, fx.Node) and w.name in params:
+                dims.setdefault(w, 0)
+        elif any(a in split for a in node.all_input_nodes):
+            split.add(node)
+    return dims
+
+
+def _weighted(node: fx.Node, target: str, params) -> tuple | None:
+    """(input, weight, bias or None, the weight's output-features dim) of a linear, or of a
+    Conv1D's addmm whose weight is a 2-D parameter; None for other ops."""
+    if target == LINEAR:
+        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
+    if target == ADDMM and len(node.args) >= 3:
+        bias, x, w = node.args[:3]
+        if isinstance(w, fx.Node) and w.name in params and w.meta["val"].dim() == 2:
+            return x, w, bias, 1
+    return None
+
+
+def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Spec], dict[fx.Node, int]]:
+    """(placement per placeholder, ZeRO level 0..2 per parameter) of layout ``name``."""
+    mesh = graph.mesh_shape
+    roles = axis_roles(name, len(mesh))
+    captured = graph.captured
+    tp_dims = megatron_dims(graph) if "tp" in roles else {}
+    fixed: dict[fx.Node, Spec] = {}
+    zero: dict[fx.Node, int] = {}
+    for node in captured.nodes("placeholder"):
+        if node not in graph.nodes:
+            continue
+        shape = tuple(node.meta["val"].shape)
+        spec: list = [Replicate()] * len(mesh)
+        if node.name in captured.user_inputs:
+            for a, role in enumerate(roles):
+                if role == "dp" and shape:
+                    spec[a] = Shard(0)
+                elif role == "tp" and name == "tp+sp" and len(shape) > 1:
+                    spec[a] = Shard(1)
+        elif node.name in captured.params:
+            for a, role in enumerate(roles):
+                if role == "tp" and node in tp_dims:
+                    spec[a] = Shard(tp_dims[node])
+            if name in ("fsdp", "fsdp+tp"):
+                dp_axes = [a for a, r in enumerate(roles) if r == "dp"]
+                spec = _fsdp(shape, spec, dp_axes, mesh)
+            zero[node] = {"zero1": 1, "zero2": 2, "tp+zero1": 1}.get(name, 0)
+        fixed[node] = _fitting(shape, tuple(spec), mesh)
+    return fixed, zero
+
+
+def _fsdp(shape: Sequence[int], spec: list, axes: list[int], mesh: Sequence[int]) -> list:
+    """Split over ``axes`` along the largest dim that divides (a dim the tp axis leaves whole first)."""
+    taken = {p.dim for p in spec if isinstance(p, Shard)}
+    for d in sorted(range(len(shape)), key=lambda d: (d in taken, -shape[d])):
+        trial = list(spec)
+        for a in axes:
+            trial[a] = Shard(d)
+        if fits(shape, tuple(trial), mesh):
+            return trial
+    return spec
+
+
+def _fitting(shape: Sequence[int], spec: Spec, mesh: Sequence[int]) -> Spec:
+    """``spec``, with every axis whose split does not divide evenly replicated instead."""
+    spec = list(spec)
+    for a in range(len(spec)):
+        if not fits(shape, tuple(spec), mesh) and isinstance(spec[a], Shard):
+            spec[a] = Replicate()
+    return tuple(spec) if fits(shape, tuple(spec), mesh) else (Replicate(),) * len(mesh)
+
+
+def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
+    """Layout ``name`` on ``graph``: its placeholder placements and ZeRO levels. The planner
+    completes it with its cost tables (each op the fastest given its producers);
+    ``complete=True`` completes it here by ``autopar.passes.propagate`` (fewest bytes moved)."""
+    fixed, zero = layout_placements(name, graph)
+    roles = axis_roles(name, len(graph.mesh_shape))
+    keep = tuple(a for a, role in enumerate(roles) if role == "tp")
+    data = tuple(a for a, role in enumerate(roles) if role == "dp" and graph.mesh_shape[a] > 1)
+    return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
+                everything_whole=name == "replicated")
+
+
+def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:
+    """Every layout in ``names`` that applies to this mesh (duplicates of another dropped)."""
+    out, seen = [], set()
+    for name in names:
+        if "tp" in axis_roles(name, len(graph.mesh_shape)) and name != "tp" and len(graph.mesh_shape) < 2:
+            continue  # tp+dp on one axis is tp
+        h = hint(name, graph)
+        key = (tuple(sorted((n.name, str(s)) for n, s in h.fixed.items())),
+               tuple(sorted((n.name, z) for n, z in h.zero.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(h)
+    return out
+

@@ -1,0 +1,212 @@
+"""The planner: a captured model on a mesh -> the fastest Plan that fits, with its Prediction.
+
+Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole search):
+
+1. strategies (``autopar.passes.strategy_graph``) and costs (``autopar.passes.costing``) on the mesh;
+2. manual layouts (the caller's hints: fixed placeholder placements and ZeRO levels,
+   completed by ``complete`` with the solver's heuristic) evaluated on the same costs and handed to ``autopar.passes.solve.solve`` as candidate solutions, so the result
+   is never predicted slower than the best layout that fits;
+3. the intra-op solve (followers, tied layers, chain DP or CP-SAT, a deterministic search
+   budget: the same call gives the same plan; the wall clock only a reported safety net);
+   manual layouts that fit only with layers recomputed are costed so (``cost_layout``), and
+   one predicted faster than the solver's plan is the plan (``fastest_of``);
+4. the pipeline search (``autopar.passes.planner.pipeline``) over device factorisations into a
+   pipeline axis times intra-op axes (``pipeline_factorisations``: with a preset every
+   split of the outermost axis, with a measured profile the whole outermost axis, the
+   only one it prices), stage cuts, micro-batches and schedules;
+5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
+   broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
+
+A memory limit nothing meets raises an ``autopar:`` error with the least memory any
+plan needs, its breakdown, and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+from autopar import costmodels
+from autopar.passes.explain import duration
+from autopar.passes.layers import layer_path
+from autopar.passes.plan import Plan
+from autopar.passes.planner.intra_op import GB, PlanningError, plan_intra_op
+from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.passes.strategy_graph import build_strategy_graph
+
+
+def _profile(hardware, shape: tuple[int, ...], names) -> costmodels.HardwareProfile:
+    if isinstance(hardware, str):
+        return costmodels.preset(hardware, shape, names)
+    if tuple(hardware.mesh_shape) != tuple(shape):
+        raise PlanningError(f"autopar: the hardware profile is for mesh {hardware.mesh_shape}, found mesh {shape}; "
+                            "measure or build a profile for this mesh shape")
+    return hardware
+
+
+def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """(P, intra-op shape) with P > 1 taken out of the outermost (slowest) axis."""
+    out = []
+    for p in range(2, shape[0] + 1):
+        if shape[0] % p == 0:
+            intra = tuple(s for s in (shape[0] // p,) + shape[1:] if s > 1) or (1,)
+            out.append((p, intra))
+    return out
+
+
+def pipeline_factorisations(shape: tuple[int, ...], hardware) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations ``hardware`` can price: any (``factorisations``) for a preset, which
+    is built for each; for a measured profile only the pipeline over the whole outermost axis,
+    the intra-op mesh being the other measured axes (``planner_pipeline.pipeline_profile``)."""
+    if isinstance(hardware, str):
+        return factorisations(shape)
+    return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
+
+
+def repeated_layer_count(captured) -> int:
+    """How many repeated layers the model has (``autopar.passes.layers``): a pipeline of more stages
+    than that has a stage without a layer, so it is not tried."""
+    params = captured.params
+    return len({where for node in captured.nodes() if (where := layer_path(node, params)) is not None})
+
+
+# Seconds one pipeline depth takes to plan besides its solve (strategies and costs on its
+# mesh, layout completion, recomputation fits, the stage search), per node of the captured
+# graph. From the idle-machine run of benchmarks/plan_llama.py --size 70b --mesh 8 8 before
+# this budget existed (about 5,900 nodes; search 52.5 s for 4 plans, up to 30 s of it the
+# solvers' budget): 1 to 2 ms per node. At 1.5 ms that 70B call keeps all three depths at a
+# 60 s limit; Megatron's 96-layer GPT (3,700 nodes) on 288 x 8 plans five of its 15 at 60 s,
+# all at 300 s.
+PLANNING_SECONDS_PER_NODE = 1.5e-3
+
+
+def factorisation_budget(captured, time_limit_s: float) -> int:
+    """How many pipeline depths the search plans: the half of ``time_limit_s`` the solvers do
+    not get, over what one depth costs besides its solve (``PLANNING_SECONDS_PER_NODE`` per
+    node of the captured graph); at least one. A count, not a clock: the same call plans the
+    same depths."""
+    per_depth = PLANNING_SECONDS_PER_NODE * len(captured.graph.nodes)
+    return max(1, int(0.5 * time_limit_s / per_depth))
+
+
+def next_factorisation(options: Sequence[tuple[int, tuple[int, ...]]], results: dict[int, float]) -> int | None:
+    """Index into ``options`` (pipeline depths in increasing order) of the next one to try,
+    given the predicted step times found so far (index -> seconds, inf where none fits); None
+    when all are tried.
+
+    Step time falls with depth while data-parallel traffic and memory shrink, and rises once
+    the bubble and the per-stage imbalance dominate: about one valley. So first a spread (the
+    middle, then the quarter points: a search cut short has seen shallow and deep pipelines
+    alike), then a bisection of the untried depths between the best found and its tried
+    neighbours (the larger side first, the shallower on a tie), then the rest nearest the best;
+    while nothing fits, the deepest untried (a deeper pipeline holds less per device)."""
+    n = len(options)
+    untried = [i for i in range(n) if i not in results]
+    if not untried:
+        return None
+    for seed in dict.fromkeys((n // 2, n // 4, (3 * n) // 4)):
+        if seed not in results:
+            return seed
+    finite = {i: t for i, t in results.items() if math.isfinite(t)}
+    if not finite:
+        return max(untried)
+    best = min(finite, key=lambda i: (finite[i], i))
+    below = max((i for i in results if i < best), default=-1)
+    above = min((i for i in results if i > best), default=n)
+    if below < best - 1 or above > best + 1:
+        if best - below >= above - best:
+            return (below + best) // 2 if below >= 0 else (below + best + 1) // 2
+        return (best + above + 1) // 2
+    return min(untried, key=lambda i: (abs(i - best), -i))
+
+
+def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, profile, hint_fn, limit: float,
+                            axis_names) -> Plan:
+    """``best``, or the manual layout (without a pipeline) predicted faster, costed the same way
+    (the pipelines' own layouts already compete inside ``pipeline_plan``)."""
+    flat = {name: t for name, t in candidates.items() if "[" not in name}
+    if not flat or min(flat.values()) >= best.predicted.step_time * (1 - 1e-9):
+        return best
+    name = min(flat, key=flat.get)
+    try:
+        manual, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, layout=name, axis_names=axis_names)
+    except PlanningError:
+        return best
+    if manual.predicted.step_time >= best.predicted.step_time or sum(manual.predicted.memory.values()) > limit:
+        return best
+    manual.reasons.append(f"the {name} layout ({duration(manual.predicted.step_time)}) beat the search's best "
+                          f"({duration(best.predicted.step_time)}) under the same costing, so it is the plan")
+    return manual
+
+
+def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
+                  time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
+                  axis_names: Sequence[str] | None = None, progress=None, outer_axis_only: bool = False) -> Plan:
+    """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins.
+    ``progress(phase, done, total)``, if given, is called as each of the ``total`` search steps starts.
+    ``outer_axis_only``: pipelines only over the whole outermost axis (a plan for a given device
+    mesh keeps its shape); none on a 1-D mesh."""
+    started = time.perf_counter()
+    report = progress or (lambda phase, done, total: None)
+    profile = _profile(hardware, shape, axis_names)
+    limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
+    options = pipeline_factorisations(shape, hardware) if pipeline and layout is None else []
+    if outer_axis_only:
+        options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
+    layers = repeated_layer_count(captured)
+    too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
+    options = [(p, intra) for p, intra in options if p <= max(layers, 1)]
+    budget = min(len(options), factorisation_budget(captured, time_limit_s))
+    report("strategies", 0, 1 + budget)
+    calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
+    graph = build_strategy_graph(captured, shape, calls)
+    # a fixed share, not what the clock left: the same call gets the same search (the rest of
+    # the time: costs, completion, stage search)
+    solver_time = 0.5 * time_limit_s / (1 + budget)
+    best, error, candidates = None, None, {}
+    where_of = lambda p, intra: f"pp{p}x{'x'.join(map(str, intra))}"  # noqa: E731
+    tried = {"no pipeline": ""}
+    report("no pipeline", 0, 1 + budget)
+    try:
+        best, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
+                                layout=layout, axis_names=axis_names)
+        tried["no pipeline"] = duration(best.predicted.step_time)
+        candidates.update(best.candidates)
+    except PlanningError as exc:
+        error, tried["no pipeline"] = exc, str(exc)
+    results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
+    outcome: dict[int, str] = {}
+    clock_cut = False
+    while len(results) < budget and (i := next_factorisation(options, results)) is not None:
+        p, intra = options[i]
+        report(where_of(p, intra), len(results) + 1, 1 + budget)
+        if time_limit_s - (time.perf_counter() - started) <= 0.02 * time_limit_s:
+            clock_cut = True  # the wall clock, a safety net: the deterministic budget did not run out
+            break
+        candidate, outcome[i] = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
+                                              time_limit_s=solver_time, shape=shape,
+                                              graph=build_strategy_graph(captured, intra, calls))
+        results[i] = candidate.predicted.step_time if candidate is not None else math.inf
+        if candidate is None:
+            continue
+        candidates.update({f"{k_}[{where_of(p, intra)}]": t for k_, t in candidate.candidates.items()})
+        if best is None or candidate.predicted.step_time < best.predicted.step_time:
+            best = candidate
+    for i, (p, intra) in enumerate(options):
+        tried[where_of(p, intra)] = outcome.get(i) or (
+            "not tried: out of time" if clock_cut else
+            f"not tried: beyond the search budget of {budget} pipeline depths (next_factorisation's order)")
+    for p, intra in too_deep:
+        tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
+    if best is None:
+        raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
+    best = _no_slower_than_layouts(best, candidates, graph, profile, hint_fn, limit, axis_names)
+    best.notes.extend(f"{k}: {v}" for k, v in tried.items())
+    if clock_cut:
+        best.solver["clock_cut"] = True  # the wall clock, a safety net, left options out
+    best.candidates = candidates
+    best.solver["planning_seconds"] = time.perf_counter() - started
+    best.solver["memory_limit"] = limit
+    report("done", 1 + budget, 1 + budget)
+    return best
