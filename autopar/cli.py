@@ -12,10 +12,10 @@ Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in ``_buil
 add one by adding a parser there. Wrong arguments and ``autopar:`` errors print one
 line, ``autopar: ...``, and exit with status 2 (usage) or 1 (run-time).
 
-``plan``'s MODEL is a built-in name (``BUILTINS``, built on the meta device: nothing is
-allocated) or ``package.module:factory``: a callable returning ``(model, example_inputs)``,
-called with no arguments, or with ``batch=`` / ``seq=`` keywords when ``--batch`` /
-``--seq`` are given.
+``plan``'s MODEL is a built-in name (``BUILTINS``: a size of a family of the model
+registry ``autopar.models.MODELS``, built on the meta device: nothing is allocated) or
+``package.module:factory``: a callable returning ``(model, example_inputs)``, called with
+no arguments, or with ``batch=`` / ``seq=`` keywords when ``--batch`` / ``--seq`` are given.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ import argparse
 import importlib
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from autopar.layouts import LAYOUTS
 from autopar import pictures
 from autopar.costmodels import PRESETS, HardwareProfile
 from autopar.costmodels.profiler import Sweep, profile_mesh
 from autopar.costmodels.report import profile_table
+from autopar.coverage import coverage
 from autopar.dryrun import dry_run
-from autopar.models import GPT, GPTConfig, WideMLP, llama3
+from autopar.models import MODELS
 from autopar.passes.plan import Plan
 from autopar.planning import plan
 
@@ -87,67 +87,26 @@ def _csv(text: str) -> list[str]:
 
 # --- models for `autopar plan` --------------------------------------------------------
 
-@dataclass(frozen=True)
-class Builtin:
-    """A built-in model: ``build(batch, seq) -> (model, example_inputs)`` on the meta device."""
-
-    about: str
-    batch: int
-    seq: int
-    build: Callable[[int, int], tuple]
-
-
-def _gpt_small(batch: int, seq: int) -> tuple:
-
-    model = GPT(GPTConfig(max_seq_len=max(seq, GPTConfig.max_seq_len)))
-    return model, (_tokens(batch, seq),)
-
-
-def _gpt2(batch: int, seq: int) -> tuple:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_positions=max(seq, 1024))), (_tokens(batch, seq),)
-
-
-def _llama(size: str) -> Callable[[int, int], tuple]:
-    def build(batch: int, seq: int) -> tuple:
-
-        return llama3(size, seq), (_tokens(batch, seq),)
-
-    return build
-
-
-def _mixtral(batch: int, seq: int) -> tuple:
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(num_hidden_layers=4, hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
-                        num_key_value_heads=4, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=max(seq, 1024))
-    return MixtralForCausalLM(cfg).to(torch.bfloat16), (_tokens(batch, seq),)
-
-
-def _wide_mlp(batch: int, seq: int) -> tuple:
-    import torch
-
-    return WideMLP(dim=4096, hidden=16384, n_layers=8), (torch.zeros(batch, seq, 4096),)
-
-
-def _tokens(batch: int, seq: int):
-    import torch
-
-    return torch.zeros(batch, seq, dtype=torch.long)
-
-
+# The built-in model names: a family of the registry (autopar.models.MODELS) and its size.
 BUILTINS = {
-    "gpt-small": Builtin("autopar.models.GPT, default config (2 layers, dim 64)", 8, 64, _gpt_small),
-    "gpt2": Builtin("Hugging Face GPT-2 124M shape", 8, 1024, _gpt2),
-    "llama-8b": Builtin("Llama-3 8B shape, bf16", 16, 4096, _llama("8b")),
-    "llama-70b": Builtin("Llama-3 70B shape, bf16", 16, 4096, _llama("70b")),
-    "llama-405b": Builtin("Llama-3 405B shape, bf16", 16, 4096, _llama("405b")),
-    "mixtral": Builtin("small Mixtral MoE: 4 layers, dim 1024, 8 experts top-2, bf16", 8, 1024, _mixtral),
-    "wide-mlp": Builtin("autopar.models.WideMLP: 8 layers, 4096 -> 16384 -> 4096", 16, 256, _wide_mlp),
+    "gpt-small": ("gpt", "small"),
+    "gpt2": ("gpt2", "124m"),
+    "llama-8b": ("llama", "8b"),
+    "llama-70b": ("llama", "70b"),
+    "llama-405b": ("llama", "405b"),
+    "mixtral": ("mixtral", "small"),
+    "wide-mlp": ("wide-mlp", "plan"),
 }
+
+
+def _builtin_help() -> str:
+    """One line per built-in name: what it is, its size and its default batch and sequence."""
+    lines = []
+    for name, (family, size) in BUILTINS.items():
+        shape = MODELS[family].size(size)
+        lines.append(f"  {name:<11} {MODELS[family].about.split(':')[0]}: {shape.about} "
+                     f"(batch {shape.batch}, seq {shape.seq})")
+    return "\n".join(lines)
 
 
 def load_model(spec: str, batch: int | None = None, seq: int | None = None) -> tuple:
@@ -155,10 +114,11 @@ def load_model(spec: str, batch: int | None = None, seq: int | None = None) -> t
     import torch
 
     if spec in BUILTINS:
-        b = BUILTINS[spec]
+        family, size = MODELS[BUILTINS[spec][0]], BUILTINS[spec][1]
+        seq = seq or family.size(size).seq
         try:
             with torch.device("meta"):
-                return b.build(batch or b.batch, seq or b.seq)
+                return family.build(size, seq), family.inputs(size, batch, seq)[0]
         except ImportError as e:
             raise _UsageError(f"model {spec!r} needs a package that is not installed ({e}); "
                               "install it, e.g. `pip install transformers`") from None
@@ -260,6 +220,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    model, inputs, *kwargs = load_model(args.model, args.batch, args.seq)  # kwargs: where the loader gives them
+    found = coverage(model, inputs, kwargs[0] if kwargs else None, mesh_shape=args.mesh, hardware=args.hardware)
+    print(found.table())
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     try:
         bench = importlib.import_module("autopar.bench")
@@ -353,7 +320,7 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 
-    models = "\n".join(f"  {name:<11} {b.about} (batch {b.batch}, seq {b.seq})" for name, b in BUILTINS.items())
+    models = _builtin_help()
     p = sub.add_parser(
         "plan",
         help="plan a model on a mesh (no devices needed); explain it, save plan.json and pictures",
@@ -405,6 +372,17 @@ def _build() -> argparse.ArgumentParser:
                    "(default: 20)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("coverage", help="the ops of a model without a sharding rule, and the layouts that apply",
+                       description="Capture MODEL (as `autopar plan` takes it), list its ops that have no sharding "
+                       "rule (they run replicated) and, for every manual layout, whether it applies on the mesh "
+                       "and its predicted step.")
+    p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
+    p.add_argument("--mesh", type=_mesh_shape, default=(2, 2), help="mesh shape (default: 2x2)")
+    p.add_argument("--hardware", choices=sorted(PRESETS), default="h100", help="preset (default: h100)")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's)")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
+    p.set_defaults(func=_cmd_coverage)
     return parser
 
 

@@ -32,6 +32,7 @@ def compile(  # noqa: A001  (the public name users expect)
     plan: Plan | None = None,
     hardware: Any = None,  # a HardwareProfile or preset name for planning; None: measure this mesh
     check_inputs: bool = True,
+    mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
 ) -> ParallelModule:
     """Capture ``model``, plan it for ``mesh`` (or replay ``plan``) and build this rank's part.
 
@@ -49,6 +50,12 @@ def compile(  # noqa: A001  (the public name users expect)
     are used). ``loss_fn`` None: the model's own loss is trained (an output's ``.loss``,
     e.g. with ``labels=`` among the inputs; steps take target None), laid out like any
     loss. ``pm.data_parallel`` says how the plan splits the batch, for per-rank data.
+
+    ``mp_policy``: mixed precision as FSDP2's policy says (e.g. ``param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32``): parameters and optimizer state stay in their dtype (the
+    master copy, stored as the plan says), compute runs in ``param_dtype``, gradients are
+    reduced in ``reduce_dtype``. Not yet for pipeline plans; the plan itself is priced as
+    the model's own dtype (issue 15).
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -61,7 +68,15 @@ def compile(  # noqa: A001  (the public name users expect)
     if plan is None:
         # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
+        if mp_policy is not None:  # mixed precision runs in ParallelModule only, so far
+            keywords["pipeline"] = False
         plan = plan_once(model, mesh, example_inputs, hardware, **keywords)
+    if plan.pipeline is not None and mp_policy is not None:
+        raise ValueError(
+            "autopar: mp_policy is supported for plans without a pipeline; found a plan with "
+            f"{plan.pipeline.stages} pipeline stages; compile without "
+            "mp_policy, or with a plan without pipeline (autopar.plan(..., pipeline=False))"
+        )
     if plan.pipeline is not None:
         if example_kwargs or loss_fn is None:
             raise ValueError(
@@ -75,7 +90,7 @@ def compile(  # noqa: A001  (the public name users expect)
         if loss_fn is None and optimizer is not None:
             _require_own_loss(captured)
         graph = build_strategy_graph(captured, tuple(mesh.shape))
-        pm = ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs)
+        pm = ParallelModule(model, captured, graph, plan, mesh, loss_fn, optimizer, check_inputs, mp_policy)
     if planned_here:
         _say_data_parallel(pm)
     return pm
@@ -140,7 +155,7 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
 def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan):
     """A pipeline plan's strategies are for one micro-batch on the intra-op axes."""
     pp = plan.pipeline
-    if plan.model == "WithLoss":  # its stages were cut from another graph than the model's own
+    if plan.includes_loss:  # its stages were cut from another graph than the model's own
         raise ValueError(
             "autopar: this pipeline plan was made for the model and its loss together (autopar.plan(..., "
             "loss_fn=...)), found the model alone; to train with it, plan without loss_fn (autopar.compile "

@@ -28,17 +28,17 @@ import torch.nn.functional as F
 import autopar
 from autopar.compiler import plan_once
 from autopar.costmodels.profiler import Sweep, profile_mesh
-from autopar.models import GPT, GPTConfig, llama3
+from autopar.models import MODELS
 
 RANKS = 4
 STEPS = 6  # the first is warm-up (and builds the loss program); the rest are timed
-BATCH, SEQ = 16, 64
+GPT_FAMILY, GPT_SIZE = MODELS["gpt"], "demo"  # the registry's small GPT, for the 4 ranks
+LLAMA_FAMILY, LLAMA_SIZE = MODELS["llama"], "70b"  # the Llama-3 shape planned for 64 H100s
 
 
 def _small_gpt():
-
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=512, max_seq_len=SEQ, dim=128, n_heads=4, n_layers=2))
+    return GPT_FAMILY.build(GPT_SIZE)
 
 
 def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -50,11 +50,14 @@ def _adamw(params):
 
 
 def _batches():
+    """(tokens, target) per step, drawn in turn from one generator."""
     gen = torch.Generator().manual_seed(1)
-    return [
-        (torch.randint(0, 512, (BATCH, SEQ), generator=gen), torch.randint(0, 512, (BATCH, SEQ), generator=gen))
-        for _ in range(STEPS)
-    ]
+
+    def tokens() -> torch.Tensor:
+        (ids,), _ = GPT_FAMILY.inputs(GPT_SIZE, generator=gen)
+        return ids
+
+    return [(tokens(), tokens()) for _ in range(STEPS)]
 
 
 def _ms(seconds: float) -> str:
@@ -86,7 +89,8 @@ def worker() -> None:
     auto = plan_once(model, mesh, (tokens,), profile, time_limit_s=10)
     planned_in = time.perf_counter() - started
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"== The plan for a small GPT ({n_params:,} parameters, batch {BATCH}x{SEQ}) on 2x2 gloo ranks "
+    batch = "x".join(map(str, tokens.shape))
+    say(f"== The plan for a small GPT ({n_params:,} parameters, batch {batch}) on 2x2 gloo ranks "
         f"({planned_in:.1f} s) ==\n")
     say(auto.explain())
     say("\nPredicted step time, auto against the manual layouts (same cost model):")
@@ -140,12 +144,11 @@ def worker() -> None:
 
 # --- part 3 and the launcher ---------------------------------------------------------------
 def plan_70b() -> None:
-
     with torch.device("meta"):
-        model = llama3("70b")
-    tokens = torch.zeros(16, 4096, dtype=torch.long, device="meta")
+        model = LLAMA_FAMILY.build(LLAMA_SIZE)
+        (tokens,), _ = LLAMA_FAMILY.inputs(LLAMA_SIZE)
     print("\n== Llama-3-70B shape (80 layers, hidden 8192, 70.6 B parameters, bf16, meta device) on 64 H100s "
-          "(8 nodes x 8 GPUs), global batch 16x4096 ==\n")
+          f"(8 nodes x 8 GPUs), global batch {'x'.join(map(str, tokens.shape))} ==\n")
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

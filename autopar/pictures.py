@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from autopar.passes.costing import BACKWARD_FACTOR
+from autopar.costmodels import Schedule
+from autopar.costmodels.formulas import BACKWARD_FACTOR
 from autopar.passes.explain import _common_prefix, _kinds
 from autopar.passes.placements import parse_spec, spec_str
 
@@ -56,7 +57,7 @@ class Box:
     end: float
 
 
-def schedule_order(schedule: str, ranks: int, micro_batches: int, chunks: int = 1) -> list[list[tuple]]:
+def schedule_order(schedule: str | Schedule, ranks: int, micro_batches: int, chunks: int = 1) -> list[list[tuple]]:
     """Per rank, its actions ``(backward?, virtual stage, micro-batch)`` in the order the schedule
     runs them. Virtual stage ``c`` lives on rank ``c mod ranks`` (torch's looped placement).
 
@@ -66,10 +67,11 @@ def schedule_order(schedule: str, ranks: int, micro_batches: int, chunks: int = 
     each round through chunk 0, 1, ... forwards (the chunks in reverse for backwards),
     ``2 (ranks - r - 1) + (chunks - 1) R`` warm-up forwards, then 1F1B.
     """
-    p, m, v = ranks, micro_batches, chunks if schedule == "Interleaved1F1B" else 1
+    schedule = Schedule.parse(schedule)  # a Plan's display name or the planner's
+    p, m, v = ranks, micro_batches, schedule.chunks(chunks)
     orders = []
     for r in range(p):
-        if schedule == "GPipe":
+        if schedule is Schedule.GPIPE:
             orders.append([(False, r, i) for i in range(m)] + [(True, r, i) for i in range(m)])
             continue
         per_round = m // max(1, m // p)  # torch's rounds: about ``ranks`` micro-batches each
@@ -139,7 +141,7 @@ def pipeline_schedule(plan, path: str | Path) -> Path | None:
         return None
     from matplotlib import colormaps, patches
 
-    p, m, v = pl.stages, pl.micro_batches, pl.chunks_per_rank if pl.schedule == "Interleaved1F1B" else 1
+    p, m, v = pl.stages, pl.micro_batches, Schedule.parse(pl.schedule).chunks(pl.chunks_per_rank)
     forward, backward, from_costs = stage_times(plan, v)
     boxes = simulate(schedule_order(pl.schedule, p, m, v), forward, backward)
     span = max(b.end for b in boxes)

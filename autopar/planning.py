@@ -19,6 +19,7 @@ from autopar.passes.planner import layouts
 from autopar.runtime.loss import WithLoss
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import plan_captured
 from autopar.passes.strategy_graph import NoRuleWarning
 
@@ -56,6 +57,13 @@ def plan(
     if loss_fn is not None and target is None:
         raise ValueError("autopar: plan(loss_fn=...) expected a target= tensor for the loss; found none. "
                          "Pass target=labels, or leave loss_fn out to plan the model alone")
+    request = PlanRequest(
+        mesh_shape=shape, hardware=hardware, memory_limit=memory_limit,
+        time_limit_s=time_limit_s,  # the search's own limit: capture (torch.export) cannot be interrupted
+        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names, pipeline=pipeline,
+        outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
+        progress=progress,
+    )
     if loss_fn is not None:
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
     started = time.perf_counter()
@@ -64,21 +72,17 @@ def plan(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
         captured = capture(model, example_inputs, example_kwargs)
-    left = time_limit_s  # the search's own limit: capture (torch.export) cannot be interrupted
     captured_in = time.perf_counter() - started
     with warnings.catch_warnings(record=True) as seen:  # each pipeline option lists strategies anew
         warnings.simplefilter("always", NoRuleWarning)
-        result = plan_captured(
-            captured, shape, hardware, hint_fn=layouts.hints, memory_limit=memory_limit, time_limit_s=left,
-            pipeline=pipeline, layout=layout, axis_names=names, progress=progress,
-            outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
-        )
+        result = plan_captured(captured, request)
     for text in dict.fromkeys(str(w.message) for w in seen if issubclass(w.category, NoRuleWarning)):
         warnings.warn(text, NoRuleWarning, stacklevel=2)
     for w in seen:
         if not issubclass(w.category, NoRuleWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     result.solver["capture_seconds"] = captured_in
+    result.includes_loss = loss_fn is not None  # the captured module was WithLoss(model, loss_fn)
     return result
 
 

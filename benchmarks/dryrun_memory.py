@@ -75,6 +75,7 @@ def _planned(case: str, time_limit: float, with_loss: bool):
     from autopar.models import GPT, GPTConfig, llama3, megatron_gpt
     from autopar.passes.capture import capture
     from autopar.passes.planner.pipeline import pipeline_plan
+    from autopar.passes.planner.request import PlanRequest
 
     def tokens(batch: int, seq: int) -> tuple:
         return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
@@ -87,8 +88,9 @@ def _planned(case: str, time_limit: float, with_loss: bool):
             return case, autopar.plan(model, (8, 8), inputs, hardware="h100", time_limit_s=2, pipeline=False), \
                 model, inputs, {}
         inputs = tokens(16, 64)
-        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), "h100", layouts.hints, memory_limit=80e9,
-                                  time_limit_s=2, shape=(2, 8))
+        request = PlanRequest(mesh_shape=(2, 8), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), request, solver_time_s=2)
         if plan is None:
             raise SystemExit(f"autopar: the {case} pipeline plan was expected; the search found none: {why}")
         return case, plan, model, inputs, {}

@@ -14,7 +14,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
   ``reshard_time(shape, itemsize, src, dst, profile)``;
 - ``model_state_bytes(n_params, zero, n_shards, precision)``,
   ``layer_activation_bytes(...)``, ``activation_bytes(...)``, ``bubble_fraction(...)``,
-  ``pipeline_time(...)``;
+  ``pipeline_time(...)``, and the pipeline schedules themselves (``Schedule``: names and
+  mathematics);
 - ``step_time(forward_ops, profile, forward_comm=..., backward_extra=..., optimizer_ops=...)``.
 
 The formulas themselves are sympy expressions in ``autopar.costmodels.formulas``.
@@ -44,6 +45,7 @@ from autopar.costmodels.memory import (
     pipeline_time,
 )
 from autopar.costmodels.presets import PRESETS, a100, h100, preset
+from autopar.costmodels.schedules import Schedule
 from autopar.costmodels.profile import (
     COLLECTIVES,
     AxisProfile,
@@ -66,6 +68,7 @@ __all__ = [
     "Op",
     "ProfileError",
     "Rate",
+    "Schedule",
     "Step",
     "StepCost",
     "a100",

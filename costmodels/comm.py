@@ -36,9 +36,12 @@ class Step(NamedTuple):
     in_step: bool = False
 
 
-# The runtime packs parameter gradients into DDP-style buckets (autopar/gradsync.py)
-FIRST_GRADIENT_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
-GRADIENT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+# DDP's default bucket sizes, which the runtime's gradient buckets use too
+# (``autopar.runtime.gradsync`` imports these): a small first bucket that starts early
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, checked in tests/test_costing.py), then
+# bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel's default).
+FIRST_GRADIENT_BUCKET_BYTES = 2**20
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
 def collective_time(collective: str, nbytes: float, axis: int | str, profile: HardwareProfile,

@@ -85,7 +85,9 @@ BYTES_PER_PARAM = {
     "bf16": (2, 2, 4),
 }
 
-# -- pipeline: micro-batches whose activations are alive at once on pipeline rank r ----
+# -- pipeline schedules, keyed by ``Schedule`` value (``autopar.costmodels.schedules``, whose
+#    methods evaluate these) ---------------------------------------------------------------
+# Micro-batches whose activations are alive at once on pipeline rank r
 # (in units of one micro-batch through the rank's whole stage, all its chunks together)
 # GPipe holds all M; 1F1B (PipeDream-flush, Narayanan et al. 2021) at most P - r; the
 # interleaved schedule with v chunks warms rank r up with 2 (P - r - 1) + (v - 1) P chunk
@@ -128,7 +130,12 @@ PIPELINE_TIME = {
 # -- one training step without pipelining: forward, backward (about twice the forward
 #    FLOPs, Kaplan et al. 2020 sec. 2.1), the dual collectives, optimizer step ----------
 STEP_TIME = t_f + t_b + t_comm_f + t_comm_b + t_opt
-BACKWARD_FLOPS = 2 * F
+# Backward as a multiple of the forward where only the uniform approximation is wanted
+# (Kaplan et al. 2020: twice the forward FLOPs), e.g. a pipeline picture's boxes; the cost
+# model prices backward op by op (``opkinds.backward_ops``, whose DEFAULT_BACKWARD is the
+# same 2x as two copies of an op it does not know)
+BACKWARD_FACTOR = 2
+BACKWARD_FLOPS = BACKWARD_FACTOR * F
 
 _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"collective.{c}": (e, (alpha, beta, N, X)) for c, e in COLLECTIVE_TIME.items()},

@@ -1,17 +1,17 @@
 """Memory per device and pipeline-schedule quantities.
 
-Parameters, gradients and AdamW state under ZeRO 0-3 (``formulas.ZERO_MEMORY``),
-activations alive under GPipe, 1F1B and interleaved 1F1B (``formulas.IN_FLIGHT``), and
-the pipeline bubble (``formulas.BUBBLE_FRACTION``).
+Parameters, gradients and AdamW state under ZeRO 0-3 (``formulas.ZERO_MEMORY``), and by
+schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a ``Schedule``) the
+activations alive under it, its bubble and its step time: the ``Schedule`` methods
+(``autopar.costmodels.schedules``), which hold that mathematics.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from autopar.costmodels.formulas import BYTES_PER_PARAM, IN_FLIGHT, compiled
-
-SCHEDULES = tuple(IN_FLIGHT)
+from autopar.costmodels.formulas import BYTES_PER_PARAM, compiled
+from autopar.costmodels.schedules import Schedule
 
 
 @lru_cache(maxsize=None)
@@ -40,33 +40,15 @@ def model_state_bytes(n_params: float, zero: int, n_shards: int, precision: str 
     return _fn(f"zero{zero}")(n_params, p, g, o, n_shards)
 
 
-def _check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"autopar: schedule must be one of {list(SCHEDULES)}; found {schedule!r}.")
-    if stages < 1 or micro_batches < 1 or chunks < 1:
-        raise ValueError(
-            f"autopar: stages, micro_batches and chunks must be >= 1; found {stages}, "
-            f"{micro_batches}, {chunks}."
-        )
-    if schedule != "interleaved_1f1b" and chunks != 1:
-        raise ValueError(
-            f"autopar: only interleaved_1f1b runs several chunks per rank; {schedule} got chunks={chunks}."
-        )
-
-
-def micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, chunks: int = 1,
+def micro_batches_in_flight(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1,
                             rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units
-    of one micro-batch through the rank's whole stage (all its chunks); rank 0, the
-    first, is the fullest."""
-    _check_schedule(schedule, stages, micro_batches, chunks)
-    if not 0 <= rank < stages:
-        raise ValueError(f"autopar: rank must be in 0..{stages - 1} for {stages} stages; found {rank}.")
-    return _fn(f"in_flight.{schedule}")(micro_batches, stages, chunks, rank)
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak
+    (``Schedule.in_flight``)."""
+    return Schedule.parse(schedule).in_flight(stages, micro_batches, chunks, rank)
 
 
 def activation_bytes(
-    per_micro_batch: float, schedule: str, stages: int, micro_batches: int, chunks: int = 1
+    per_micro_batch: float, schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1
 ) -> float:
     """Peak activation bytes of a stage that keeps ``per_micro_batch`` bytes per micro-batch."""
     return per_micro_batch * micro_batches_in_flight(schedule, stages, micro_batches, chunks)
@@ -82,16 +64,14 @@ def layer_activation_bytes(
     return _fn(f"layer_activations.{kind}")(seq, batch, hidden, heads, tp)
 
 
-def bubble_fraction(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """Fraction of the step a stage sits idle: (P-1)/(M+P-1), or (P-1)/(vM+P-1) interleaved."""
-    _check_schedule(schedule, stages, micro_batches, chunks)
-    return _fn(f"bubble.{schedule}")(micro_batches, stages, chunks)
+def bubble_fraction(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """Fraction of the step a stage sits idle (``Schedule.bubble_fraction``)."""
+    return Schedule.parse(schedule).bubble_fraction(stages, micro_batches, chunks)
 
 
 def pipeline_time(
-    schedule: str, stages: int, micro_batches: int, t_forward: float, t_backward: float, chunks: int = 1
+    schedule: str | Schedule, stages: int, micro_batches: int, t_forward: float, t_backward: float, chunks: int = 1
 ) -> float:
     """Step time of a pipeline whose slowest stage takes ``t_forward + t_backward`` per
-    micro-batch (its whole stage; with chunks, all v chunks together)."""
-    _check_schedule(schedule, stages, micro_batches, chunks)
-    return _fn(f"pipeline.{schedule}")(micro_batches, stages, chunks, t_forward, t_backward)
+    micro-batch (``Schedule.pipeline_time``)."""
+    return Schedule.parse(schedule).pipeline_time(stages, micro_batches, t_forward, t_backward, chunks)

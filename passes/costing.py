@@ -44,7 +44,10 @@ where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
 gradients are counted, exactly as codegen runs them. An activation's collectives are
 priced as a step meets them, right after compute (the profile's ``in_step`` fits); a
 parameter's (bucketed gathers, reduce-scatters and gradient all-reduces) as timed
-back to back.
+back to back. One function prices an edge (``_Pricer.price``): an ``EdgePrice``, its
+``Charge`` items (each collective, each bucket's packing copies) and their total, which
+is the table's entry; ``Costs.edge_price`` gives the items of a chosen edge, and
+``explain()`` (``autopar.passes.planner.reasons``) reads them rather than pricing again.
 
 A value moved to the same layout for several consumers is moved once (codegen shares
 the move, and its gradient's collective, among them). Consumers that are alike (the
@@ -73,7 +76,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -92,11 +95,8 @@ from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
 
 ZERO_LEVELS = (0, 1, 2)
-# Backward of an op as a multiple of its forward, where only the uniform approximation
-# is wanted (Kaplan et al. 2020: twice the forward FLOPs; display, and ops the backward
-# table does not know). Ops are priced by ``costmodels.backward_ops``; ``Costs.forward``
-# holds each op's forward alone.
-BACKWARD_FACTOR = 2.0
+# Ops are priced by ``costmodels.backward_ops``; ``Costs.forward`` holds each op's forward
+# alone; ``BACKWARD_FACTOR`` (``costmodels.formulas``) is the uniform approximation.
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
            "aten.matmul.default", "aten.baddbmm.default"}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
@@ -127,6 +127,12 @@ class Costs:
     # per problem node: the forward compute alone (what recomputing a layer runs again);
     # zeros for placeholders and ZeRO nodes (the optimizer step is not a forward)
     forward: list[np.ndarray] = field(default_factory=list)
+    edge_prices: list[EdgeInput] = field(default_factory=list)  # per problem edge: what prices it
+
+    def edge_price(self, edge: int, assignment: Sequence[int]) -> EdgePrice:
+        """Problem edge ``edge`` under ``assignment``, itemised; its ``seconds`` is the table's entry."""
+        u, v, _ = self.problem.edges[edge]
+        return self.pricer.price(self.edge_prices[edge], int(assignment[u]), int(assignment[v]))
 
     def assignment(self, choice: dict[fx.Node, int], zero: dict[fx.Node, int] | None = None) -> list[int]:
         """Problem assignment of a graph choice (ZeRO level 0 unless ``zero`` says otherwise)."""
@@ -201,6 +207,62 @@ class Shares:
 UNPACKED = Shares()
 
 
+class Charge(NamedTuple):
+    """One priced item of a resharding edge: a collective on a mesh axis, or (``copies``)
+    the copies that pack that collective's buffer into and out of its bucket."""
+
+    collective: str
+    axis: int
+    seconds: float
+    copies: bool = False
+
+
+@dataclass(frozen=True)
+class EdgePrice:
+    """What moving one value to one consumer costs, itemised: ``seconds`` is the number the
+    solver's edge table holds, and ``charges`` (collectives, then their bucket copies) are
+    what it is made of, for ``explain()`` (``autopar.passes.planner.reasons``)."""
+
+    charges: tuple[Charge, ...]
+    seconds: float
+
+    @staticmethod
+    def of(charges: tuple[Charge, ...]) -> "EdgePrice":
+        # collectives first, then the copies: the sum in the order the tables were always built
+        return EdgePrice(charges, sum(c.seconds for c in charges if not c.copies)
+                         + sum(c.seconds for c in charges if c.copies))
+
+    def __add__(self, other: "EdgePrice") -> "EdgePrice":
+        return EdgePrice(self.charges + other.charges, self.seconds + other.seconds)
+
+    def shared(self, consumers: int) -> "EdgePrice":
+        """The part one of ``consumers`` alike consumers pays of a move they share."""
+        if consumers == 1:
+            return self
+        return EdgePrice(tuple(c._replace(seconds=c.seconds / consumers) for c in self.charges),
+                         self.seconds / consumers)
+
+
+NO_MOVE = EdgePrice((), 0.0)
+
+
+@dataclass(frozen=True)
+class EdgeInput:
+    """What prices one problem edge (producer's value -> one consumer's input position):
+    the arguments of ``_Pricer.price``, kept so that ``Costs.edge_price`` itemises exactly
+    what the table holds."""
+
+    meta: TensorMeta
+    producer: object  # the producer's NodeStrategies
+    output: int  # which of the producer's outputs the value is
+    consumer: object  # the consumer's NodeStrategies
+    position: int
+    grad: bool  # the value is on a gradient path: its gradient's collectives count
+    regather: bool = False  # a parameter: bucketed, and gathered again in backward (FSDP)
+    shares: Shares = UNPACKED
+    alike: int = 1  # consumers alike that share the move
+
+
 def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict[fx.Node, Shares]:
     """Each parameter's ``Shares``, from whole sizes (an upper bound on the calls: local
     shards fill buckets more slowly only where they are split)."""
@@ -254,8 +316,8 @@ class _Pricer:
         return self.state[key]
 
     def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
-             bucketed: bool = False) -> float:
-        """Seconds of a value's forward reshard and its gradient's backward one; ``bucketed``
+             bucketed: bool = False) -> EdgePrice:
+        """A value's forward reshard and its gradient's backward one, itemised; ``bucketed``
         (a parameter: ``autopar.passes.lowering.buckets`` gathers and reduce-scatters it packed in a flat
         buffer) adds the packing copies (``costmodels.bucket_copy_bytes``) at the measured
         copy rate."""
@@ -266,37 +328,51 @@ class _Pricer:
             if grad is not None:
                 steps += costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
             # an activation's move waits right after compute; a parameter's travels bucketed
-            t = sum(costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective),
-                                               in_step=not bucketed) for s in steps)
+            charges = tuple(Charge(s.collective, s.axis, costmodels.collective_time(
+                s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective), in_step=not bucketed))
+                for s in steps)
             if bucketed:
-                t += sum(costmodels.compute_time(0.0, copied, _dtype(meta), self.profile, "aten.copy_.default")
-                         for s in steps
-                         if (copied := costmodels.bucket_copy_bytes(s.collective, s.bytes, self.mesh[s.axis])))
-            self.reshard[key] = t
+                charges += tuple(
+                    Charge(s.collective, s.axis, costmodels.compute_time(
+                        0.0, copied, _dtype(meta), self.profile, "aten.copy_.default"), copies=True)
+                    for s in steps if (copied := costmodels.bucket_copy_bytes(s.collective, s.bytes, self.mesh[s.axis])))
+            self.reshard[key] = EdgePrice.of(charges)
         return self.reshard[key]
 
-    def edge(self, meta: TensorMeta, src_ns, out: int, ns_v, position: int, grad: bool,
-             regather: bool = False, shares: Shares = UNPACKED, alike: int = 1) -> np.ndarray:
-        """The edge's table; ``alike``: consumers of the value like this one, sharing its move."""
+    def price(self, edge: EdgeInput, i: int, j: int) -> EdgePrice:
+        """Moving the value from the producer's strategy ``i`` to what the consumer's strategy
+        ``j`` needs (nothing where it reads no input there)."""
+        strategy = edge.consumer.strategies[j]
+        need = strategy.inputs[edge.position]
+        if need is None:
+            return NO_MOVE
+        g = gradient_spec(need, strategy.outputs) if edge.grad else None
+        return self._price(edge, edge.producer.strategies[i].outputs[edge.output], need, g)
+
+    def _price(self, edge: EdgeInput, have: Spec, need: Spec, grad: Spec | None) -> EdgePrice:
+        """The forward reshard ``have`` -> ``need``, the gradient's (arriving as ``grad``), and
+        for a parameter gathered where its consumer needs it whole (FSDP frees the gathered
+        copy) the gather again in backward; ``alike`` consumers share it."""
+        price = self.move(edge.meta, have, need, grad, edge.shares, bucketed=edge.regather)
+        if edge.regather and have != need:
+            price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True)
+        return price.shared(edge.alike)
+
+    def edge(self, edge: EdgeInput) -> np.ndarray:
+        """The edge's table: ``price(edge, i, j).seconds`` for every pair of strategies."""
         # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
-        key = (meta.shape, meta.dtype, id(src_ns.strategies), out, id(ns_v.strategies), position, grad, regather,
-               shares, alike)
-        if alike > 1:
-            if key not in self.tables:
-                self.tables[key] = self.edge(meta, src_ns, out, ns_v, position, grad, regather, shares) / alike
-            return self.tables[key]
+        key = (edge.meta.shape, edge.meta.dtype, id(edge.producer.strategies), edge.output,
+               id(edge.consumer.strategies), edge.position, edge.grad, edge.regather, edge.shares, edge.alike)
         if key not in self.tables:
-            have = [s.outputs[out] for s in src_ns.strategies]
-            table = np.zeros((len(have), len(ns_v.strategies)))
-            for j, s in enumerate(ns_v.strategies):
-                need = s.inputs[position]
+            have = [s.outputs[edge.output] for s in edge.producer.strategies]
+            table = np.zeros((len(have), len(edge.consumer.strategies)))
+            for j, s in enumerate(edge.consumer.strategies):
+                need = s.inputs[edge.position]
                 if need is None:
                     continue
-                g = gradient_spec(need, s.outputs) if grad else None
+                g = gradient_spec(need, s.outputs) if edge.grad else None
                 for i, src in enumerate(have):
-                    table[i, j] = self.move(meta, src, need, g, shares, bucketed=regather)
-                    if regather and src != need:  # FSDP frees the gathered copy, gathers again in backward
-                        table[i, j] += self.move(meta, src, need, None, shares, bucketed=True)
+                    table[i, j] = self._price(edge, src, need, g).seconds
             self.tables[key] = table
         return self.tables[key]
 
@@ -456,7 +532,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         activation.append(np.zeros(len(priced)))
         followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
                                                                     for _ in ZERO_LEVELS)))
-    edges, edge_inputs = [], []
+    edges, edge_inputs, edge_prices = [], [], []
     alike = pricer.once(("alike",), lambda: _alike_consumers(graph, nodes, params))
     for node in nodes:
         ns = graph.nodes[node]
@@ -467,11 +543,12 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                 continue
             src_ns = graph.nodes[src]
             out = src_ns.follows[1] if src_ns.follows is not None else 0
-            meta = TensorMeta.of(src.meta["val"])
-            table = pricer.edge(meta, src_ns, out, ns, position, src in grad_nodes, regather=src.name in params,
-                                shares=shares.get(src, UNPACKED), alike=alike.get((src, node, position), 1))
-            edges.append((index[src], index[node], table))
+            edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
+                             regather=src.name in params, shares=shares.get(src, UNPACKED),
+                             alike=alike.get((src, node, position), 1))
+            edges.append((index[src], index[node], pricer.edge(edge)))
             edge_inputs.append((src, node, position))
+            edge_prices.append(edge)
     temporary = [np.zeros(len(a)) for a in activation]
     # the default loss of a graph planned without one (None: the graph holds its loss)
     loss = pricer.once(("loss",), lambda: loss_memory(graph.captured, graph.mesh_shape))
@@ -498,7 +575,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         node_names=[n.name for n in nodes] + [f"zero[{n.name}]" for n in zero_node],
     )
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
-                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward)
+                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices)
 
 
 def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list) -> None:

@@ -92,6 +92,9 @@ class Plan:
     recompute: list[str] = field(default_factory=list)  # layers recomputed in backward
     predicted: Prediction = field(default_factory=Prediction)
     kind: str = "auto"  # "auto", or the manual layout's name ("dp", "fsdp", "megatron-tp", ...)
+    # The plan covers the model followed by its loss (``autopar.plan(..., loss_fn=, target=)``):
+    # the planned graph takes the target as its last input and outputs the loss.
+    includes_loss: bool = False
     notes: list[str] = field(default_factory=list)
     # For explain(): per node {"compute": s, "comm": s, "memory": bytes, "layer": i (if in a layer)}
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -136,6 +139,9 @@ class Plan:
             )
         pipeline = data.pop("pipeline", None)
         predicted = data.pop("predicted", {})
+        # Plans saved before ``includes_loss`` existed said so by the module planned: the
+        # runtime's model-and-loss wrapper, ``autopar.runtime.loss.WithLoss``.
+        data.setdefault("includes_loss", data.get("model") == "WithLoss")
         return Plan(
             **data,
             pipeline=Pipeline(**pipeline) if pipeline else None,
@@ -189,7 +195,7 @@ def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
     choice = {}
     for node, ns in graph.nodes.items():
         wanted = plan.strategies.get(node.name)
-        if wanted is None and plan.model == "WithLoss":
+        if wanted is None and plan.includes_loss:
             raise ValueError(
                 "autopar: this plan was made for the model and its loss together (autopar.plan(..., "
                 f"loss_fn=...)), found the model alone (no strategy for {node.name}); to train with it, "

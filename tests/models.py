@@ -1,5 +1,9 @@
-"""The models the capture and sharding tests run on: small configs, random weights, no
-downloads. Each factory returns (model, example_inputs)."""
+"""The models the capture and sharding tests run on: families of the registry
+(``autopar.models.MODELS``) at tiny test-only configs, random weights, no downloads. Each
+factory returns (model, example_inputs): token ids of shape (BATCH, SEQ).
+
+``torch_transformer`` is torch's own test Transformer (``common_dtensor``), a test-only
+model that is no family of autopar's."""
 
 from __future__ import annotations
 
@@ -7,10 +11,25 @@ from typing import Callable
 
 import torch
 
-from autopar.models import GPT, GPTConfig
+from autopar.models import MODELS as REGISTRY
 
 VOCAB = 128
 BATCH, SEQ = 4, 8
+
+# family -> its tiny config keywords (positions: the position tables hold 32)
+TINY = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    "llama": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32),
+    "mixtral": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=32),
+    "bert": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0),
+    "gpt": dict(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_heads=4, n_layers=2),
+}
 
 
 def _tokens(vocab: int = VOCAB) -> torch.Tensor:
@@ -22,46 +41,33 @@ def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     return build()
 
 
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def tiny(family: str):
+    """(model, example_inputs) of a registry family at its tiny config (``TINY``): weights
+    seeded 0, token ids drawn from a generator seeded 0."""
+    entry = REGISTRY[family]
+    model = _seeded(lambda: entry.build(TINY[family], SEQ))
+    args, _ = entry.inputs(TINY[family], BATCH, SEQ, generator=torch.Generator().manual_seed(0))
+    return model, args
 
-    cfg = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )
-    return _seeded(lambda: GPT2LMHeadModel(cfg)), (_tokens(),)
+
+def gpt2():
+    return tiny("gpt2")
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-    )
-    return _seeded(lambda: LlamaForCausalLM(cfg)), (_tokens(),)
+    return tiny("llama")
 
 
 def mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=32,
-    )
-    return _seeded(lambda: MixtralForCausalLM(cfg)), (_tokens(),)
+    return tiny("mixtral")
 
 
 def bert():
-    from transformers import BertConfig, BertModel
+    return tiny("bert")
 
-    cfg = BertConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return _seeded(lambda: BertModel(cfg)), (_tokens(),)
+
+def small_gpt():
+    return tiny("gpt")
 
 
 def torch_transformer():
@@ -69,11 +75,6 @@ def torch_transformer():
 
     args = ModelArgs(n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_heads=4, dropout_p=0.0)
     return _seeded(lambda: Transformer(args)), (_tokens(),)
-
-
-def small_gpt():
-    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_heads=4, n_layers=2)
-    return _seeded(lambda: GPT(cfg)), (_tokens(),)
 
 
 MODELS = {

@@ -2,11 +2,15 @@
 autopar.runtime.faults.
 
 - Resuming reproduces the uninterrupted run's losses bit-exactly (``==``) with dropout 0.1
-  and an LR warm-up (LambdaLR as ``extra``), for DP, FSDP, TP+DP and a pipeline (1F1B),
-  saves synchronous and asynchronous, the two newest kept; a checkpoint loads into another
-  layout and mesh; ``full_state_dict`` and ``export`` give what ``model.load_state_dict``
-  and Hugging Face's ``from_pretrained`` read; another model's, a damaged or an unmarked
-  checkpoint is refused with an ``autopar:`` error and leaves the module as it was.
+  and an LR warm-up (LambdaLR as ``extra``, kept once) and a per-rank data position (kept
+  per rank), for DP (each rank seeded on its own), FSDP, TP+DP and a pipeline (1F1B; every
+  rank seeded alike), saves synchronous and asynchronous, the two newest kept; ranks that
+  must draw dropout alike but were seeded apart: a warning at save, one state each at
+  load; an asynchronous save returns while its disk writes are held back; a checkpoint
+  loads into another layout and mesh; ``full_state_dict`` and ``export`` give what
+  ``model.load_state_dict`` and Hugging Face's ``from_pretrained`` read; another model's,
+  a damaged (shard, metadata, marker; with or without a marker) or an unmarked checkpoint
+  is refused with an ``autopar:`` error on every rank and leaves the module as it was.
 - A rank killed by SIGKILL inside a save: a fresh launch resumes from the last complete
   checkpoint and reproduces the uninterrupted losses exactly.
 - A rank that dies or hangs mid-step, launched without torchrun: the other exits with an
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-RESUMED = ["resume:4:dp", "resume:4:fsdp", "resume:2x2:tp+dp", "resume:2x2:pp:1F1B:2:1"]
+RESUMED = ["resume-seeded:4:dp", "resume:4:fsdp", "resume:2x2:tp+dp", "resume:2x2:pp:1F1B:2:1"]
 RESHARDED = ["reshard:4:dp:2x2:tp+dp", "reshard:4:fsdp:2x2:pp:1F1B:2:1"]
 EXPORTED = ["export:4:fsdp", "export:2x2:pp:1F1B:2:1"]
 KILL_STEPS, KILLED_AT = 8, 6  # checkpoints after every second step; a rank dies inside the 6th's save
@@ -50,7 +54,7 @@ def torchrun(root: Path, cases: list[str], env: dict | None = None) -> tuple[int
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
-    code, found = torchrun(tmp_path_factory.mktemp("ckpt"), [*RESUMED, *RESHARDED, *EXPORTED, "hf-export", "errors"])
+    code, found = torchrun(tmp_path_factory.mktemp("ckpt"), [*RESUMED, "rng:2x2:tp+dp", *RESHARDED, *EXPORTED, "hf-export", "async", "errors"])
     assert code == 0, found["_stderr"]
     return found
 
@@ -62,7 +66,23 @@ def test_resume_is_exact(results, case):
     assert r["start"] == 4 and r["kept"] == [3, 4]  # saves after steps 1-4, two kept
     assert r["resumed"] == r["uninterrupted"], r  # bit-exact: RNG (dropout), LR schedule, optimizer
     assert r["lr_at_load"] == r["lr_expected"]  # the warm-up's learning rate, from param_groups
+    assert r["plan_saved"]  # plan.json: the plan that saved
     assert r["dropout_active"] in (True, None)  # None: not probed (a pipeline)
+    assert all(loaded == saved for loaded, saved in r["positions"]), r["positions"]  # each rank's own
+    assert len({saved for _, saved in r["positions"]}) == 4  # four different positions
+    entries = r["extra_entries"]  # the scheduler once, the data position once per rank
+    assert any(e.startswith("extra.scheduler.") for e in entries) and not any(".scheduler." in e for e in entries
+                                                                           if e.startswith("extra_per_rank."))
+    assert sorted(e for e in entries if e.startswith("extra_per_rank.data.")) == [
+        f"extra_per_rank.data.{rank}.consumed" for rank in range(4)], entries
+
+
+def test_ranks_that_must_draw_alike_get_one_rng_state(results):
+    r = results["rng:2x2:tp+dp"]
+    assert "error" not in r, r["error"]
+    assert r["saved_distinct"] == 4 and len(r["warned"]) == 1, r  # seeded one by one: warned at save
+    assert "run the same rows of the batch hold different RNG states" in r["warned"][0]
+    assert r["loaded"] == r["expected"] and len(set(r["loaded"])) == 2, r  # two data-parallel groups
 
 
 @pytest.mark.parametrize("case", RESHARDED)
@@ -99,9 +119,22 @@ def test_wrong_or_damaged_checkpoints_are_refused(results):
     assert "differ from what was written" in messages["truncated shard"] and ".distcp" in messages["truncated shard"]
     assert "differ from what was written" in messages["garbled shard"] and ".distcp" in messages["garbled shard"]
     assert "differ from what was written" in messages["garbled metadata"] and ".metadata" in messages["garbled metadata"]
+    assert "marker could not be read" in messages["garbled marker"]
+    assert "differ from what was written" in messages["garbled, plain"] and ".distcp" in messages["garbled, plain"]
+    assert "is unreadable (CheckpointException" in messages["garbled, no marker"]
     assert "shorter than its metadata says" in messages["truncated, no marker"]
+    for name in messages:  # every rank refused, with an autopar: error (none left waiting)
+        assert all(m[name].startswith("autopar:") for m in r["every_rank"]), (name, [m[name] for m in r["every_rank"]])
     assert all(r["untouched"].values()), r["untouched"]
     assert r["without_marker_ignored"]
+    assert r["nothing_yet"] is None  # no checkpoint under the root: load returns None
+
+
+def test_asynchronous_save_does_not_wait_for_the_disk(results):
+    r = results["async"]
+    assert "error" not in r, r["error"]
+    assert r["returned_s"] < r["held_s"] / 2, r  # returned while the writes were held back
+    assert r["complete_while_held"] == [] and r["complete_after"] == [1], r
 
 
 def test_kill_during_save_then_resume(tmp_path):

@@ -232,8 +232,7 @@ def test_drawn_schedule_takes_as_long_as_the_cost_model_says(schedule, stages, m
     order = pictures.schedule_order(schedule, stages, micro_batches, chunks)
     boxes = pictures.simulate(order, [1.0] * n, [2.0] * n)
     assert len(boxes) == 2 * n * micro_batches
-    key = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}[schedule]
-    assert max(b.end for b in boxes) == pytest.approx(pipeline_step_time([3.0] * n, micro_batches, key, chunks))
+    assert max(b.end for b in boxes) == pytest.approx(pipeline_step_time([3.0] * n, micro_batches, schedule, chunks))
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

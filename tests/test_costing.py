@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.nn.parallel import distributed as ddp
 
 from autopar import costmodels
+from autopar.costmodels import comm
+from autopar.runtime import gradsync
 from autopar.passes.capture import capture
-from autopar.passes.costing import ZERO_LEVELS, build_costs, zero_costs
+from autopar.passes.costing import ZERO_LEVELS, EdgeInput, build_costs, zero_costs
+from autopar.passes.planner import layouts
+from autopar.passes.planner.reasons import axis_roles, layer_collectives
+from autopar.passes.solve.problem import plan_costs
 from autopar.passes.strategy_graph import build_strategy_graph
 from autopar.passes.op_strategies import TensorMeta
 from tests.models import small_gpt
@@ -257,8 +263,8 @@ def test_alike_consumers_share_one_move(gpt_costs):
                if src is norm]
     assert [str(dst.target) for dst, _ in readers] == ["aten.linear.default"] * 3
     dst = readers[0][0]
-    alone = costs.pricer.edge(TensorMeta.of(norm.meta["val"]), costs.graph.nodes[norm], 0, costs.graph.nodes[dst],
-                              0, True)
+    alone = costs.pricer.edge(EdgeInput(TensorMeta.of(norm.meta["val"]), costs.graph.nodes[norm], 0,
+                                        costs.graph.nodes[dst], 0, True))
     assert alone.max() > 0
     for _, table in readers:
         assert np.allclose(table, alone / 3)
@@ -280,7 +286,7 @@ def test_bucketed_parameter_moves_pay_their_packing_copies():
     pricer = _Pricer(SimpleNamespace(mesh_shape=(4,)), profile)
     meta = TensorMeta.of(torch.empty(256, 64))
     src, dst, grad = (Shard(0),), (Replicate(),), (costmodels.comm.Partial(),)
-    plain = pricer.move(meta, src, dst, grad)
+    plain = pricer.move(meta, src, dst, grad).seconds
     packed = pricer.move(meta, src, dst, grad, bucketed=True)
 
     def copy(nbytes: float) -> float:
@@ -288,5 +294,77 @@ def test_bucketed_parameter_moves_pay_their_packing_copies():
 
     assert plain == pytest.approx(costmodels.collective_time("all_gather", 65536, 0, profile)
                                   + costmodels.collective_time("reduce_scatter", 65536, 0, profile))
-    assert packed - plain == pytest.approx(copy(163840) + copy(131072))
-    assert pricer.move(meta, dst, dst, None, bucketed=True) == 0.0  # nothing moved, nothing copied
+    assert packed.seconds - plain == pytest.approx(copy(163840) + copy(131072))
+    assert [c.seconds for c in packed.charges if c.copies] == pytest.approx([copy(163840), copy(131072)])
+    assert pricer.move(meta, dst, dst, None, bucketed=True).seconds == 0.0  # nothing moved, nothing copied
+
+
+def test_gradient_buckets_are_ddp_s_and_the_runtime_s():
+    """One definition of the bucket sizes: DDP's defaults, which the runtime packs by."""
+    assert comm.FIRST_GRADIENT_BUCKET_BYTES == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+    assert comm.GRADIENT_BUCKET_BYTES == ddp._DEFAULT_BUCKET_CAP_MB * 2**20
+    sizes = {name: comm.FIRST_GRADIENT_BUCKET_BYTES // 2 + 1 for name in "abcd"}
+    opened = gradsync.buckets_of(list(sizes), lambda name: (), sizes.__getitem__)
+    assert [names for _, names in opened] == [["a"], ["b", "c", "d"]]  # the first at 1 MiB, then 25 MiB
+    assert costmodels.gradient_buckets(sum(sizes.values())) == len(opened)
+
+
+# One price per resharding edge: the solver's edge tables and explain()'s per-layer
+# collectives (reasons.layer_collectives) read the same itemised EdgePrice.
+
+EDGE_LAYOUTS = ("dp", "fsdp", "tp+dp", "zero1")
+
+
+def _layout(costs, name):
+    h = layouts.hint(name, costs.graph, complete=True)
+    return costs.assignment(h.choice, h.zero)
+
+
+def _assignments(costs):
+    """Manual layouts, and random strategies per node (the tables price any pair)."""
+    rng = np.random.default_rng(0)
+    randoms = [[int(rng.integers(len(t))) for t in costs.problem.node_time] for _ in range(3)]
+    return [_layout(costs, name) for name in EDGE_LAYOUTS] + randoms
+
+
+def test_every_edge_price_is_its_table_entry(gpt_costs):
+    costs = gpt_costs
+    for assignment in _assignments(gpt_costs):
+        charged = plan_costs(costs.problem, assignment).edge_time
+        for e in range(len(costs.problem.edges)):
+            price = costs.edge_price(e, assignment)
+            assert price.seconds == charged[e]
+            assert sum(c.seconds for c in price.charges) == pytest.approx(price.seconds, rel=1e-12, abs=1e-18)
+
+
+def test_per_layer_collectives_sum_to_the_solver_s_edge_times(gpt_costs):
+    costs = gpt_costs
+    layers = sorted(set(costs.layer_of.values()))
+    assert layers
+    for assignment in _assignments(gpt_costs):
+        charged = plan_costs(costs.problem, assignment).edge_time
+        for layer in layers:
+            solver = sum(t for (_, dst, _), t in zip(costs.edge_inputs, charged) if costs.layer_of.get(dst) == layer)
+            explained = sum(layer_collectives(costs, assignment, layer).values())
+            assert explained == pytest.approx(solver, rel=1e-9, abs=1e-15)
+
+
+def test_fsdp_layer_shows_its_bucket_copies_and_both_gathers(gpt_costs):
+    """What the explanation once left out: a ZeRO-3 parameter's packing copies and its
+    gather again in backward."""
+    costs = gpt_costs
+    assignment = _layout(costs, "fsdp")
+    shown = layer_collectives(costs, assignment, 0)
+    assert any(k.startswith("bucket copies on ") and v > 0 for k, v in shown.items())
+    gathered = [costs.edge_price(e, assignment).charges for e, (src, dst, _) in enumerate(costs.edge_inputs)
+                if src.name in costs.graph.captured.params and costs.layer_of.get(dst) == 0]
+    assert any(sum(c.collective == "all_gather" and c.axis == 0 and not c.copies for c in charges) == 2
+               for charges in gathered)  # gathered in forward, and again in backward
+
+
+def test_axis_roles_of_manual_layouts(gpt_costs):
+    costs = gpt_costs
+    roles = {name: axis_roles(costs, _layout(costs, name)) for name in ("dp", "tp+dp", "fsdp")}
+    assert roles["dp"] == ["dp", "dp"]
+    assert roles["tp+dp"][0] == "dp" and roles["tp+dp"][1].startswith("tp (")
+    assert all(role.startswith("dp+") and "fsdp (" in role for role in roles["fsdp"])

@@ -16,12 +16,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar import dryrun, layouts
+from autopar import dryrun, dryrun_tracker, layouts
 from autopar.cli import main
 from autopar.dryrun import DryRunError, distinct_ranks
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.passes.planner.request import PlanRequest
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -49,8 +50,9 @@ def staged():
     model, inputs = _gpt(16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), "h100", layouts.hints, memory_limit=80e9,
-                                  time_limit_s=2, shape=(2, 8))
+        request = PlanRequest(mesh_shape=(2, 8), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        plan, why = pipeline_plan(capture(model, inputs), 2, (8,), request, solver_time_s=2)
     assert plan is not None, why
     return model, inputs, plan
 
@@ -147,7 +149,7 @@ def test_the_trackers_peak_is_torchs_memtracker_peak(staged, monkeypatch):
     its depth): the peak and its kinds are what torch's own MemTracker measures."""
     model, inputs, plan = staged
     fast = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
-    monkeypatch.setattr(dryrun._Tracker, "_update_peak_stats", MemTracker._update_peak_stats)
+    monkeypatch.setattr(dryrun_tracker.PeakTracker, "_update_peak_stats", MemTracker._update_peak_stats)
     torchs = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
     assert [(r.rank, r.peak, r.memory) for r in fast.ranks] == [(r.rank, r.peak, r.memory) for r in torchs.ranks]
     assert all(r.peak > 0 for r in fast.ranks)

@@ -12,6 +12,7 @@ from autopar import layouts
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.passes.planner.request import PlanRequest
 
 INTRA = 8  # data-parallel ranks inside each stage
 STEP_BYTES = 4  # AdamW's float32 step counter per parameter, counted as optimizer state
@@ -25,8 +26,9 @@ def staged():
     inputs = (torch.zeros(16, 64, dtype=torch.long, device="meta"),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan, why = pipeline_plan(capture(model, inputs), 2, (INTRA,), "h100", layouts.hints, memory_limit=80e9,
-                                  time_limit_s=2, shape=(2, INTRA))
+        request = PlanRequest(mesh_shape=(2, INTRA), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        plan, why = pipeline_plan(capture(model, inputs), 2, (INTRA,), request, solver_time_s=2)
     assert plan is not None, why
     return model, inputs, plan
 

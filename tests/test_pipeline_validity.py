@@ -23,6 +23,7 @@ from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_spli
 from autopar.passes.plan import Pipeline, Plan
 from autopar.passes.costing import build_costs
 from autopar.passes.planner.pipeline import LayerNumbers, node_layers, pipeline_plan, search
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
 from autopar.passes.strategy_graph import build_strategy_graph
 from tests.profiles import measured_style
@@ -110,8 +111,9 @@ def test_pipeline_search_picks_a_micro_batch_count_that_is_no_power_of_two():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, (x,))
-        out, why = pipeline_plan(captured, 2, (4,), "h100", layouts.hints, memory_limit=80e9, time_limit_s=5,
-                                 shape=(2, 4))
+        request = PlanRequest(mesh_shape=(2, 4), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        out, why = pipeline_plan(captured, 2, (4,), request, solver_time_s=5)
     assert out is not None, why
     assert out.pipeline.batch_size == 12
     assert 12 % (out.pipeline.micro_batches * out.pipeline.batch_split) == 0
@@ -247,7 +249,7 @@ def test_a_manual_layout_predicted_faster_than_the_search_is_returned():
     costing replaces it (here the search's plan is made to look slower than every layout)."""
     from dataclasses import replace
 
-    from autopar.passes.planner.search import _no_slower_than_layouts, _profile
+    from autopar.passes.planner.search import _no_slower_than_layouts
 
     with torch.device("meta"):
         model = WideMLP(dim=1024, hidden=4096, n_layers=2)
@@ -258,15 +260,16 @@ def test_a_manual_layout_predicted_faster_than_the_search_is_returned():
         graph = build_strategy_graph(capture(model, (x,)), (4,))
     assert auto.predicted.step_time <= min(auto.candidates.values()) * (1 + 1e-9)
     slow = replace(auto, predicted=replace(auto.predicted, step_time=2 * max(auto.candidates.values())))
-    profile = _profile("h100", (4,), None)
+    request = PlanRequest(mesh_shape=(4,), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                          hint_fn=layouts.hints)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        best = _no_slower_than_layouts(slow, auto.candidates, graph, profile, layouts.hints, 80e9, None)
+        best = _no_slower_than_layouts(slow, auto.candidates, graph, request)
     fastest = min(auto.candidates, key=auto.candidates.get)
     assert best.kind == fastest
     assert best.predicted.step_time == pytest.approx(auto.candidates[fastest])
     assert any("beat the search's best" in r for r in best.reasons)
-    assert _no_slower_than_layouts(auto, auto.candidates, graph, profile, layouts.hints, 80e9, None) is auto
+    assert _no_slower_than_layouts(auto, auto.candidates, graph, request) is auto
 
 
 def test_a_residual_between_layers_runs_with_the_layer_that_made_its_input():

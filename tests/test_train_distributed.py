@@ -50,11 +50,11 @@ TOLERANCE = {"llama": (1e-5, 2e-3)}  # (loss, parameters); float64 models: 1e-9 
 TOLERANCE["hf-loss"] = (1e-5, 1e-9)
 
 
-def launch(nproc: int, cases: list[str]) -> dict[str, dict]:
+def launch(nproc: int, cases: list[str], module: str = "tests.distributed.train_check") -> dict[str, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "tests.distributed.train_check", *cases,
+        "-m", module, *cases,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     results = {}

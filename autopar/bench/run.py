@@ -50,7 +50,8 @@ from autopar.bench.workloads import MODELS, build
 from autopar.runtime.loss import WithLoss
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
-from autopar.passes.planner.intra_op import complete, layout_plan
+from autopar.passes.planner.intra_op import PlanningError, plan_layout
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import plan_captured
 from autopar.passes.strategy_graph import NoRuleWarning, build_strategy_graph
 
@@ -186,8 +187,13 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
         warnings.simplefilter("ignore", NoRuleWarning)
         captured = capture(WithLoss(work.model, work.loss_fn), (*work.inputs, work.target))
     capture_s = time.perf_counter() - started
-    profile = hardware if not isinstance(hardware, str) else costmodels.preset(hardware, spec.shape, spec.names)
-    limit = float(profile.device.memory_bytes)
+    # On gloo the plan must compile from this model-and-loss capture, and a pipeline plan
+    # cannot (a pipeline's stages are captured from the model alone, per micro-batch): the
+    # gloo auto plan is intra-op; presets search pipelines too.
+    request = PlanRequest(mesh_shape=spec.shape, hardware=hardware, time_limit_s=settings.time_limit_s,
+                          layouts=layouts.LAYOUTS, hint_fn=layouts.hints, axis_names=spec.names,
+                          pipeline=spec.hardware != "gloo")
+    limit = request.memory_bytes
 
     def row_of(name: str, plan, seconds: float, error: str | None = None) -> tuple[dict, Any]:
         row = {"model": model, "layout": name, "label": work.label, "plan_seconds": seconds}
@@ -199,17 +205,15 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
 
     started = time.perf_counter()
     try:
-        # On gloo the plan must compile from this model-and-loss capture, and a pipeline
-        # plan cannot (a pipeline's stages are captured from the model alone, per
-        # micro-batch): the gloo auto plan is intra-op; presets search pipelines too.
-        auto = plan_captured(captured, spec.shape, hardware, hint_fn=layouts.hints,
-                             time_limit_s=settings.time_limit_s, axis_names=spec.names,
-                             pipeline=spec.hardware != "gloo")
+        auto = plan_captured(captured, request)
         out = [row_of("auto", auto, capture_s + time.perf_counter() - started)]
     except ValueError as exc:  # PlanningError: nothing fits
         auto, out = None, [row_of("auto", None, capture_s + time.perf_counter() - started, _first_line(exc))]
-    for name, (plan, seconds, error) in layout_plans(captured, profile, settings.layouts, spec.names).items():
+    for name, (plan, seconds, error) in layout_plans(captured, request.profile, settings.layouts, spec.names).items():
         out.append(row_of(name, plan, seconds, error))
+    for _, plan in out:
+        if plan is not None:
+            plan.includes_loss = True  # planned with its loss, as autopar.plan(..., loss_fn=) plans
     if auto is not None:
         out[0][0]["what"] = describe(auto, {r["layout"]: p for r, p in out[1:] if p is not None})
         out[0][0]["search"] = list(auto.notes)  # what the planner tried: "pp2x4: 52.7 ms (...)", ...
@@ -221,7 +225,7 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
 def layout_plans(captured, profile: costmodels.HardwareProfile, names: Sequence[str],
                  axis_names: Sequence[str]) -> dict[str, tuple[Any, float, str | None]]:
     """Layout -> (Plan or None, seconds, why not). Each is what ``autopar.plan(..., layout=name)``
-    returns (``autopar.passes.planner.search.plan_intra_op``'s layout branch: the hint completed on the cost
+    returns (``autopar.passes.planner.intra_op.plan_layout``: the hint completed on the cost
     tables, then costed), with the strategy graph and cost tables built once for all layouts;
     the seconds are the time that one layout alone would take after capture (the shared build
     included)."""
@@ -233,13 +237,14 @@ def layout_plans(captured, profile: costmodels.HardwareProfile, names: Sequence[
     out = {}
     for name in names:
         started = time.perf_counter() - shared
-        hint = hints.get(name)
-        choice = complete(costs, hint) if hint is not None else None
-        if choice is None:
-            out[name] = (None, time.perf_counter() - started, NOT_APPLICABLE if hint is None else CONTRADICTS)
+        if name not in hints:
+            out[name] = (None, time.perf_counter() - started, NOT_APPLICABLE)
             continue
-        hint.choice = choice
-        plan, _ = layout_plan(costs, hint, costs.problem.memory_limit, axis_names)  # recomputing what must be
+        try:  # recomputing what must be
+            plan, _ = plan_layout(costs, hints, name, costs.problem.memory_limit, axis_names)
+        except PlanningError:  # the hint is there: its placements contradict the model's structure
+            out[name] = (None, time.perf_counter() - started, CONTRADICTS)
+            continue
         out[name] = (plan, time.perf_counter() - started, None)
     return out
 

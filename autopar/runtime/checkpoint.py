@@ -11,24 +11,34 @@ it; scalar state (the step count) is replicated.
     root/.staging_step_00000100/   a save under way (or one killed): never loaded
 
 A save writes into its staging folder; when every rank has finished (a barrier) rank 0
-renames it to ``step_<n>`` and then writes ``COMPLETE`` (with each file's CRC-32, checked
-before a load: a damaged file is named, and DCP never reads it). ``load`` only considers folders
-with the marker, so a run killed anywhere in a save resumes from the previous one.
+renames it to ``step_<n>`` and then writes ``COMPLETE`` (with each file's CRC-32, the
+ranks sharing the reading). ``load`` only considers folders with the marker, so a run
+killed anywhere in a save resumes from the previous one.
 A checkpoint holds the parameters (what the optimizer steps: ZeRO-1 slices), buffers,
 the optimizer's state and ``param_groups`` (the learning rate...), the step, each
 rank's RNG states (CPU, and CUDA where used), the plan as JSON, and the user's
-``Stateful`` objects (``state_dict`` / ``load_state_dict``: an LR scheduler, a data
-position) given as ``extra``.
+``Stateful`` objects (``state_dict`` / ``load_state_dict``) given as ``extra``: a state
+that is the same on every rank (an LR scheduler) is kept once, one that differs (a
+per-rank data position) once per rank.
 
-Loading reads everything into temporaries first and checks the names and shapes against
-the checkpoint's metadata: a checkpoint of another model, or an unreadable one, raises
-an ``autopar:`` error naming the entries, and nothing of the module is changed.
+RNG: the runtime draws dropout masks from each rank's default generator, so ranks that
+run the same rows of the batch in the same stages (tensor-parallel peers) must hold the
+same generator state (one seed on every rank, or one per data-parallel index): a save
+warns when they do not, and a load gives each of them the state saved by the first of
+them in the loading module's plan (its own, when plan and world are those that saved).
+
+Loading checks before DCP reads a byte, on every rank, each rank raising alike: the
+marker's checksums (every rank reading its share of the files), the names and shapes
+against the checkpoint's metadata, the files' lengths, the ``extra`` names. It reads
+everything into temporaries and copies only then: a checkpoint of another model, or a
+damaged one, raises an ``autopar:`` error naming the entries, and nothing of the module
+is changed.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -47,13 +57,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from safetensors.torch import save_file
 
+from autopar.runtime.checkpoint_files import (MARKER, agreed, barrier, check_checksums, file_checksums, gathered,
+                                                short, this_rank, world_size, write_marker)
 from autopar.runtime.pipeline import PipelineModule
 from autopar.runtime.module import ParallelModule
 from autopar.passes.placements import Spec
 
 Module = ParallelModule | PipelineModule
 
-MARKER = "COMPLETE"
+PER_RANK = "extra_per_rank"  # extra states that differ between ranks, under each rank
 PLAN_FILE = "plan.json"
 _FOLDER = re.compile(r"^step_(\d{8})$")
 _STAGING_PREFIX = ".staging_"
@@ -155,28 +167,71 @@ def _rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
+def _rng_kinds() -> list[str]:
+    """The generators this process can restore (CUDA's whether or not it is in use yet)."""
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _same_rows(pm: Module) -> tuple[int, int]:
+    """Ranks with the same key run the same program on the same rows of the batch: the same
+    pipeline stages and data-parallel index (tensor-parallel peers, say). The runtime draws
+    dropout masks from each rank's default generator, so these ranks' generators must agree:
+    on an activation they all hold whole they must draw the same mask, or their copies of
+    replicated parameters drift apart (and a checkpoint keeps only one copy)."""
+    stage = pm.pp_rank if isinstance(pm, PipelineModule) else 0
+    return stage, pm.data_parallel.rank
+
+
+def _check_rng_agrees(pm: Module) -> None:
+    """Warns when ranks that must draw alike (``_same_rows``) hold different RNG states."""
+    mine = (_same_rows(pm), zlib.crc32(pickle.dumps({k: v.tolist() for k, v in _rng_states().items()})))
+    every = gathered(mine)
+    groups: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for rank, (key, crc) in enumerate(every):
+        groups.setdefault(key, {}).setdefault(crc, []).append(rank)
+    split = [sorted(r for ranks in by_crc.values() for r in ranks) for by_crc in groups.values() if len(by_crc) > 1]
+    if split and this_rank() == 0:
+        warnings.warn(
+            f"autopar: ranks that run the same rows of the batch hold different RNG states (ranks {split}); expected "
+            "one seed on all of them (e.g. torch.manual_seed(s) on every rank, or s + data_parallel.rank): "
+            "dropout draws other masks on each, their copies of replicated parameters drift apart, and a "
+            "resumed run differs. Loading gives each the state of the first of them", stacklevel=3)
+
+
+def _rng_source(pm: Module) -> int:
+    """The rank whose saved RNG states this rank takes: the first of the ranks that must draw
+    alike in this module's plan (itself, when the plan and the world are those that saved)."""
+    every = gathered(_same_rows(pm))
+    return every.index(every[this_rank()])
+
+
 def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _training_state(pm: Module, step: int, extra: dict[str, Stateful] | None) -> dict[str, Any]:
-    """Everything a resumed run needs. RNG states are per rank: each under its own rank's key."""
+    """Everything a resumed run needs. RNG states are per rank: each under its own rank's key;
+    so are the ``extra`` states that differ between ranks (``_extra_states``)."""
+    _check_rng_agrees(pm)
     state = _state_dict(pm, temporaries=False)
     state["step"] = step
-    state["world_size"] = _world_size()
-    state["rng"] = {str(_rank()): _rng_states()}
-    state["extra"] = {name: obj.state_dict() for name, obj in (extra or {}).items()}
+    state["world_size"] = world_size()
+    state["rng"] = {str(this_rank()): _rng_states()}
+    state["extra"], state[PER_RANK] = _extra_states(extra)
     return state
+
+
+def _extra_states(extra: dict[str, Stateful] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the states that are the same on every rank: saved once, e.g. an LR scheduler; the
+    others, each rank's under its rank: a data-loader position of per-rank data)."""
+    states = {name: obj.state_dict() for name, obj in sorted((extra or {}).items())}
+    mine = {name: zlib.crc32(pickle.dumps(value)) for name, value in states.items()}
+    every = gathered(mine)
+    shared = {name for name in states if all(crcs.get(name) == mine[name] for crcs in every)}
+    return ({name: value for name, value in states.items() if name in shared},
+            {name: {str(this_rank()): value} for name, value in states.items() if name not in shared})
 
 
 # --- reading: check, read into temporaries, then copy ---------------------------------
@@ -240,18 +295,14 @@ def _failures(exc: BaseException) -> str:
     """One line per failing rank of a DCP exception (its last line: the error itself)."""
     failures = getattr(exc, "failures", None)
     if not failures:
-        return _short(exc)
-    return "; ".join(f"rank {rank}: {_short(str(failure).strip().splitlines()[-1] if str(failure).strip() else failure)}"
+        return short(exc)
+    return "; ".join(f"rank {rank}: {short(str(failure).strip().splitlines()[-1] if str(failure).strip() else failure)}"
                      for rank, failure in sorted(failures.items()))
 
 
 def _on_any_rank(names: set[str]) -> set[str]:
     """The names held by any rank (all ranks call this)."""
-    if not dist.is_initialized():
-        return names
-    gathered: list[set[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return set().union(*gathered)
+    return set().union(*gathered(names))
 
 
 def _listed(names: list[str], most: int = 8) -> str:
@@ -267,22 +318,18 @@ def _check_groups(path: Path, pm: Module, metadata) -> None:
 
 
 def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: bool) -> int | None:
-    """Load ``path`` into ``pm`` (and ``extra``); with ``training``, also the step and this
-    rank's RNG states (when the world size is the one that saved). Returns the step."""
-    metadata = _metadata(path)
+    """Load ``path`` into ``pm`` (and ``extra``); with ``training``, also the step and the RNG
+    states (when the world size is the one that saved). Returns the step.
+
+    Every check runs on every rank before DCP reads a byte, and every rank raises alike: a
+    rank that raised alone would leave the others waiting in DCP's collectives."""
+    check_checksums(path)
+    metadata = agreed(lambda: _metadata(path))
     state = _state_dict(pm, temporaries=True)
     _check_matches(path, state, metadata)
-    _check_files(path, metadata)
-    _check_groups(path, pm, metadata)
     saved = metadata.state_dict_metadata
-    if training:
-        state["step"] = 0
-        state["world_size"] = 0
-        state["extra"] = _extra_request(path, saved, extra)
-        mine = {kind: torch.empty_like(value) for kind, value in _rng_states().items()
-                if f"rng.{_rank()}.{kind}" in saved}
-        if mine:
-            state["rng"] = {str(_rank()): mine}
+    rng_source = _rng_source(pm) if training else None
+    state.update(agreed(lambda: _checked_request(pm, path, metadata, extra, rng_source)))
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001  (DCP gathers every rank's failure into one)
@@ -292,29 +339,60 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
     if not training:
         return None
     for name, obj in (extra or {}).items():
-        obj.load_state_dict(state["extra"][name])
-    if "rng" in state and state["world_size"] == _world_size():
-        _set_rng_states(state["rng"][str(_rank())])
+        obj.load_state_dict(state["extra"][name] if name in state["extra"] else state[PER_RANK][name][str(this_rank())])
+    if "rng" in state:
+        _set_rng_states(state["rng"][str(rng_source)])
     else:
-        warnings.warn(f"autopar: checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                      f"{_world_size()}: RNG states are not restored (dropout masks differ from the run that "
+        warnings.warn(f"autopar: checkpoint {path} was written by {_saved_ranks(saved, 'rng')} ranks, this run has "
+                      f"{world_size()}: RNG states are not restored (dropout masks differ from the run that "
                       "saved)", stacklevel=3)
     return int(state["step"])
 
 
-def _short(exc: Any, most: int = 300) -> str:
-    text = str(exc)
-    return text if len(text) <= most else text[:most] + " ..."
+def _checked_request(pm: Module, path: Path, metadata, extra: dict[str, Stateful] | None,
+                     rng_source: int | None) -> dict[str, Any]:
+    """This rank's checks of the files and the names, and what a resumed run reads besides the
+    module: the step, ``extra`` (shared or this rank's), the RNG states of ``rng_source``."""
+    _check_files(path, metadata)
+    _check_groups(path, pm, metadata)
+    if rng_source is None:
+        return {}
+    saved = metadata.state_dict_metadata
+    shared, per_rank = _extra_request(path, saved, extra)
+    request = {"step": 0, "extra": shared, PER_RANK: per_rank}
+    if _saved_ranks(saved, "rng") == world_size():
+        held = {kind: saved[f"rng.{rng_source}.{kind}"] for kind in _rng_kinds() if f"rng.{rng_source}.{kind}" in saved}
+        request["rng"] = {str(rng_source): {kind: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                                            for kind, meta in held.items()}}
+    return request
 
 
-def _extra_request(path: Path, saved, extra: dict[str, Stateful] | None) -> dict[str, Any]:
-    """What ``extra`` asks the checkpoint for; the names must be those it holds."""
-    held = sorted({k.split(".")[1] for k in saved if k.startswith("extra.")})
+def _saved_ranks(saved, section: str) -> int:
+    """How many ranks wrote entries under ``section.<rank>.``."""
+    return len({k.split(".")[1] for k in saved if k.startswith(f"{section}.")})
+
+
+def _extra_request(path: Path, saved, extra: dict[str, Stateful] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``extra`` asks the checkpoint for: (the shared states, this rank's states of those
+    saved per rank). The names must be those it holds, and per-rank states need this rank."""
+    shared = {k.split(".")[1] for k in saved if k.startswith("extra.")}
+    per_rank = {k.split(".")[1] for k in saved if k.startswith(f"{PER_RANK}.")}
     given = sorted(extra or {})
-    if held != given:
-        raise ValueError(f"autopar: checkpoint {path} holds extra state {held}; load was given {given}; expected "
-                         "the same names as at save (e.g. extra={'scheduler': scheduler}). Nothing was loaded")
-    return {name: obj.state_dict() for name, obj in (extra or {}).items()}
+    if sorted(shared | per_rank) != given:
+        raise ValueError(f"autopar: checkpoint {path} holds extra state {sorted(shared | per_rank)}; load was given "
+                         f"{given}; expected the same names as at save (e.g. extra={{'scheduler': scheduler}}). "
+                         "Nothing was loaded")
+    ranks = {name: {k.split(".")[2] for k in saved if k.startswith(f"{PER_RANK}.{name}.")} for name in per_rank}
+    wrong = sorted(name for name, held in ranks.items() if len(held) != world_size() or str(this_rank()) not in held)
+    if wrong:
+        raise ValueError(
+            f"autopar: checkpoint {path} holds extra state {wrong} per rank (it differed between the "
+            f"{len(ranks[wrong[0]])} ranks that saved), this run has {world_size()} ranks; expected the same number "
+            "to give each rank its own. Nothing was loaded; leave it out of extra and set it from the step, or "
+            "make it the same on every rank before saving")
+    states = {name: obj.state_dict() for name, obj in (extra or {}).items()}
+    return ({name: value for name, value in states.items() if name in shared},
+            {name: {str(this_rank()): value} for name, value in states.items() if name in per_rank})
 
 
 def _commit(pm: Module, state: dict[str, Any]) -> None:
@@ -342,9 +420,16 @@ def _commit(pm: Module, state: dict[str, Any]) -> None:
 
 # --- one folder -----------------------------------------------------------------------
 def save(pm: Module, path: str | Path) -> None:
-    """Write parameters, buffers and optimizer state into ``path``; call on every rank.
-    (No staging, no step or RNG: ``Checkpointer`` is the one for resuming a run.)"""
+    """Write parameters, buffers and optimizer state into ``path``, then (every rank done)
+    the ``COMPLETE`` marker with the files' checksums; call on every rank. (No staging, no
+    step or RNG: ``Checkpointer`` is the one for resuming a run.)"""
+    if this_rank() == 0:  # an earlier save's marker: a save cut short here must not look complete
+        (Path(path) / MARKER).unlink(missing_ok=True)
+    barrier(None)
     dcp.save(_state_dict(pm, temporaries=False), storage_writer=dcp.FileSystemWriter(str(path)))
+    barrier(None)
+    write_marker(Path(path), None, file_checksums(Path(path)))
+    barrier(None)
 
 
 def load(pm: Module, path: str | Path) -> None:
@@ -358,16 +443,17 @@ class Checkpointer:
     Every rank makes one, and calls ``save`` and ``load`` at the same points.
 
     ``save(step, extra, asynchronous)``: everything a resumed run needs (see the module's
-    docstring); ``extra`` maps names to ``Stateful`` objects, whose state must be the same on
-    every rank (rank 0's is kept: an LR scheduler, a global data position). With
+    docstring); ``extra`` maps names to ``Stateful`` objects: one whose state is the same on
+    every rank is kept once (an LR scheduler), one whose state differs is kept per rank and
+    loads only into as many ranks (a per-rank data position). With
     ``asynchronous=True`` the state is copied to memory now (``dcp.async_save``) and written
     by a thread; the checkpoint becomes visible when every rank has written it. The next
     ``save``, ``load`` or ``wait()`` waits for the previous save first.
 
     ``load(extra, step=None)``: the newest complete checkpoint (or that of ``step``) into
-    ``pm`` and ``extra`` (the same names as saved), each rank's RNG states restored when
-    the world size is the one that saved (else a warning); returns its step, or None when
-    there is none.
+    ``pm`` and ``extra`` (the same names as saved), the RNG states restored when the world
+    size is the one that saved (else a warning); returns its step, or None when there is
+    none.
     """
 
     def __init__(self, pm: Module, root: str | Path, keep: int = 3):
@@ -393,7 +479,7 @@ class Checkpointer:
     def save(self, step: int, extra: dict[str, Stateful] | None = None, asynchronous: bool = False) -> None:
         self.wait()
         staging = self.root / f"{_STAGING_PREFIX}{self.folder(step).name}"
-        if _rank() == 0:
+        if this_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a save of this step that was killed
             staging.mkdir(parents=True)
         self._barrier()
@@ -420,7 +506,7 @@ class Checkpointer:
 
     def load(self, extra: dict[str, Stateful] | None = None, step: int | None = None) -> int | None:
         self.wait()
-        steps = [self.complete_steps()] if _rank() == 0 else [None]
+        steps = [self.complete_steps()] if this_rank() == 0 else [None]
         if dist.is_initialized():  # every rank loads the one rank 0 found
             dist.broadcast_object_list(steps, src=0, group=self.group)
         if step is not None and step not in steps[0]:
@@ -429,7 +515,6 @@ class Checkpointer:
         if not steps[0]:
             return None
         folder = self.folder(steps[0][-1] if step is None else step)
-        _check_checksums(folder)
         return _read(self.pm, folder, extra, training=True)
 
     def _publish_when_written(self, future: Future, staging: Path, step: int) -> None:
@@ -443,12 +528,15 @@ class Checkpointer:
         """Once every rank has written: rank 0 moves the staging folder into place, then
         marks it complete, then deletes the ones beyond ``keep``."""
         self._barrier()
-        if _rank() == 0:
+        final = self.folder(step)
+        if this_rank() == 0:
             (staging / PLAN_FILE).write_text(self.pm.plan.to_json())
-            final = self.folder(step)
             shutil.rmtree(final, ignore_errors=True)  # an incomplete one of the same step
             os.replace(staging, final)
-            _write_marker(final, step)
+        self._barrier()
+        checksums = file_checksums(final, self.group)
+        if this_rank() == 0:
+            write_marker(final, step, checksums)
             self._prune(step)
         self._barrier()
 
@@ -461,40 +549,8 @@ class Checkpointer:
             if match and int(match.group(1)) < newest and int(match.group(1)) not in complete:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-
-
-def _checksums(folder: Path) -> dict[str, int]:
-    """CRC-32 of each file of a checkpoint (the marker aside): damage is found before DCP reads."""
-    return {f.name: zlib.crc32(f.read_bytes()) for f in sorted(folder.iterdir())
-            if f.is_file() and not f.name.startswith((MARKER, f".{MARKER}"))}
-
-
-def _check_checksums(path: Path) -> None:
-    """Rank 0 compares the files with the marker's checksums; every rank raises alike."""
-    damaged = [None]
-    if _rank() == 0:
-        recorded = json.loads((path / MARKER).read_text()).get("crc32", {})
-        found = _checksums(path)
-        damaged = [sorted(name for name, crc in recorded.items() if found.get(name) != crc)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(damaged, src=0)
-    if damaged[0]:
-        raise ValueError(f"autopar: checkpoint {path} is unreadable: files {damaged[0]} are missing or differ from "
-                         "what was written (CRC-32 in its COMPLETE marker); expected them unchanged. Nothing was "
-                         "loaded; use an older checkpoint (load(step=...))")
-
-
-def _write_marker(folder: Path, step: int) -> None:
-    """The completion marker, itself written whole (a temporary file renamed) and synced."""
-    temporary = folder / f".{MARKER}.tmp"
-    with open(temporary, "w") as f:
-        json.dump({"step": step, "world_size": _world_size(), "crc32": _checksums(folder)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, folder / MARKER)
+    def barrier(self) -> None:
+        barrier(self.group)
 
 
 # --- export ---------------------------------------------------------------------------
@@ -505,7 +561,7 @@ def export(pm: Module, path: str | Path) -> None:
     ``from_pretrained``. Tied weights are written once, under their first name, as
     ``save_pretrained`` does. A collective: every rank calls it; rank 0 writes."""
     full = pm.full_state_dict()
-    if _rank() != 0:
+    if this_rank() != 0:
         return
     seen: set[int] = set()
     unique = {}

@@ -15,6 +15,9 @@ or DeviceMesh's flattened sub-mesh), bucketed and overlapped like one axis. Wher
 such group can be had (an unnamed mesh that does not span the world; pipeline stages,
 whose axes differ from stage to stage, so that not every rank could join in making one)
 they are summed axis after axis after backward.
+
+Mixed precision (``reduce_dtype``): floating gradients are summed in that dtype (FSDP2's
+``MixedPrecisionPolicy.reduce_dtype``) and written back in their own (the master's).
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 
-FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP's first bucket: 1 MiB
-BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+from autopar.costmodels.comm import FIRST_GRADIENT_BUCKET_BYTES, GRADIENT_BUCKET_BYTES
 
 
 def axes_group(mesh: DeviceMesh, axes: tuple[int, ...], create: bool = True) -> dist.ProcessGroup | None:
@@ -63,7 +65,8 @@ class Rider:
 @dataclass
 class _Bucket:
     axes: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # the gradients' own
+    reduce_dtype: torch.dtype  # the dtype they are summed in
     params: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     ready: int = 0
@@ -73,14 +76,15 @@ def buckets_of(names: Sequence[str], key: Callable[[str], tuple],
                nbytes: Callable[[str], int]) -> list[tuple[tuple, list[str]]]:
     """DDP's bucketing: ``names`` in order (backward's), grouped by ``key`` (axes summed
     over, dtype); a key's open bucket is closed when the next tensor would take it past
-    its cap (the first buckets ``FIRST_BUCKET_BYTES``, then ``BUCKET_BYTES``). Returns
+    its cap (DDP's defaults, from the cost model that prices them: the first buckets
+    ``FIRST_GRADIENT_BUCKET_BYTES``, then ``GRADIENT_BUCKET_BYTES``). Returns
     (key, names) per bucket, in the order the buckets were opened."""
     buckets: list[tuple[tuple, list[str]]] = []
     open_names: dict[tuple, list[str]] = {}
     open_bytes: dict[tuple, int] = {}
     for name in names:
         k, size = key(name), nbytes(name)
-        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+        cap = FIRST_GRADIENT_BUCKET_BYTES if len(buckets) <= 1 else GRADIENT_BUCKET_BYTES
         if k not in open_names or open_bytes[k] + size > cap:
             open_names[k], open_bytes[k] = [], 0
             buckets.append((k, open_names[k]))
@@ -104,10 +108,13 @@ class GradientSync:
     synced backward left summed, unchanged since, is set aside during the next synced
     backward and added back after it, so that it is not summed twice (DDP's average of a
     replicated sum is itself; a sum is not).
+
+    ``reduce_dtype``: the dtype floating gradients are summed in (None: their own).
     """
 
     def __init__(self, grad_sync: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor],
-                 order: Sequence[str], mesh: DeviceMesh, overlap: bool = True, flatten: bool = True):
+                 order: Sequence[str], mesh: DeviceMesh, overlap: bool = True, flatten: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
         self.mesh = mesh
         self._flatten = flatten
         self.buckets: list[_Bucket] = []
@@ -115,7 +122,8 @@ class GradientSync:
         synced = [name for name in order if name in grad_sync]
         for key, names in buckets_of(synced, lambda n: (grad_sync[n], params[n].dtype),
                                      lambda n: params[n].numel() * params[n].element_size()):
-            bucket = _Bucket(*key)
+            axes, dtype = key
+            bucket = _Bucket(axes, dtype, reduce_dtype if reduce_dtype is not None and dtype.is_floating_point else dtype)
             for p in (params[n] for n in names):
                 bucket.params.append(p)
                 bucket.nbytes += p.numel() * p.element_size()
@@ -178,7 +186,8 @@ class GradientSync:
 
     @staticmethod
     def _carries(bucket: _Bucket, r: Rider) -> bool:
-        return r.tensor.dtype == bucket.dtype or (r.castable and bucket.dtype in (torch.float32, torch.float64))
+        dtype = bucket.reduce_dtype
+        return r.tensor.dtype == dtype or (r.castable and dtype in (torch.float32, torch.float64))
 
     def _ready(self, p: torch.Tensor) -> None:
         if not self._active:
@@ -196,14 +205,17 @@ class GradientSync:
         params = [p for p in bucket.params if p.grad is not None]
         riding = [r for r in self._riders if r.axes == bucket.axes and self._carries(bucket, r)]
         self._riders = [r for r in self._riders if r not in riding]
-        self._start(params, [r.tensor for r in riding], bucket.axes)
+        cast = bucket.reduce_dtype if bucket.reduce_dtype != bucket.dtype else None  # None: as before mixed precision
+        self._start(params, [r.tensor for r in riding], bucket.axes, cast)
 
-    def _start(self, params: list[torch.Tensor], others: list[torch.Tensor], axes: tuple[int, ...]) -> None:
-        """Start summing the gradients of ``params`` and the tensors ``others`` in one buffer."""
+    def _start(self, params: list[torch.Tensor], others: list[torch.Tensor], axes: tuple[int, ...],
+               dtype: torch.dtype | None = None) -> None:
+        """Start summing the gradients of ``params`` and the tensors ``others`` in one buffer
+        of ``dtype`` (None: the first tensor's)."""
         tensors = [p.grad for p in params] + others
         if not tensors:
             return
-        dtype = tensors[0].dtype
+        dtype = dtype or tensors[0].dtype
         flat = torch.cat([t.reshape(-1) if t.dtype == dtype else t.reshape(-1).to(dtype) for t in tensors])
         if axes not in self._groups:
             self._groups[axes] = axes_group(self.mesh, axes, self._flatten)
@@ -232,7 +244,7 @@ class GradientSync:
                     dist.all_reduce(flat, group=self.mesh.get_group(axis))
             sums = _unflatten_dense_tensors(flat, [p.grad for p in params] + others)
             for p, summed in zip(params, sums):
-                p.grad = summed
+                p.grad = summed if summed.dtype == p.grad.dtype else summed.to(p.grad.dtype)
             if others:
                 torch._foreach_copy_(others, list(sums[len(params):]))
         for p, held in self._held:

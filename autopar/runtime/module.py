@@ -11,6 +11,10 @@ their own (``Variant``): the model captured again at those shapes or in eval mod
 out by the same plan (its strategies are found by node name), on the same shards. So
 ``train_step(accumulate=k)`` runs the program for 1/k of the batch k times and sums the
 gradients once, and ``pm(x)`` runs at any batch the plan's splits divide.
+
+With a mixed-precision policy (``mp_policy``, FSDP2's ``MixedPrecisionPolicy``) every
+program is captured as the model computes in ``param_dtype`` and runs on the float32
+master shards, cast once per call (``autopar.runtime.precision``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
 from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.precision import Precision, apply_precision, capture_cast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.variants import Variant, Variants, backward_order, lower_plan, stored_layouts
 from autopar.runtime.zero1 import OptimizerSlices
@@ -53,15 +58,22 @@ class ParallelModule(nn.Module):
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
         check_inputs: bool = True,
+        mp_policy: Any = None,
     ):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
         self.loss_fn = loss_fn
         self.check_inputs = check_inputs
+        self.precision = Precision.of(mp_policy)
         # the model is captured again for other input shapes and for eval (a partial, not a submodule:
         # its whole parameters are neither this module's parameters nor in its state_dict)
         self._capture = functools.partial(capture, model)
+        if self.precision is not None:  # the program a param_dtype model runs, on the float32 masters
+            self._capture = capture_cast(capture, model, self.precision)
+            captured = self._recapture(captured)
+            graph = build_strategy_graph(captured, tuple(mesh.shape))
+            self._check_planned(graph)
         stored = stored_layouts(captured, plan)
         program, level1 = lower_plan(graph, captured, plan, mesh)
         self.coord = tuple(mesh.get_coordinate())
@@ -72,6 +84,8 @@ class ParallelModule(nn.Module):
             local = value.detach() if spec is None else local_slice(value.detach(), spec, mesh.shape, self.coord)
             local = local.to(self.device, copy=True)
             self.local[name] = nn.Parameter(local, value.requires_grad) if name in captured.params else local
+        self._reduce_dtype = self._gradient_reduce_dtype()
+        self._apply_precision(program, captured)
         order = backward_order(program.gm)
         self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
                                      mesh, order)
@@ -86,11 +100,55 @@ class ParallelModule(nn.Module):
         self._level1 = level1
         # the compiled program, and those for other input shapes and for eval (``_variant_for``);
         # the one a call runs is ``_variant``, which the properties below read
-        self._compiled = Variant.of(captured, program, GradientSync(program.grad_sync, self.local, order, mesh),
+        self._compiled = Variant.of(captured, program, GradientSync(program.grad_sync, self.local, order, mesh,
+                                                                    reduce_dtype=self._reduce_dtype),
                                     tuple(mesh.shape), self.coord, self.device)
         self._variants = Variants((self._compiled.shapes, True), self._compiled)
         self._variant = self._compiled
         self._sync_gradients = True  # False inside ``no_sync()``
+
+    # --- mixed precision ------------------------------------------------------------
+    def _recapture(self, captured: Captured) -> Captured:
+        """The model captured again (train mode, as compiled), as it computes under the policy,
+        with inputs of the same shapes."""
+        shapes = [tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
+        dtypes = [n.meta["val"].dtype for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
+        args, kwargs = self._examples(captured, shapes, dtypes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._capture(tuple(args), kwargs, train=True)
+
+    def _check_planned(self, graph: StrategyGraph) -> None:
+        """The plan names every node of the graph the model runs under the policy."""
+        missing = [node.name for node in graph.nodes if node.name not in self.plan.strategies]
+        if missing:
+            raise ValueError(
+                f"autopar: under mp_policy (param_dtype {self.precision.param_dtype}) the model's graph has nodes "
+                f"the plan does not name ({missing[:6]}{' ...' if len(missing) > 6 else ''}): casts the model makes "
+                "from its weights' dtype; expected the plan of that graph. Plan the model in param_dtype "
+                "(a copy with model.to(param_dtype), on the meta device) and compile with that plan"
+            )
+
+    def _gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype data-parallel gradient shares are summed in: the policy's for the masters' dtype."""
+        if self.precision is None:
+            return None
+        params = [t for t in self.local.values() if isinstance(t, nn.Parameter)]
+        masters = {p.dtype for p in params if p.is_floating_point()}
+        if len(masters) > 1:
+            raise ValueError(
+                f"autopar: mp_policy expects every floating parameter in one dtype (the master copy), found "
+                f"{sorted(str(d) for d in masters)}; convert the model first (model.float())"
+            )
+        return self.precision.gradient_reduce_dtype(masters.pop()) if masters else None
+
+    def _apply_precision(self, program: RankProgram, captured: Captured) -> None:
+        if self.precision is not None:
+            apply_precision(program, captured, self.local, self.precision)
+
+    def _output(self, value: Any) -> Any:
+        """A model output as the caller (and the loss) gets it: ``output_dtype`` under the policy."""
+        return value if self.precision is None else self.precision.output(value)
 
     # --- programs per input shapes and mode -------------------------------------------
     # A call runs the program for its inputs' whole shapes in this module's mode (train, or
@@ -178,11 +236,7 @@ class ParallelModule(nn.Module):
                        train: bool) -> Variant:
         """The model captured at ``shapes`` (in train or eval mode) and laid out by the plan:
         the same strategies, found by node name, on the same shards (checked)."""
-        device = next(iter(self._compiled.captured.nodes("placeholder"))).meta["val"].device
-        examples = [torch.zeros(s, dtype=t, device=device) for s, t in zip(shapes, dtypes)]
-        in_spec = self._compiled.captured.in_spec
-        args, kwargs = ((tuple(examples), {}) if in_spec is None or in_spec.num_leaves != len(examples)
-                        else pytree.tree_unflatten(examples, in_spec))
+        args, kwargs = self._examples(self._compiled.captured, shapes, dtypes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             captured = self._capture(tuple(args), kwargs, train=train)
@@ -201,10 +255,22 @@ class ParallelModule(nn.Module):
                 f"mode) holds {differs or sorted(level1 ^ self._level1)} otherwise than the compiled program; "
                 "expected the same parameters in the same layouts. Compile for these shapes instead"
             )
+        self._apply_precision(program, captured)
         grads = self._compiled.grads
         if program.grad_sync != self._compiled.program.grad_sync:
-            grads = GradientSync(program.grad_sync, self.local, backward_order(program.gm), self.mesh)
+            grads = GradientSync(program.grad_sync, self.local, backward_order(program.gm), self.mesh,
+                                 reduce_dtype=self._reduce_dtype)
         return Variant.of(captured, program, grads, tuple(self.mesh.shape), self.coord, self.device)
+
+    @staticmethod
+    def _examples(captured: Captured, shapes: Sequence[tuple[int, ...]],
+                  dtypes: Sequence[torch.dtype]) -> tuple[tuple, dict]:
+        """Example inputs of ``shapes`` and ``dtypes`` in ``captured``'s input structure."""
+        device = next(iter(captured.nodes("placeholder"))).meta["val"].device
+        examples = [torch.zeros(s, dtype=t, device=device) for s, t in zip(shapes, dtypes)]
+        in_spec = captured.in_spec
+        return ((tuple(examples), {}) if in_spec is None or in_spec.num_leaves != len(examples)
+                else pytree.tree_unflatten(examples, in_spec))
 
     # --- running ------------------------------------------------------------------
     @property
@@ -237,6 +303,8 @@ class ParallelModule(nn.Module):
                     f"found {tuple(value.shape)}; the plan is made for the example inputs' shapes — "
                     "re-compile for other shapes"
                 )
+            if self.precision is not None:
+                value = self.precision.input(value)
             want = self._input_dtypes[name]
             if value.dtype != want:
                 raise ValueError(
@@ -316,7 +384,7 @@ class ParallelModule(nn.Module):
         inputs = (inputs, kwargs) if kwargs else inputs
         with torch.no_grad() if not self.training else contextlib.nullcontext(), self._running(inputs, False):
             flat = self._run_model(inputs, local=False)
-            user = [flat[i] for i in self.captured.user_outputs]
+            user = [self._output(flat[i]) for i in self.captured.user_outputs]
             specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
             wholes = [whole(t, s, self.mesh) if s is not None else t for t, s in zip(user, specs)]
             return pytree.tree_unflatten(wholes, self.captured.out_spec)
@@ -495,7 +563,7 @@ class ParallelModule(nn.Module):
                 "to compile, or give target None to train on the model's own loss (Hugging Face: labels= input)"
             )
         flat = self._run_model(inputs, local, observe)
-        user = [flat[i] for i in self.captured.user_outputs]
+        user = [self._output(flat[i]) for i in self.captured.user_outputs]
         program, loss_cap = self._loss_program_for(target, local)
         targets = [] if target is None else [self._local_target(program, loss_cap, target, local)]
         values = dict(zip(loss_cap.user_inputs, [*user, *targets]))
@@ -529,8 +597,9 @@ class ParallelModule(nn.Module):
 
     def _output_meta(self, index: int) -> torch.Tensor:
         output_node = next(iter(self.captured.nodes("output")))
-        node = pytree.tree_leaves(output_node.args[0])[index]
-        return node.meta["val"]
+        value = pytree.tree_leaves(output_node.args[0])[index].meta["val"]
+        dtype = self._output(torch.empty((), dtype=value.dtype, device="meta")).dtype
+        return value if dtype == value.dtype else torch.empty(value.shape, dtype=dtype, device="meta")
 
     def _local_target(self, program: RankProgram, cap: Captured, target: torch.Tensor, local: bool) -> torch.Tensor:
         """This rank's shard of the target, from the whole target or (``local``) its rows."""

@@ -1,10 +1,10 @@
 """Pipeline-parallel training: the plan's stages run by torch.distributed.pipelining.
 
-The graph, captured at micro-batch size, is cut into the plan's stages (``stage_parts``):
-each stage receives the values that later stages need (passing on those it does not use
-itself) and the state it owns. On each rank, every stage it holds is lowered on the
-intra-op mesh (the mesh without the pipeline axis), so a stage can itself be tensor or
-data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's schedules.
+The graph, captured at micro-batch size, is cut into the plan's stages and each stage this
+rank holds is lowered on the intra-op mesh (``autopar.runtime.stages``), so a stage can
+itself be tensor or data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's
+schedules; ``PipelineModule`` drives them: the schedule runs, the loss, the gradients'
+sums once per step, the optimizer step, and a hand-written loop's held gradients (``loss``).
 
 Other micro-batch shapes (``train_step(accumulate=k)``: k schedule runs on 1/k of the
 batch each, one gradient sum and one optimizer step) and eval mode run stages of their
@@ -24,127 +24,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
+from autopar.costmodels import Schedule
 from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, check_divisible, split_batch
 from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.state_dicts import in_state_dict_order
+from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
 from autopar.runtime.variants import Variants, backward_order, stored_layouts
 from autopar.runtime.zero1 import OptimizerSlices, slice_axes
 from autopar.passes.capture import Captured, capture
-from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
-from autopar.passes.lowering.codegen import Part, RankProgram, lower
+from autopar.passes.lowering.codegen import Part, RankProgram
 from autopar.passes.placements import Spec, local_slice, parse_spec
 from autopar.passes.plan import Plan, choice_from_plan
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
-
-@dataclass
-class Stages:
-    """This rank's stages of the model captured at one micro-batch shape in one mode (train,
-    or eval: dropout off), with their schedule and loss (made at first use). The variants
-    of a PipelineModule run on the same state (``PipelineModule.state``)."""
-
-    captured: Captured
-    parts: list[Part]
-    programs: list[RankProgram]
-    stages: list[PipelineStage]
-    stage_state: list[dict[str, torch.Tensor]]
-    schedule: Any = None
-    loss: tuple[RankProgram, Captured] | None = None
-
-
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
-
-
-def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> list[Part]:
-    """Cut the graph into stages; every value crosses each boundary between where it is
-    made and where it is last used."""
-    order = {n: i for i, n in enumerate(captured.nodes())}
-    stage: dict[fx.Node, int] = {}
-    for node in captured.nodes("call_function"):
-        if node.name not in stage_of:
-            raise ValueError(f"autopar: the plan's pipeline gives no stage for node {node.name}; re-plan")
-        stage[node] = stage_of[node.name]
-        later = [src.name for src in node.all_input_nodes if stage.get(src, -1) > stage[node]]
-        if later:  # a value would have to travel back to an earlier stage
-            raise ValueError(
-                f"autopar: the plan's pipeline runs {node.name} in stage {stage[node]} but its input {later[0]} in "
-                f"stage {stage_of[later[0]]}; expected every value to flow to the same or a later stage; re-plan")
-    user_inputs = [n for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
-    state = [n for n in captured.nodes("placeholder") if n.name not in captured.user_inputs]
-    output_node = next(iter(captured.nodes("output")))
-    outputs = [x for x in pytree.tree_leaves(output_node.args[0]) if isinstance(x, fx.Node)]
-
-    made_at = {n: -1 for n in user_inputs} | stage  # user inputs arrive before stage 0
-    last_use: dict[fx.Node, int] = {}
-    for node, s in stage.items():
-        for src in node.all_input_nodes:
-            if src in made_at:
-                last_use[src] = max(last_use.get(src, -1), s)
-    for node in outputs:
-        last_use[node] = n_stages
-    for node in state:  # state lives in the one stage that uses it
-        users = {stage[u] for u in node.users if u in stage}
-        if len(users) > 1 and captured.params.get(node.name):
-            raise ValueError(
-                f"autopar: parameter {captured.params[node.name]} is used by stages {sorted(users)}; "
-                "a pipeline needs each parameter in one stage (untie it, or cut elsewhere)"
-            )
-
-    def crossing(boundary: int) -> list[fx.Node]:  # made before the boundary, used after
-        values = [n for n, s in made_at.items() if s <= boundary < last_use.get(n, -2)]
-        return sorted(values, key=order.get)
-
-    parts = []
-    for s in range(n_stages):
-        nodes = {n for n, st in stage.items() if st == s}
-        own_state = sorted({src for n in nodes for src in n.all_input_nodes if src in state}, key=order.get)
-        received = user_inputs if s == 0 else crossing(s - 1)
-        sends = outputs if s == n_stages - 1 else crossing(s)
-        parts.append(Part(nodes=nodes, inputs=own_state + received, outputs=sends))
-    return parts
-
-
-class _Stage(nn.Module):
-    """One stage's program with the state it owns; called with what it receives."""
-
-    def __init__(self, program: RankProgram, state: list[torch.Tensor], params: nn.ParameterList):
-        super().__init__()
-        self.program = program.gm
-        self.saving = program.saving  # gathered weights it frees are saved as references
-        self.params = params
-        self.state = state
-
-    def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # send/recv move dense buffers: views (an expand, a transpose) are packed first,
-        # on the way out and for the gradients that go back.
-        received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
-        with self.saving():
-            outs = self.program(*self.state, *received)
-        return tuple(t.contiguous() for t in outs)
-
-
-class _DenseGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class _HeldGradients(torch.autograd.Function):
@@ -198,7 +103,9 @@ class PipelineModule(nn.Module):
         self._input_specs = [graph[placeholders[n]].strategies[choice[placeholders[n]]].output
                              for n in captured.user_inputs]  # each micro-batch's split on the intra-op mesh
         values = captured.state_values(model)
-        self._compiled = self._lower_stages(captured, graph, functools.partial(self._take_state, values))
+        self._place = StagePlace(self.intra, self.pp_rank, self.pp_group, self.device)
+        self._compiled = lower_stages(captured, graph, choice, plan, self._place,
+                                      functools.partial(self._take_state, values))
         micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
         self._variants = Variants((micro, True), self._compiled)
         self._variant = self._compiled
@@ -250,32 +157,6 @@ class PipelineModule(nn.Module):
     @_loss.setter
     def _loss(self, loss: tuple[RankProgram, Captured]) -> None:
         self._variant.loss = loss
-
-    def _lower_stages(self, captured: Captured, graph: StrategyGraph,
-                      take: Callable[[Captured, str, Any], torch.Tensor]) -> Stages:
-        """This rank's stages of ``captured``, cut where the plan cuts and lowered by its
-        strategies on the intra-op mesh; ``take(captured, placeholder, spec)`` gives each
-        stage's state."""
-        pp = self.plan.pipeline
-        n_stages = pp.stages * pp.chunks_per_rank
-        choice = choice_from_plan(graph, self.plan)
-        parts = stage_parts(captured, pp.stage_of, n_stages)
-        layer_of = plan_layers(self.plan)
-        state_names = {*captured.params, *captured.buffers, *captured.constant_values}
-        variant = Stages(captured, parts, [], [], [])
-        for index in range(self.pp_rank, n_stages, pp.stages):
-            part = parts[index]
-            program = lower(graph, choice, self.intra, part=part)
-            mine = layers_to_recompute(self.plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
-            program.gm = recompute_layers(program.gm, layer_of, mine)
-            named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
-                     for n in part.inputs if n.name in state_names}
-            own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
-            variant.stage_state.append(named)
-            variant.programs.append(program)
-            variant.stages.append(PipelineStage(_Stage(program, list(named.values()), own), index, n_stages,
-                                                self.device, group=self.pp_group))
-        return variant
 
     def _take_state(self, values: dict[str, torch.Tensor], captured: Captured, name: str, spec: Any) -> torch.Tensor:
         """This rank's shard of one of the model's state tensors (a parameter: also given to the optimizer)."""
@@ -362,7 +243,8 @@ class PipelineModule(nn.Module):
                 warnings.simplefilter("ignore")
                 captured = self._capture(examples, train=train)
             graph = build_strategy_graph(captured, self._intra_shape)
-            return self._lower_stages(captured, graph, self._shared_state)
+            return lower_stages(captured, graph, choice_from_plan(graph, self.plan), self.plan, self._place,
+                                self._shared_state)
 
         return self._variants.get((micro, train), build)
 
@@ -379,7 +261,7 @@ class PipelineModule(nn.Module):
             # backward from the sum); the shares are summed once per step, with the gradients
             self._loss = build_loss_program(self.loss_fn, self.captured.out_spec, out_metas, out_specs,
                                             target_micro, self.intra, reduce_output=False)
-        schedule_cls = SCHEDULES[pp.schedule]
+        schedule_cls = SCHEDULES[Schedule.parse(pp.schedule)]
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False,
                                      loss_fn=self._micro_loss if target_micro is not None else None)

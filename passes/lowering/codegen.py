@@ -214,6 +214,7 @@ def lower(
 
     moved: dict[tuple[fx.Node, Spec, Spec], fx.Node] = {}
     gathered: dict[tuple[fx.Node, tuple], fx.Node] = {}
+    moved_input: set[fx.Node] = set()  # ops that read their first tensor input moved (a copy)
 
     def fetch(src: fx.Node, consumer: fx.Node | None, needed: Spec | None) -> fx.Node:
         node = env[src]
@@ -263,6 +264,10 @@ def lower(
             ns = graph[node]
             strategy = ns.strategies[choice[node]]
             local_inputs = [fetch(src, node, need) for src, need in zip(tensor_inputs(node), strategy.inputs)]
+            first = tensor_inputs(node)[0] if local_inputs else None
+            if first in flow.spec and strategy.inputs[0] is not None and strategy.inputs[0] != flow.spec[first]:
+                moved_input.add(node)  # its data moves in forward: the op reads a copy
+            check_write_reaches(node, moved_input, flow.order)
             args, kwargs = ns.info.fill(local_inputs)
             rule = rules.rule_for(node.target)
             if strategy.kernel is not None:
@@ -288,6 +293,42 @@ def lower(
     input_specs = {n.name: flow.spec[n] for n in flow.order if n in flow.received and n in flow.spec}
     regathers = any(not b.keep for b in bucket_of.values())
     return RankProgram(gm, input_specs, output_specs, grad_sync, regathers)
+
+
+def _aliases_first(node: fx.Node) -> tuple[bool, bool]:
+    """(the op's output is a view of its first argument, the op writes into that argument)."""
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return alias is not None, alias is not None and alias.is_write
+
+
+def check_write_reaches(node: fx.Node, moved_input: set[fx.Node], order: list[fx.Node]) -> None:
+    """An in-place write (``copy_``, ``fill_``, ...) into a value, or into a view of one,
+    must land in the tensor later readers read. Where the plan moves the written value (or
+    the base it views) to another placement on the way, the write lands in a moved copy
+    and the readers after it would read the unwritten value: silently wrong, so an error.
+    ``moved_input``: the ops lowered so far that read their first tensor input moved."""
+    aliases, writes = _aliases_first(node)
+    if not (aliases and writes) or not tensor_inputs(node):
+        return
+    position = {n: i for i, n in enumerate(order)}
+    chain, moved = [node], node in moved_input
+    value = tensor_inputs(node)[0]
+    while True:  # back through the views to the base: each view's own input edge may move it too
+        chain.append(value)
+        producer_aliases, producer_writes = _aliases_first(value) if value.op == "call_function" else (False, False)
+        if not producer_aliases or producer_writes or not tensor_inputs(value):
+            break
+        moved = moved or value in moved_input
+        value = tensor_inputs(value)[0]
+    later = [u.name for n in chain[1:] for u in n.users if u in position and position[u] > position[node]]
+    if moved and later:
+        raise ValueError(
+            f"autopar: {node.name} ({node.target}) writes in place into {chain[1].name}, a view of {value.name}, "
+            f"which this plan moves to another placement on the way: the write would land in a copy and "
+            f"{later[:3]} would read the unwritten value. Expected in-place writes to keep the placement of the "
+            "value they write into; plan another layout (e.g. the auto plan, or layout='dp' on a mesh whose "
+            "batch split leaves this value whole), or write the model's op out of place")
 
 
 class Flow:

@@ -26,17 +26,15 @@ from autopar import costmodels
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.plan import Plan
 from autopar.passes.planner.assemble import Solved, build_plan, memory_breakdown, record_recompute
+from autopar.passes.planner.request import PlanningError, PlanRequest
+from autopar.passes.planner.untie import Restrictions, restrict
+from autopar.passes.placements import spec_str
 from autopar.passes.solve import SolveOptions, plan_costs, solve
 from autopar.passes.solve.heuristics import chain_relaxation_plan
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph
 
 GB = 1e9
-
-
-class PlanningError(ValueError):
-    """No plan fits, or the request cannot be planned."""
-
 
 @dataclass
 class Hint:
@@ -52,6 +50,7 @@ class Hint:
     # under FSDP) and split their work (else a tiny model "wins" by replicating everything)
     data_axes: tuple[int, ...] = ()
     everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
+    untied: list[str] = field(default_factory=list)  # what completing it gave up (tied layers split), for explain()
 
 
 def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> dict[fx.Node, int] | None:
@@ -64,10 +63,33 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
     ``shrunk``: ``shrink_problem(costs.problem)``, when the caller completes several hints.
     The restrictions are inf added to node times, which fold into the shrunk problem like
     any node cost (``ShrunkProblem.with_added_time``), so it is not shrunk again per hint;
-    they are listed once per strategy table (tied layers share theirs)."""
+    they are listed once per strategy table (tied layers share theirs). Tied layers the
+    layout places differently are untied for it, never refused (``completion``). None only
+    where its placements leave an op no strategy at all."""
+    return completion(costs, hint, shrunk)[0]
+
+
+def completion(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> tuple[dict[fx.Node, int] | None,
+                                                                                       list[str]]:
+    """``complete``'s choice, and what it had to give up for it: tied layers the layout places
+    differently are split for it (``autopar.passes.planner.untie``), one reason per layout."""
+    base = shrunk if shrunk is not None else shrink_problem(costs.problem)
+    restricted = restrict(costs.problem, base, layout_restrictions(costs, hint))
+    if restricted is None:
+        return None, []
+    decisions, _ = chain_relaxation_plan(replace(restricted.shrunk, memory_limit=None))
+    if decisions is None:
+        return None, []
+    choice, _ = costs.choice(restricted.shrunk.expand(decisions))
+    return choice, split_reasons(costs, hint, restricted.splits)
+
+
+def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
+    """The hint as restrictions on ``costs.problem``: its placeholders' placements and ZeRO
+    levels (hard), and how it computes with its weights (soft: kept where possible)."""
     graph, problem = costs.graph, costs.problem
     replicated = tuple(Replicate() for _ in graph.mesh_shape)
-    added: dict[int, np.ndarray] = {}  # problem node -> seconds added to each strategy (inf forbids it)
+    out = Restrictions()
     tables: dict[tuple, object] = {}  # per strategy table: the allowed placements, the forbidden strategies
 
     def allowed_outputs(ns, want) -> list[int]:
@@ -75,12 +97,6 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
         if key not in tables:
             tables[key] = [i for i, s in enumerate(ns.strategies) if s.output == want] or [0]
         return tables[key]
-
-    def restrict(v: int, forbid: np.ndarray) -> None:
-        """Forbid where the node keeps some finite choice (else it is left as it was)."""
-        combined = problem.node_time[v] + added.get(v, 0.0) + forbid
-        if np.isfinite(combined).any():
-            added[v] = added.get(v, 0.0) + forbid
 
     for node, ns in graph.nodes.items():
         if node.op != "placeholder":
@@ -94,11 +110,11 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
             level = min(hint.zero.get(node, 0), per - 1)
             for i in allowed:  # the layout's level where it means something, else level 0
                 keep[i * per + (level if np.isfinite(times[i * per + level]) else 0)] = 0.0
-            added[zi] = keep
+            out.hard.append((zi, keep))
         else:
             keep = np.full(len(ns.strategies), np.inf)
             keep[allowed] = 0.0
-            added[costs.index[node]] = keep
+            out.hard.append((costs.index[node], keep))
     if hint.keep_axes or hint.data_axes:  # how the layout computes with its weights
         for src, dst, position in costs.edge_inputs:
             if src.name not in graph.captured.params:
@@ -112,7 +128,7 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
                     and all(isinstance(s.inputs[position][a], Replicate)
                             and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
                     for s in strategies])
-            restrict(costs.index[dst], tables[key])  # an op with no such strategy moves the weight after all
+            out.soft.append((costs.index[dst], tables[key]))  # an op with no such strategy moves the weight
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
@@ -122,17 +138,38 @@ def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> d
                 tables[key] = np.array([0.0 if all(p is None or all(isinstance(q, Replicate) for q in p)
                                                    for p in (*s.inputs, *s.outputs)) else np.inf
                                         for s in ns.strategies])
-            restrict(costs.index[node], tables[key])
-    try:
-        base = shrunk if shrunk is not None else shrink_problem(problem)
-        restricted = replace(base.with_added_time(added), memory_limit=None)
-    except ValueError:  # the layout contradicts a tie or follower (e.g. tied layers placed apart)
-        return None
-    decisions, _ = chain_relaxation_plan(restricted)
-    if decisions is None:
-        return None
-    choice, _ = costs.choice(restricted.expand(decisions))
-    return choice
+            out.soft.append((costs.index[node], tables[key]))
+    return out
+
+
+def split_reasons(costs: Costs, hint: Hint, splits: list[list[list[int]]]) -> list[str]:
+    """One line for ``explain()`` on the tied layers ``hint`` placed differently (none if none):
+    how the layers were split, and one parameter (or op) placed differently, for example."""
+    if not splits:
+        return []
+    layers = {" | ".join(_layer_ranges(costs, part) for part in parts) for parts in splits}
+    example = next((parts for parts in splits if costs.nodes[parts[0][0]].name in costs.graph.captured.params),
+                   splits[0])
+    named = [costs.nodes[part[0]] for part in example[:2]]
+    params = costs.graph.captured.params
+    if all(n.name in params for n in named):
+        shown = ", ".join(f"{params[n.name]} {spec_str(hint.fixed.get(n))}" for n in named)
+    else:
+        shown = ", ".join(n.name for n in named)
+    return [f"layout {hint.name}: tied layers placed differently ({shown}) are solved apart: layers "
+            f"{'; '.join(sorted(layers))} ({len(splits)} of {len(costs.problem.ties)} tied positions split)"]
+
+
+def _layer_ranges(costs: Costs, part: list[int]) -> str:
+    """The layers of a tie group's part, as ranges: ``0``, ``1-31``, ``0,2-3``."""
+    numbers = sorted({costs.layer_of[costs.nodes[v]] for v in part if costs.nodes[v] in costs.layer_of})
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def _used_where_it_lies(need, have) -> bool:
@@ -149,10 +186,7 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
     costs = build_costs(graph, profile, memory_limit=memory_limit, tie_layers=tie_layers, recompute=recompute,
                         pricer=pricer)
     shrunk = shrink_problem(costs.problem)  # once, for the completions and the solve
-    for h in hints:
-        if h.choice is None:
-            h.choice = complete(costs, h, shrunk)
-    hints = [h for h in hints if h.choice is not None]  # a layout that does not apply here is left out
+    hints = [h for h in completed(costs, hints, shrunk) if h.choice is not None]  # one that does not apply: left out
     assignments = [costs.assignment(h.choice, h.zero) for h in hints]
     costs.problem.hints = assignments
     hint_times = {}
@@ -164,43 +198,67 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
 
 
 
-def plan_intra_op(graph: StrategyGraph, profile: costmodels.HardwareProfile, hint_fn=None, *,
-                  memory_limit: float | None, time_limit_s: float = 60.0, layout: str | None = None,
-                  axis_names: Sequence[str] | None = None) -> tuple[Plan, Solved]:
-    """Solve (or, with ``layout``, only cost that layout) on one mesh; raise if nothing fits."""
-    hints = list(hint_fn(graph)) if hint_fn else []
-    names = tuple(axis_names or profile.axis_names)
-    if layout is not None:
-        chosen = [h for h in hints if h.name == layout]
-        if not chosen:
-            raise PlanningError(f"autopar: layout {layout!r} does not apply here; expected one of "
-                                f"{[h.name for h in hints]}")
-        costs = build_costs(graph, profile, memory_limit=memory_limit)
-        if chosen[0].choice is None:
-            chosen[0].choice = complete(costs, chosen[0])
-        if chosen[0].choice is None:
-            raise PlanningError(f"autopar: layout {layout!r} contradicts this model's structure on mesh "
-                                f"{graph.mesh_shape} (its placements break tied layers or followers); "
-                                "expected a layout that places repeated layers alike; pick another layout")
-        return layout_plan(costs, chosen[0], memory_limit, names)
+def completed(costs: Costs, hints: Sequence[Hint], shrunk: ShrunkProblem | None = None) -> list[Hint]:
+    """Copies of ``hints`` with ``choice`` filled in by ``complete`` where it was not given
+    (None where the layout does not apply on ``costs``); the caller's Hints are left as they were."""
+    out = []
+    for h in hints:
+        if h.choice is None:
+            choice, untied = completion(costs, h, shrunk)
+            h = replace(h, choice=choice, untied=untied)
+        out.append(h)
+    return out
+
+
+def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: float = 60.0) -> tuple[Plan, Solved]:
+    """Solve on one mesh (``request.mesh_shape``, priced by ``request.profile``) within
+    ``solver_time_s`` per solve, or, with ``request.layout``, only cost that layout; raise if
+    nothing fits."""
+    if tuple(graph.mesh_shape) != request.mesh_shape:
+        raise PlanningError(f"autopar: the strategy graph is for mesh {graph.mesh_shape}, the request for mesh "
+                            f"{request.mesh_shape}; build the graph on the request's mesh (a pipeline's intra-op "
+                            "part: PlanRequest.on_mesh)")
+    hints, limit, names = request.hints(graph), request.memory_bytes, request.names
+    if request.layout is not None:
+        costs = build_costs(graph, request.profile, memory_limit=limit)
+        return plan_layout(costs, {h.name: h for h in hints}, request.layout, limit, names)
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
-    solved = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s)
+    solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s)
     built: dict[int, Costs] = {}  # costs by number of recomputed layers, shared by the layouts
-    manual = [cost_layout(solved.costs, h, memory_limit, built) for h in solved.hints]
+    manual = [cost_layout(solved.costs, h, limit, built) for h in solved.hints]
     if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
-        retry = solve_graph(graph, profile, hints, memory_limit=memory_limit, time_limit_s=time_limit_s,
-                            recompute=True, pricer=solved.costs.pricer)
+        # the layouts completed for the first solve keep their choices; the others are tried again
+        done = {h.name: h for h in solved.hints}
+        retry = solve_graph(graph, request.profile, [done.get(h.name, h) for h in hints], memory_limit=limit,
+                            time_limit_s=solver_time_s, recompute=True, pricer=solved.costs.pricer)
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
-        solved = fewest_recomputed(retry, memory_limit, time_limit_s=max(time_limit_s / 2, 0.5))
+        solved = fewest_recomputed(retry, limit, time_limit_s=max(solver_time_s / 2, 0.5))
     solved = fastest_of(solved, manual)
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     record_recompute(plan, solved.costs)
     if solved.result.method.startswith("layout "):
         plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
                             "fastest plan that fits; the solver found none faster")
+        plan.reasons.extend(next(h.untied for h in solved.hints if f"layout {h.name}" == solved.result.method))
     return plan, solved
+
+
+def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: float | None,
+                axis_names: Sequence[str]) -> tuple[Plan, Solved]:
+    """The manual layout ``name`` (one of ``hints``, by name) completed on ``costs`` and costed
+    (``layout_plan``); a PlanningError when it does not apply on this mesh or contradicts the
+    model's structure. ``autopar.plan(..., layout=name)`` and the benchmarks' layout rows."""
+    if name not in hints:
+        raise PlanningError(f"autopar: layout {name!r} does not apply here; expected one of {list(hints)}")
+    hint = completed(costs, [hints[name]])[0]
+    if hint.choice is None:
+        raise PlanningError(f"autopar: layout {name!r} has no completion on mesh {costs.graph.mesh_shape}: "
+                            "expected every op to keep a strategy under its placements, found one left none "
+                            "(an op that reads a placeholder in place, or one of a single strategy); "
+                            "pick another layout")
+    return layout_plan(costs, hint, memory_limit, axis_names)
 
 
 def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
@@ -210,6 +268,7 @@ def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
     solved = Solved(laid.costs, None, {hint.name: (laid.time, laid.memory)})
     plan = build_plan(solved, laid.assignment, kind=hint.name, axis_names=tuple(axis_names))
     record_recompute(plan, laid.costs)
+    plan.reasons.extend(hint.untied)
     return plan, solved
 
 

@@ -38,6 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.passes.placements import Spec, fits
 from autopar.passes.planner.intra_op import Hint
+from autopar.passes.roles import AxisRole
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import StrategyGraph
 
@@ -47,16 +48,16 @@ ADDMM = "aten.addmm.default"  # Conv1D: addmm(bias, x, weight), weight [in, out]
 EMBEDDING = "aten.embedding.default"
 
 
-def axis_roles(name: str, ndim: int) -> tuple[str, ...]:
-    """The role of every mesh axis under layout ``name``."""
+def axis_roles(name: str, ndim: int) -> tuple[AxisRole, ...]:
+    """The role of every mesh axis under layout ``name`` (FSDP's axes split the batch: ``DP``)."""
     if name == "replicated":
-        return ("replica",) * ndim
+        return (AxisRole.REPLICA,) * ndim
     if name in ("dp", "zero1", "zero2", "fsdp"):
-        return ("dp",) * ndim
+        return (AxisRole.DP,) * ndim
     if name == "tp":
-        return ("tp",) * ndim
+        return (AxisRole.TP,) * ndim
     if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp"):
-        return ("dp",) * (ndim - 1) + ("tp",)
+        return (AxisRole.DP,) * (ndim - 1) + (AxisRole.TP,)
     raise ValueError(f"autopar: no layout named {name!r}; expected one of {LAYOUTS}")
 
 
@@ -112,7 +113,7 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
     mesh = graph.mesh_shape
     roles = axis_roles(name, len(mesh))
     captured = graph.captured
-    tp_dims = megatron_dims(graph) if "tp" in roles else {}
+    tp_dims = megatron_dims(graph) if AxisRole.TP in roles else {}
     fixed: dict[fx.Node, Spec] = {}
     zero: dict[fx.Node, int] = {}
     for node in captured.nodes("placeholder"):
@@ -122,16 +123,16 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
         spec: list = [Replicate()] * len(mesh)
         if node.name in captured.user_inputs:
             for a, role in enumerate(roles):
-                if role == "dp" and shape:
+                if role is AxisRole.DP and shape:
                     spec[a] = Shard(0)
-                elif role == "tp" and name == "tp+sp" and len(shape) > 1:
+                elif role is AxisRole.TP and name == "tp+sp" and len(shape) > 1:
                     spec[a] = Shard(1)
         elif node.name in captured.params:
             for a, role in enumerate(roles):
-                if role == "tp" and node in tp_dims:
+                if role is AxisRole.TP and node in tp_dims:
                     spec[a] = Shard(tp_dims[node])
             if name in ("fsdp", "fsdp+tp"):
-                dp_axes = [a for a, r in enumerate(roles) if r == "dp"]
+                dp_axes = [a for a, r in enumerate(roles) if r is AxisRole.DP]
                 spec = _fsdp(shape, spec, dp_axes, mesh)
             zero[node] = {"zero1": 1, "zero2": 2, "tp+zero1": 1}.get(name, 0)
         fixed[node] = _fitting(shape, tuple(spec), mesh)
@@ -165,8 +166,8 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
     ``complete=True`` completes it here by ``autopar.passes.propagate`` (fewest bytes moved)."""
     fixed, zero = layout_placements(name, graph)
     roles = axis_roles(name, len(graph.mesh_shape))
-    keep = tuple(a for a, role in enumerate(roles) if role == "tp")
-    data = tuple(a for a, role in enumerate(roles) if role == "dp" and graph.mesh_shape[a] > 1)
+    keep = tuple(a for a, role in enumerate(roles) if role is AxisRole.TP)
+    data = tuple(a for a, role in enumerate(roles) if role is AxisRole.DP and graph.mesh_shape[a] > 1)
     return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
                 everything_whole=name == "replicated")
 
@@ -175,7 +176,7 @@ def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:
     """Every layout in ``names`` that applies to this mesh (duplicates of another dropped)."""
     out, seen = [], set()
     for name in names:
-        if "tp" in axis_roles(name, len(graph.mesh_shape)) and name != "tp" and len(graph.mesh_shape) < 2:
+        if AxisRole.TP in axis_roles(name, len(graph.mesh_shape)) and name != "tp" and len(graph.mesh_shape) < 2:
             continue  # tp+dp on one axis is tp
         h = hint(name, graph)
         key = (tuple(sorted((n.name, str(s)) for n, s in h.fixed.items())),

@@ -31,7 +31,8 @@ from autopar.passes.costing import Costs, build_costs
 from autopar.passes.planner.intra_op import Hint, PlanningError, complete, cost_layout
 from autopar.passes.planner.microbatch import batch_size, batch_split
 from autopar.passes.solve import plan_costs
-from autopar.passes.planner.pipeline import SCHEDULE_NAMES, LayerNumbers, layer_numbers, pipeline_profile, search
+from autopar.passes.planner.pipeline import LayerNumbers, layer_numbers, pipeline_profile, search
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -45,7 +46,7 @@ class Pinned:
     layout: str  # a manual intra-op layout (autopar.layouts), e.g. "fsdp", "tp+dp", "fsdp+tp"
     stages: int = 1  # pipeline stages over the mesh's outermost axis (1: no pipeline)
     micro_batches: int = 1
-    schedule: str = "1f1b"  # a key of planner_pipeline.SCHEDULE_NAMES
+    schedule: costmodels.Schedule = costmodels.Schedule.ONE_F_ONE_B  # or its name, e.g. "interleaved_1f1b"
     # activation checkpointing as the run states it (RECOMPUTE_POLICIES): "fit", the fewest
     # repeated layers that fit the memory limit (the planner's own rule, for a run that does
     # not say); "full", every repeated layer; "none", no layer. A run that fixed its
@@ -60,9 +61,11 @@ class Pinned:
         if self.stages < 1 or self.micro_batches < 1:
             raise ValueError(f"autopar: a pinned layout expects positive stages and micro-batches; found "
                              f"{self.stages} stages, {self.micro_batches} micro-batches")
-        if self.schedule not in SCHEDULE_NAMES:
+        try:
+            object.__setattr__(self, "schedule", costmodels.Schedule.parse(self.schedule))
+        except ValueError:
             raise ValueError(f"autopar: no pipeline schedule {self.schedule!r}; expected one of "
-                             f"{sorted(SCHEDULE_NAMES)}")
+                             f"{[s.value for s in costmodels.Schedule]}") from None
 
 
 @dataclass
@@ -171,7 +174,7 @@ def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_l
     if shape[0] % p:
         raise ValueError(f"autopar: {p} pipeline stages must divide the mesh's outermost axis, found mesh {shape}")
     intra = tuple(s for s in (shape[0] // p,) + tuple(shape[1:]) if s > 1) or (1,)
-    full = pipeline_profile(hardware, p, intra)
+    full = pipeline_profile(PlanRequest(mesh_shape=shape, hardware=hardware), p, intra)
     graph = build_strategy_graph(captured, intra)
     costs = build_costs(graph, _intra_profile(full, intra))
     hint = _completed(costs, hint_of, pinned)

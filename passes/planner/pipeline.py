@@ -39,13 +39,12 @@ from autopar.passes.plan import Pipeline, Plan, Prediction
 from autopar.passes.planner.assemble import node_breakdown, param_layers, storage_specs, zero_levels
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.placements import local_shape
 from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.explain import duration
 from autopar.passes.strategy_graph import build_strategy_graph
-
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 
 
 @dataclass
@@ -173,7 +172,7 @@ def _output_bytes(graph, node, choice, mesh) -> float:
 
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
-           memory_limit: float, schedules=("gpipe", "1f1b", "interleaved_1f1b")):
+           memory_limit: float, schedules=tuple(costmodels.Schedule)):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
 
     A stage that does not fit recomputes the fewest of its layers that make it fit
@@ -206,18 +205,18 @@ def recomputed_layers(num: LayerNumbers, cut) -> list[int]:
     return sorted(out)
 
 
-def pipeline_profile(hardware: costmodels.HardwareProfile | str, p: int,
-                     intra: tuple[int, ...]) -> costmodels.HardwareProfile:
+def pipeline_profile(request: PlanRequest, p: int, intra: tuple[int, ...]) -> costmodels.HardwareProfile:
     """The profile of the mesh ``(p,) + intra``, the pipeline axis first.
 
-    A preset (by name) is built for that mesh. A measured profile prices only what was
+    A preset (``request.preset``) is built for that mesh. A measured profile prices only what was
     measured: the pipeline takes its whole outermost axis (whose send/recv fit prices the
     stage boundaries) and the intra-op mesh is the remaining axes; a 1-D profile gains an
     intra-op axis of size 1, where every collective is free (as the profiler records one).
     """
     names = ("pp",) + tuple(f"axis{i + 1}" for i in range(len(intra)))
-    if isinstance(hardware, str):
-        return costmodels.preset(hardware, (p,) + tuple(intra), names)
+    if request.preset is not None:
+        return costmodels.preset(request.preset, (p,) + tuple(intra), names)
+    hardware = request.profile
     shape = tuple(hardware.mesh_shape)
     if shape[0] != p or (shape[1:] or (1,)) != tuple(intra):
         raise ValueError(
@@ -234,22 +233,24 @@ def pipeline_profile(hardware: costmodels.HardwareProfile | str, p: int,
         axes=[hardware.axes[0], one], source=f"{hardware.source}; an intra-op axis of size 1 added for a pipeline")
 
 
-def pipeline_plan(captured, p: int, intra: tuple[int, ...], hardware: costmodels.HardwareProfile | str, hint_fn, *,
-                  memory_limit: float, time_limit_s: float, shape: tuple[int, ...], graph=None):
+def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest, *, solver_time_s: float,
+                  graph=None):
     """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``.
 
-    ``hardware``: a preset name or a profile (``pipeline_profile``); ``graph``: the strategy
-    graph on ``intra`` when the caller has it."""
+    ``request``: the whole mesh's (its hardware priced for this split by ``pipeline_profile``,
+    its memory limit per device, its manual layouts); ``solver_time_s``: the intra-op solve's
+    budget; ``graph``: the strategy graph on ``intra`` when the caller has it."""
 
-    full = pipeline_profile(hardware, p, tuple(intra))
+    full = pipeline_profile(request, p, tuple(intra))
+    memory_limit = request.memory_bytes
     names = ("pp",) + full.axis_names[1:]
     intra_profile = costmodels.HardwareProfile(
         machine=full.machine, backend=full.backend, mesh_shape=intra, device=full.device, axes=full.axes[1:],
         source=full.source)
     graph = graph if graph is not None else build_strategy_graph(captured, intra)
     try:  # the whole model's state over P stages: P times the budget before the cut checks it
-        plan, solved = plan_intra_op(graph, intra_profile, hint_fn, memory_limit=memory_limit * p,
-                                     time_limit_s=time_limit_s, axis_names=names[1:])
+        stage_request = request.on_mesh(intra_profile, memory_limit=memory_limit * p, axis_names=names[1:])
+        plan, solved = plan_intra_op(graph, stage_request, solver_time_s=solver_time_s)
     except PlanningError as exc:
         return None, f"intra-op part does not fit ({str(exc)[:80]}...)"
     costs = solved.costs
@@ -293,8 +294,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
         for layer in option.cut.layers(s):
             stage_of_layer[layer] = s
     m, v = option.num_microbatches, option.chunks_per_rank
-    slowest = max(option.cut.stage_time)
-    bubble = (p - 1) * slowest
+    bubble = option.schedule.bubble_time(option.cut.stage_time, v)
     overhead = float(num.param_time.sum()) / p
     rank = int(np.argmax(option.rank_memory))
     layers = [l for s in range(rank, p * v, p) for l in option.cut.layers(s)]
@@ -316,7 +316,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
         strategies={n.name: str(ns.strategies[choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
         params=storage_specs(costs, assignment),
         zero=zero_levels(costs, assignment),
-        pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=SCHEDULE_NAMES[option.schedule],
+        pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=option.schedule.display,
                           stage_of={n.name: stage_of_layer[num.layer_of_node[n]] for n in graph.nodes},
                           chunks_per_rank=v, batch_size=batching[0], batch_split=batching[1]),
         recompute=[f"layer {k}" for k in recomputed],
@@ -325,7 +325,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     plan.breakdown = node_breakdown(costs, assignment)
     plan.param_layers = param_layers(costs)
     plan.reasons.append(
-        f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {SCHEDULE_NAMES[option.schedule]}"
+        f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {option.schedule.display}"
         f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {duration(bubble)} of {duration(option.step_time)}"
         + (f"; {len(recomputed)} of {len(num.act_time)} layers recomputed in backward (per stage the fewest "
            "that fit its micro-batches in flight)" if recomputed else ""))

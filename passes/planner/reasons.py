@@ -1,8 +1,8 @@
 """Why a plan: the comparisons the planner writes into ``Plan.reasons`` for ``explain()``.
 
 For the costliest repeated layer, the collectives the chosen plan runs there (forward
-resharding and the backward duals, gradient syncs included, as ``autopar.passes.costing``
-prices them) against those of the fastest manual layout that lays the layer out
+resharding and the backward duals, gradient syncs included: the items of the prices
+``autopar.passes.costing`` charges the solver) against those of the fastest manual layout that lays the layer out
 differently: e.g. ``tp on axis1: all_reduce on axis1 0.8 ms/layer beats dp's
 all_reduce on axis0 3.1 ms/layer``. And what each mesh axis does in the plan.
 """
@@ -13,79 +13,53 @@ from typing import Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar import costmodels
 from autopar.passes.solve import evaluate_time
 from autopar.passes.strategy_graph import tensor_inputs
-from autopar.passes.placements import gradient_spec
-from autopar.passes.costing import Costs, requires_grad
-from autopar.passes.op_strategies import TensorMeta
+from autopar.passes.costing import Costs
 from autopar.passes.explain import duration
+from autopar.passes.roles import AxisRole
 
 
-def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int, grad_nodes=None) -> dict[str, float]:
-    """'<collective> on <axis>' -> seconds per step, over the edges into ``layer``'s nodes."""
-    graph, profile = costs.graph, costs.profile
-    names = profile.axis_names
-    choice, _ = costs.choice(assignment)
-    grad_nodes = requires_grad(graph) if grad_nodes is None else grad_nodes
+def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int) -> dict[str, float]:
+    """'<collective> on <axis>' (and 'bucket copies on <axis>', a parameter's packing into its
+    bucket) -> seconds per step, over the edges into ``layer``'s nodes: the items of the very
+    prices the solver's edge tables hold (``Costs.edge_price``)."""
+    names = costs.profile.axis_names
     out: dict[str, float] = {}
-    for src, dst, position in costs.edge_inputs:
+    for edge, (_, dst, _) in enumerate(costs.edge_inputs):
         if costs.layer_of.get(dst) != layer:
             continue
-        src_ns = graph.nodes[src]
-        index = src_ns.follows[1] if src_ns.follows is not None else 0
-        have = src_ns.strategies[choice[src]].outputs[index]
-        strategy = graph.nodes[dst].strategies[choice[dst]]
-        need = strategy.inputs[position]
-        if need is None:
-            continue
-        meta = TensorMeta.of(src.meta["val"])
-        shape, size, mesh = meta.shape, meta.dtype.itemsize, graph.mesh_shape
-        steps = list(costmodels.reshard_plan(shape, size, have, need, mesh)) if have != need else []
-        if src.name in graph.captured.params and have != need:
-            steps *= 2  # gathered again in backward (FSDP)
-        if src in grad_nodes:
-            steps += costmodels.backward_reshard_plan(shape, size, have, need, mesh, gradient_spec(need, strategy.outputs))
-        for s in steps:
-            key = f"{s.collective} on {names[s.axis]}"
-            t = costmodels.collective_time(s.collective, s.bytes, s.axis, profile,
-                                           in_step=src.name not in graph.captured.params)
-            out[key] = out.get(key, 0.0) + t
+        for charge in costs.edge_price(edge, assignment).charges:
+            key = f"{'bucket copies' if charge.copies else charge.collective} on {names[charge.axis]}"
+            out[key] = out.get(key, 0.0) + charge.seconds
     return out
 
 
 def axis_roles(costs: Costs, assignment: Sequence[int]) -> list[str]:
-    """Per mesh axis, joined by '+': 'dp' (the batch is split), 'tp' (weights split and used
-    split), 'fsdp' (weights split and gathered before use); 'replica' for none."""
+    """Per mesh axis, its roles (``AxisRole``) joined by '+': ``dp`` (the batch is split),
+    ``tp`` (weights split and used split), ``fsdp`` (weights split and gathered before
+    use), with how many weights; ``replica`` for none."""
     graph = costs.graph
     choice, _ = costs.choice(assignment)
+    inputs = [n for n in graph.nodes if n.name in graph.captured.user_inputs]
+    readers = [u for n in inputs for u in n.users if u in graph.nodes]
+    params = [n for n in graph.nodes if n.name in graph.captured.params]
     roles = []
     for axis in range(len(graph.mesh_shape)):
-        readers = [u for n in graph.nodes if n.name in graph.captured.user_inputs for u in n.users
-                   if u in graph.nodes]
-        batch = any(isinstance(graph.nodes[n].strategies[choice[n]].output[axis], Shard)
-                    for n in [n for n in graph.nodes if n.name in graph.captured.user_inputs]
-                    + readers)
-        split = [n for n in graph.nodes if n.name in graph.captured.params
-                 and isinstance(graph.nodes[n].strategies[choice[n]].output[axis], Shard)]
+        batch = any(isinstance(graph.nodes[n].strategies[choice[n]].output[axis], Shard) for n in inputs + readers)
+        split = [n for n in params if isinstance(graph.nodes[n].strategies[choice[n]].output[axis], Shard)]
         gathered = [n for n in split if any(
             u in graph.nodes and graph.nodes[u].follows is None and any(
                 src is n and need is not None and isinstance(need[axis], Replicate)
-                for src, need in zip(_inputs(u), graph.nodes[u].strategies[choice[u]].inputs))
+                for src, need in zip(tensor_inputs(u), graph.nodes[u].strategies[choice[u]].inputs))
             for u in n.users)]
-        parts = ["dp"] if batch else []
+        parts = [f"{AxisRole.DP}"] if batch else []
         if len(split) > len(gathered):
-            parts.append(f"tp ({len(split) - len(gathered)} weights split)")
+            parts.append(f"{AxisRole.TP} ({len(split) - len(gathered)} weights split)")
         if gathered:
-            parts.append(f"fsdp ({len(gathered)} weights gathered)")
-        role = "+".join(parts) or "replica"
-        roles.append(role)
+            parts.append(f"{AxisRole.FSDP} ({len(gathered)} weights gathered)")
+        roles.append("+".join(parts) or f"{AxisRole.REPLICA}")
     return roles
-
-
-def _inputs(node):
-
-    return tensor_inputs(node)
 
 
 def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, Sequence[int]]) -> list[str]:
@@ -98,14 +72,13 @@ def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, S
     layers = sorted(set(costs.layer_of.values()))
     if not layers:
         return out
-    grad_nodes = requires_grad(costs.graph)
     per_layer = {}
     for layer in layers[:1] + layers[len(layers) // 2:len(layers) // 2 + 1]:
-        per_layer[layer] = layer_collectives(costs, assignment, layer, grad_nodes)
+        per_layer[layer] = layer_collectives(costs, assignment, layer)
     layer = max(per_layer, key=lambda k: sum(per_layer[k].values()))
     mine = per_layer[layer]
     for name, other in sorted(hints.items(), key=lambda kv: _time(costs, kv[1])):
-        theirs = layer_collectives(costs, other, layer, grad_nodes)
+        theirs = layer_collectives(costs, other, layer)
         if theirs == mine:
             continue
         out.append(f"layer {layer}: {_describe(mine)} = {duration(sum(mine.values()))}/layer here; the best "
@@ -115,7 +88,6 @@ def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, S
 
 
 def _time(costs: Costs, assignment) -> float:
-
     return evaluate_time(costs.problem, assignment)
 
 

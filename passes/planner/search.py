@@ -25,24 +25,16 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Sequence
 
-from autopar import costmodels
 from autopar.passes.explain import duration
 from autopar.passes.layers import layer_path
 from autopar.passes.plan import Plan
 from autopar.passes.planner.intra_op import GB, PlanningError, plan_intra_op
 from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import build_strategy_graph
-
-
-def _profile(hardware, shape: tuple[int, ...], names) -> costmodels.HardwareProfile:
-    if isinstance(hardware, str):
-        return costmodels.preset(hardware, shape, names)
-    if tuple(hardware.mesh_shape) != tuple(shape):
-        raise PlanningError(f"autopar: the hardware profile is for mesh {hardware.mesh_shape}, found mesh {shape}; "
-                            "measure or build a profile for this mesh shape")
-    return hardware
 
 
 def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -55,11 +47,12 @@ def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
     return out
 
 
-def pipeline_factorisations(shape: tuple[int, ...], hardware) -> list[tuple[int, tuple[int, ...]]]:
-    """The factorisations ``hardware`` can price: any (``factorisations``) for a preset, which
-    is built for each; for a measured profile only the pipeline over the whole outermost axis,
-    the intra-op mesh being the other measured axes (``planner_pipeline.pipeline_profile``)."""
-    if isinstance(hardware, str):
+def pipeline_factorisations(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations the request's hardware can price: any (``factorisations``) for a
+    preset, which is built for each; for a measured profile only the pipeline over the whole
+    outermost axis, the intra-op mesh being the other measured axes (``pipeline.pipeline_profile``)."""
+    shape = request.mesh_shape
+    if request.preset is not None:
         return factorisations(shape)
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
 
@@ -121,8 +114,7 @@ def next_factorisation(options: Sequence[tuple[int, tuple[int, ...]]], results: 
     return min(untried, key=lambda i: (abs(i - best), -i))
 
 
-def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, profile, hint_fn, limit: float,
-                            axis_names) -> Plan:
+def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, request: PlanRequest) -> Plan:
     """``best``, or the manual layout (without a pipeline) predicted faster, costed the same way
     (the pipelines' own layouts already compete inside ``pipeline_plan``)."""
     flat = {name: t for name, t in candidates.items() if "[" not in name}
@@ -130,29 +122,28 @@ def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, pro
         return best
     name = min(flat, key=flat.get)
     try:
-        manual, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, layout=name, axis_names=axis_names)
+        manual, _ = plan_intra_op(graph, replace(request, layout=name))
     except PlanningError:
         return best
-    if manual.predicted.step_time >= best.predicted.step_time or sum(manual.predicted.memory.values()) > limit:
+    too_big = sum(manual.predicted.memory.values()) > request.memory_bytes
+    if manual.predicted.step_time >= best.predicted.step_time or too_big:
         return best
     manual.reasons.append(f"the {name} layout ({duration(manual.predicted.step_time)}) beat the search's best "
                           f"({duration(best.predicted.step_time)}) under the same costing, so it is the plan")
     return manual
 
 
-def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, memory_limit: float | None = None,
-                  time_limit_s: float = 60.0, pipeline: bool = True, layout: str | None = None,
-                  axis_names: Sequence[str] | None = None, progress=None, outer_axis_only: bool = False) -> Plan:
-    """Intra-op plan on ``shape``, and (``pipeline``) pipelined plans over factorisations; the fastest wins.
-    ``progress(phase, done, total)``, if given, is called as each of the ``total`` search steps starts.
-    ``outer_axis_only``: pipelines only over the whole outermost axis (a plan for a given device
-    mesh keeps its shape); none on a 1-D mesh."""
+def plan_captured(captured, request: PlanRequest) -> Plan:
+    """Intra-op plan on ``request.mesh_shape``, and (``request.pipeline``) pipelined plans over
+    factorisations; the fastest wins. ``request.progress(phase, done, total)``, if given, is
+    called as each of the ``total`` search steps starts. ``request.outer_axis_only``: pipelines
+    only over the whole outermost axis (a plan for a given device mesh keeps its shape); none on
+    a 1-D mesh."""
     started = time.perf_counter()
-    report = progress or (lambda phase, done, total: None)
-    profile = _profile(hardware, shape, axis_names)
-    limit = memory_limit if memory_limit is not None else float(profile.device.memory_bytes)
-    options = pipeline_factorisations(shape, hardware) if pipeline and layout is None else []
-    if outer_axis_only:
+    report = request.progress or (lambda phase, done, total: None)
+    shape, limit, time_limit_s = request.mesh_shape, request.memory_bytes, request.time_limit_s
+    options = pipeline_factorisations(request) if request.pipeline and request.layout is None else []
+    if request.outer_axis_only:
         options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
     layers = repeated_layer_count(captured)
     too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
@@ -169,8 +160,7 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
     tried = {"no pipeline": ""}
     report("no pipeline", 0, 1 + budget)
     try:
-        best, _ = plan_intra_op(graph, profile, hint_fn, memory_limit=limit, time_limit_s=solver_time,
-                                layout=layout, axis_names=axis_names)
+        best, _ = plan_intra_op(graph, request, solver_time_s=solver_time)
         tried["no pipeline"] = duration(best.predicted.step_time)
         candidates.update(best.candidates)
     except PlanningError as exc:
@@ -184,8 +174,7 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
         if time_limit_s - (time.perf_counter() - started) <= 0.02 * time_limit_s:
             clock_cut = True  # the wall clock, a safety net: the deterministic budget did not run out
             break
-        candidate, outcome[i] = pipeline_plan(captured, p, intra, hardware, hint_fn, memory_limit=limit,
-                                              time_limit_s=solver_time, shape=shape,
+        candidate, outcome[i] = pipeline_plan(captured, p, intra, request, solver_time_s=solver_time,
                                               graph=build_strategy_graph(captured, intra, calls))
         results[i] = candidate.predicted.step_time if candidate is not None else math.inf
         if candidate is None:
@@ -201,7 +190,7 @@ def plan_captured(captured, shape: tuple[int, ...], hardware, *, hint_fn=None, m
         tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
     if best is None:
         raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
-    best = _no_slower_than_layouts(best, candidates, graph, profile, hint_fn, limit, axis_names)
+    best = _no_slower_than_layouts(best, candidates, graph, request)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
     if clock_cut:
         best.solver["clock_cut"] = True  # the wall clock, a safety net, left options out

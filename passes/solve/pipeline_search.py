@@ -21,7 +21,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from autopar.passes.solve.stages import StageCut, cut_stages, in_flight_microbatches, pipeline_step_time
+from autopar.costmodels import Schedule
+from autopar.passes.solve.stages import StageCut, cut_stages
 
 
 @dataclass
@@ -43,7 +44,7 @@ class LayerCosts:
 class PipelineOption:
     num_stages: int  # ranks along the pipeline axis (P)
     num_microbatches: int
-    schedule: str
+    schedule: Schedule
     chunks_per_rank: int
     step_time: float  # math.inf when rejected
     cut: StageCut | None
@@ -62,7 +63,7 @@ def search_pipeline(
     *,
     stage_counts: Sequence[int],
     microbatch_counts: Sequence[int],
-    schedules: Sequence[str] = ("1f1b",),
+    schedules: Sequence[str | Schedule] = (Schedule.ONE_F_ONE_B,),
     chunks_per_rank: Sequence[int] = (2,),
     memory_limit: float | None = None,
 ) -> PipelineSearchResult:
@@ -72,9 +73,8 @@ def search_pipeline(
     for p in stage_counts:
         for m in microbatch_counts:
             costs = lookup((p, m)) if lookup else layer_costs(p, m)
-            for schedule in schedules:
-                chunk_counts = chunks_per_rank if schedule == "interleaved_1f1b" else (1,)
-                for v in chunk_counts:
+            for schedule in map(Schedule.parse, schedules):
+                for v in chunks_per_rank if schedule.interleaved else (1,):
                     options.append(evaluate_pipeline(costs, p, m, schedule, v, memory_limit))
     options.sort(key=lambda o: (o.step_time, o.num_stages, o.num_microbatches))
     best = options[0] if options and math.isfinite(options[0].step_time) else None
@@ -82,22 +82,21 @@ def search_pipeline(
 
 
 def evaluate_pipeline(
-    costs: LayerCosts, num_stages: int, num_microbatches: int, schedule: str, chunks_per_rank: int = 1,
+    costs: LayerCosts, num_stages: int, num_microbatches: int, schedule: str | Schedule, chunks_per_rank: int = 1,
     memory_limit: float | None = None,
 ) -> PipelineOption:
     """Best cut and predicted step time of one (P, M, schedule, v)."""
-    v = chunks_per_rank if schedule == "interleaved_1f1b" else 1
+    schedule = Schedule.parse(schedule)
+    v = schedule.chunks(chunks_per_rank)
     option = PipelineOption(num_stages, num_microbatches, schedule, v, math.inf, None)
     num_layers = len(costs.time)
     if num_stages * v > num_layers:
         option.rejected = f"{num_stages * v} stages for {num_layers} layers"
         return option
-    if schedule == "interleaved_1f1b" and num_microbatches % num_stages:
-        # torch runs interleaving in rounds of P micro-batches (and refuses some other counts);
-        # the step-time formula is exact only for whole rounds
-        option.rejected = f"interleaved 1F1B needs micro-batches in multiples of {num_stages} stages"
+    if problem := schedule.micro_batch_problem(num_stages, num_microbatches):
+        option.rejected = problem
         return option
-    in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, v)
+    in_flight = schedule.in_flight_per_stage(num_stages, num_microbatches, v)
     chunk_limit = None if memory_limit is None else memory_limit / v
     cut = cut_stages(
         costs.time, num_stages * v, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
@@ -112,5 +111,5 @@ def evaluate_pipeline(
     if memory_limit is not None and max(option.rank_memory) > memory_limit * (1 + 1e-12):
         option.rejected = f"a rank needs {max(option.rank_memory):.6g} bytes"
         return option
-    option.step_time = pipeline_step_time(cut.stage_time, num_microbatches, schedule, v) + costs.step_overhead
+    option.step_time = schedule.step_time(cut.stage_time, num_microbatches, v) + costs.step_overhead
     return option

@@ -32,7 +32,8 @@ every stage, by the exact DP
 
 over prefix sums (``O(S * L^2)``, vectorised over ``a``).
 
-Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks:
+Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks, is the
+schedule's own (``costmodels.Schedule.step_time``):
     GPipe and 1F1B:       (M + P - 1) * slowest stage
     interleaved 1F1B, ``v`` chunks per rank (virtual stage c on rank c mod P):
         M * slowest rank + (P - 1) * slowest chunk,
@@ -48,8 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from autopar import costmodels
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from autopar.costmodels import Schedule
 
 
 @dataclass
@@ -69,40 +69,21 @@ class StageCut:
         return range(self.starts[stage], end)
 
 
-def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, chunks_per_rank: int = 1) -> list[int]:
-    """Micro-batches whose activations each (virtual) stage keeps alive at its peak.
-
-    Rank ``r`` holds ``costmodels.micro_batches_in_flight(..., rank=r)`` micro-batches
-    through its whole stage (``formulas.IN_FLIGHT``: ``M`` under GPipe, ``min(M, P - r)``
-    under 1F1B, Megatron's warm-up under interleaved 1F1B); interleaved, that is spread
-    over the rank's ``v`` chunks, each chunk holding the rounded-up share (an even-spread
-    approximation, never below the count).
-    """
-    _check_schedule(schedule, num_ranks, num_microbatches, chunks_per_rank)
-    p, m = num_ranks, num_microbatches
-    v = chunks_per_rank if schedule == "interleaved_1f1b" else 1
-    per_rank = [math.ceil(costmodels.micro_batches_in_flight(schedule, p, m, v, rank=r)) for r in range(p)]
-    if schedule != "interleaved_1f1b":
-        return per_rank
-    return [per_rank[c % p] for c in range(p * v)]
+def in_flight_microbatches(schedule: str | Schedule, num_ranks: int, num_microbatches: int,
+                           chunks_per_rank: int = 1) -> list[int]:
+    """Micro-batches whose activations each (virtual) stage keeps alive at its peak
+    (``Schedule.in_flight_per_stage``: ``M`` under GPipe, ``min(M, P - r)`` under 1F1B,
+    Megatron's warm-up under interleaved 1F1B, each chunk holding its rank's rounded-up
+    count)."""
+    return Schedule.parse(schedule).in_flight_per_stage(num_ranks, num_microbatches, chunks_per_rank)
 
 
 def pipeline_step_time(
-    stage_time: Sequence[float], num_microbatches: int, schedule: str, chunks_per_rank: int = 1
+    stage_time: Sequence[float], num_microbatches: int, schedule: str | Schedule, chunks_per_rank: int = 1
 ) -> float:
-    """Predicted pipeline time of one step from per-micro-batch (virtual) stage times."""
-    v = chunks_per_rank if schedule == "interleaved_1f1b" else 1
-    if len(stage_time) % v:
-        raise ValueError(
-            f"autopar: expected a multiple of chunks_per_rank={v} virtual stages, found {len(stage_time)}."
-        )
-    p = len(stage_time) // v
-    _check_schedule(schedule, p, num_microbatches, v)
-    slowest = max(stage_time)
-    if schedule in ("gpipe", "1f1b"):
-        return (num_microbatches + p - 1) * slowest
-    rank_time = [sum(stage_time[c] for c in range(r, p * v, p)) for r in range(p)]
-    return num_microbatches * max(rank_time) + (p - 1) * slowest
+    """Predicted pipeline time of one step from per-micro-batch (virtual) stage times
+    (``Schedule.step_time``)."""
+    return Schedule.parse(schedule).step_time(stage_time, num_microbatches, chunks_per_rank)
 
 
 def cut_stages(
@@ -230,13 +211,3 @@ def _per_layer(values, length: int, name: str) -> np.ndarray:
     if array.shape != (length,):
         raise ValueError(f"autopar: expected {name} with {length} entries, found shape {array.shape}.")
     return array
-
-
-def _check_schedule(schedule: str, num_ranks: int, num_microbatches: int, chunks_per_rank: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"autopar: expected a schedule in {SCHEDULES}, found {schedule!r}.")
-    if num_ranks < 1 or num_microbatches < 1 or chunks_per_rank < 1:
-        raise ValueError(
-            f"autopar: expected positive ranks, micro-batches and chunks, found {num_ranks}, "
-            f"{num_microbatches}, {chunks_per_rank}."
-        )

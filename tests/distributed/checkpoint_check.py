@@ -5,14 +5,20 @@ line per case on rank 0 ("RESULT {...}").
 
 Cases (a GPT with dropout 0.1, an LR warm-up by LambdaLR, AdamW):
 - ``resume:<mesh>:<layout...>``: train STEPS steps saving after steps 1-4 (even steps
-  asynchronously, keep=2); a fresh module (RNG reseeded elsewhere) loads the newest and
-  trains the rest: its losses must equal the uninterrupted run's exactly.
+  asynchronously, keep=2) with the scheduler and a per-rank data position as ``extra``; a
+  fresh module (RNG reseeded elsewhere) loads the newest and trains the rest: its losses
+  must equal the uninterrupted run's exactly. Every rank seeded alike, as users do
+  (``resume-seeded``: each rank its own seed, a data-parallel plan).
+- ``rng:<mesh>:<layout...>``: ranks seeded one by one under tensor parallelism: the save
+  warns, a load gives every rank the RNG state of the first rank running the same rows.
 - ``reshard:<mesh>:<layout...>:<mesh>:<layout...>``: a checkpoint of one layout loaded into
   another (dropout 0: other layouts draw other masks); the losses agree to rounding.
 - ``export:<mesh>:<layout...>``: ``full_state_dict`` and ``export`` against the model's own
   state_dict; a persistent buffer travels in checkpoints.
-- ``errors``: another model's checkpoint, a corrupted one, a folder without its marker,
-  extra state under other names.
+- ``async``: an asynchronous save returns while the disk writes are held back.
+- ``errors``: another model's checkpoint, corrupted ones (shard, metadata, marker; with and
+  without a marker), a folder without its marker, extra state under other names: the
+  messages of every rank.
 - ``train:<steps>:<kill step>``: the fault test's run (``AUTOPAR_KILL_RANK`` set: that rank
   kills itself with SIGKILL inside the save of ``<kill step>``, once its shard is written).
 - ``after-kill:<steps>``: resumes from ``root``, then trains an uninterrupted run from
@@ -26,11 +32,15 @@ import os
 import shutil
 import signal
 import sys
+import threading
+import time
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
 
@@ -44,6 +54,7 @@ STEPS = 6
 WARMUP = 8
 DROPOUT = 0.1
 PROBE = True
+HELD_S = 60.0  # how long the asynchronous case's writer waits at most for its release
 
 
 def gpt(dropout: float) -> GPT:
@@ -79,13 +90,41 @@ def compiled_for(parts: list[str], model: nn.Module, mesh: tuple[int, ...], toke
     return pm
 
 
-def module(parts: list[str], mesh: tuple[int, ...], dropout: float):
-    """A compiled GPT; the RNG then seeded per batch shard (the stream dropout draws from).
-    Tensor-parallel peers share a seed: dropout on an activation they all hold whole must
-    draw the same mask on each, or their copies of replicated parameters drift apart."""
+def module(parts: list[str], mesh: tuple[int, ...], dropout: float, seed_per_rank: bool = False):
+    """A compiled GPT, every rank seeded alike (``gpt``) as users do; ``seed_per_rank``: then
+    each rank reseeded on its own (draws its own dropout masks: right where every rank runs
+    rows of its own, a data-parallel plan; tensor-parallel peers must draw alike)."""
     pm = compiled_for(parts, gpt(dropout), mesh, batches(1)[0][0], lm_loss)
-    torch.manual_seed(100 + pm.data_parallel.rank)
+    if seed_per_rank:
+        torch.manual_seed(100 + dist.get_rank())
     return pm
+
+
+class Position:
+    """A data loader's position, per rank (each reads its own shard of the data): a Stateful."""
+
+    def __init__(self, consumed: int = 0):
+        self.consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
+def position_at(step: int) -> int:
+    return 1000 * dist.get_rank() + step
+
+
+def on_every_rank(value) -> list:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def rng_crc() -> int:
+    return zlib.crc32(torch.get_rng_state().numpy().tobytes())
 
 
 def train(pm, scheduler, data, first: int, last: int, saving=None) -> list[float]:
@@ -109,19 +148,23 @@ def folder(root: Path, name: str) -> Path:
 
 
 def resume_case(root: Path, spec: str) -> dict:
-    _, mesh_text, *parts = spec.split(":")
+    """``resume``: every rank seeded alike; ``resume-seeded``: each rank its own seed. The
+    scheduler is saved once (the same on every rank), the data position per rank."""
+    kind, mesh_text, *parts = spec.split(":")
     mesh, data, path = mesh_of(mesh_text), batches(STEPS), folder(root, spec.replace(":", "_"))
-    pm = module(parts, mesh, dropout=DROPOUT)
+    seed_per_rank = kind == "resume-seeded"
+    pm = module(parts, mesh, dropout=DROPOUT, seed_per_rank=seed_per_rank)
     scheduler = warmup(pm.optimizer)
     saver = Checkpointer(pm, path, keep=2)
 
     def saving(step: int) -> None:
         if step <= 4:
-            saver.save(step, extra={"scheduler": scheduler}, asynchronous=step % 2 == 0)
+            extra = {"scheduler": scheduler, "data": Position(position_at(step))}
+            saver.save(step, extra=extra, asynchronous=step % 2 == 0)
 
     uninterrupted = train(pm, scheduler, data, 0, STEPS, saving)
     saver.wait()
-    second = module(parts, mesh, dropout=DROPOUT)
+    second = module(parts, mesh, dropout=DROPOUT, seed_per_rank=seed_per_rank)
     dropout_active = None
     if parts[0] != "pp" and PROBE:  # two forwards in train mode: dropout draws different masks
         with torch.no_grad():
@@ -129,12 +172,37 @@ def resume_case(root: Path, spec: str) -> dict:
     torch.manual_seed(12345)  # another stream: only the checkpoint's RNG states give the saved run's masks
     scheduler2 = warmup(second.optimizer)
     loader = Checkpointer(second, path, keep=2)
-    start = loader.load(extra={"scheduler": scheduler2})
+    position = Position()
+    start = loader.load(extra={"scheduler": scheduler2, "data": position})
     lr_at_load = second.optimizer.param_groups[0]["lr"]
+    positions = on_every_rank((position.consumed, position_at(start)))
     resumed = train(second, scheduler2, data, start, STEPS)
-    return {"case": spec, "start": start, "kept": saver.complete_steps(), "dropout_active": dropout_active,
+    saved = dcp.FileSystemReader(str(loader.folder(start))).read_metadata().state_dict_metadata
+    plan_saved = (loader.folder(start) / checkpoint.PLAN_FILE).read_text() == second.plan.to_json()
+    return {"plan_saved": plan_saved, "case": spec, "start": start, "kept": saver.complete_steps(), "dropout_active": dropout_active,
             "uninterrupted": uninterrupted[start:], "resumed": resumed, "exact": uninterrupted[start:] == resumed,
-            "lr_at_load": lr_at_load, "lr_expected": min(1.0, (start + 1) / WARMUP) * 1e-2}
+            "lr_at_load": lr_at_load, "lr_expected": min(1.0, (start + 1) / WARMUP) * 1e-2,
+            "positions": positions, "extra_entries": sorted(k for k in saved if k.startswith("extra"))}
+
+
+def rng_case(root: Path, spec: str) -> dict:
+    """``rng:<mesh>:<layout>``: ranks reseeded one by one (tensor-parallel peers then draw
+    apart): the save warns; a load gives every rank of a group the first one's state."""
+    _, mesh_text, *parts = spec.split(":")
+    path = folder(root, spec.replace(":", "_"))
+    pm = module(parts, mesh_of(mesh_text), dropout=DROPOUT, seed_per_rank=True)
+    train(pm, warmup(pm.optimizer), batches(1), 0, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Checkpointer(pm, path).save(1)
+    saved = on_every_rank((pm.data_parallel.rank, rng_crc()))
+    torch.manual_seed(5)
+    Checkpointer(pm, path).load()
+    loaded = on_every_rank((pm.data_parallel.rank, rng_crc()))
+    first_of = {group: crc for group, crc in reversed(saved)}  # the first rank of each group
+    return {"case": spec, "warned": [str(w.message) for w in caught if "RNG states" in str(w.message)],
+            "saved_distinct": len({crc for _, crc in saved}), "loaded": [crc for _, crc in loaded],
+            "expected": [first_of[group] for group, _ in loaded]}
 
 
 def reshard_case(root: Path, spec: str) -> dict:
@@ -224,6 +292,7 @@ def errors_case(root: Path) -> dict:
     pm.train_step((data[0][0],), data[0][1])
     Checkpointer(pm, path).save(1, extra={"scheduler": scheduler})
     messages, untouched = {}, {}
+    nothing_yet = Checkpointer(pm, path / "empty").load()
 
     def expect(name: str, target, load) -> None:
         before = {k: v.clone() for k, v in target.full_state_dict().items()}
@@ -265,15 +334,61 @@ def errors_case(root: Path) -> dict:
     dist.barrier()
     expect("garbled metadata", damaged,
            lambda: Checkpointer(damaged, path).load(extra={"scheduler": warmup(damaged.optimizer)}))
-    # one folder written by checkpoint.save (no marker, no checksums): DCP's metadata names the short file
+    if dist.get_rank() == 0:  # the marker itself unreadable
+        (path / "step_00000001" / checkpoint.MARKER).write_text("{not json")
+    dist.barrier()
+    expect("garbled marker", damaged,
+           lambda: Checkpointer(damaged, path).load(extra={"scheduler": warmup(damaged.optimizer)}))
+    # a folder of checkpoint.save (a marker with checksums): a shard's bytes garbled, its length kept
     checkpoint.save(pm, path / "plain")
     plain_shard = sorted((path / "plain").glob("*.distcp"))[-1]
+    plain_bytes = plain_shard.read_bytes()
     dist.barrier()
     if dist.get_rank() == 0:
-        plain_shard.write_bytes(plain_shard.read_bytes()[:100])
+        plain_shard.write_bytes(bytes(len(plain_bytes)))
+    dist.barrier()
+    expect("garbled, plain", damaged, lambda: checkpoint.load(damaged, path / "plain"))
+    if dist.get_rank() == 0:  # without the marker (a folder DCP wrote alone): DCP reads, fails on every rank
+        (path / "plain" / checkpoint.MARKER).unlink()
+    dist.barrier()
+    expect("garbled, no marker", damaged, lambda: checkpoint.load(damaged, path / "plain"))
+    if dist.get_rank() == 0:  # and cut short: DCP's metadata names the short file before reading
+        plain_shard.write_bytes(plain_bytes[:100])
     dist.barrier()
     expect("truncated, no marker", damaged, lambda: checkpoint.load(damaged, path / "plain"))
-    return {"case": "errors", "messages": messages, "untouched": untouched, "without_marker_ignored": found == 1}
+    return {"case": "errors", "messages": messages, "untouched": untouched, "without_marker_ignored": found == 1,
+            "nothing_yet": nothing_yet,
+            "every_rank": on_every_rank(messages)}
+
+
+def async_case(root: Path) -> dict:
+    """``save(asynchronous=True)`` returns while every rank's disk write is held back (a
+    writer that waits for an event): the step is not blocked on the disk; the checkpoint
+    becomes complete only once written."""
+    path = folder(root, "async")
+    pm = module(["dp"], (4,), dropout=0.0)
+    train(pm, warmup(pm.optimizer), batches(1), 0, 1)
+    released = threading.Event()
+    writer = dcp.FileSystemWriter
+    write_data = writer.write_data
+
+    def held_back(self, plan, planner):
+        released.wait(HELD_S)
+        return write_data(self, plan, planner)
+
+    writer.write_data = held_back
+    try:
+        saver = Checkpointer(pm, path)
+        began = time.perf_counter()
+        saver.save(1, asynchronous=True)
+        returned_s = time.perf_counter() - began
+        complete_while_held = saver.complete_steps()
+        released.set()
+        saver.wait()
+    finally:
+        writer.write_data = write_data
+    return {"case": "async", "returned_s": max(on_every_rank(returned_s)), "held_s": HELD_S,
+            "complete_while_held": complete_while_held, "complete_after": saver.complete_steps()}
 
 
 def kill_inside_save(step_to_kill: int, rank_to_kill: int) -> None:
@@ -331,8 +446,12 @@ def main(root: str, cases: list[str]) -> None:
     for spec in cases:
         kind, *rest = spec.split(":")
         try:
-            if kind == "resume":
+            if kind in ("resume", "resume-seeded"):
                 result = resume_case(root_path, spec)
+            elif kind == "async":
+                result = async_case(root_path)
+            elif kind == "rng":
+                result = rng_case(root_path, spec)
             elif kind == "reshard":
                 result = reshard_case(root_path, spec)
             elif kind == "export":

@@ -150,13 +150,16 @@ def layout_plan(model, inputs, layout: str, mesh_shape, kwargs=None):
     return plan
 
 
-def train_against_reference(pm, reference, loss_fn, batches):
+def train_against_reference(pm, reference, loss_fn, batches, step=None):
     """Train the compiled model and the one-process reference on the same batches; return
-    the compiled losses, the largest loss and parameter differences, and the reference's optimizer."""
+    the compiled losses, the largest loss and parameter differences, and the reference's
+    optimizer. ``step(k, inputs, target)`` trains the compiled model on batch k and returns
+    its loss (default: one whole-batch ``train_step``)."""
+    step = step or (lambda k, inputs, target: pm.train_step((inputs,), target))
     ref_opt = adamw(list(reference.parameters()))
     losses, ref_losses = [], []
-    for inputs, target in batches:
-        losses.append(pm.train_step((inputs,), target).item())
+    for k, (inputs, target) in enumerate(batches):
+        losses.append(step(k, inputs, target).item())
         ref_opt.zero_grad()
         loss = loss_fn(reference(inputs), target)
         loss.backward()
@@ -328,20 +331,14 @@ def local_case(spec: str) -> dict:
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100")
     dataset = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     mine, wholes = sampled_batches(dataset, tokens.shape[0], pm.data_parallel)
-    ref_opt = adamw(list(reference.parameters()))
-    losses, ref_losses = [], []
-    for k, (inputs, target) in enumerate(wholes):
+
+    def step(k, inputs, target):  # this rank's rows (local=True), but the last step's whole batch
         local = k < len(wholes) - 1
         x, y = mine[k] if local else (inputs, target)
-        losses.append(pm.train_step((x,), y, local=local).item())
-        ref_opt.zero_grad()
-        loss = loss_fn(reference(inputs), target)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-    full = pm.full_parameters()
-    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    return {"case": spec, "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
+        return pm.train_step((x,), y, local=local)
+
+    losses, loss_err, param_err, ref_opt = train_against_reference(pm, reference, loss_fn, wholes, step)
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err,
             "losses": losses, "data_ranks": data_ranks(pm), "plan_kind": pm.plan.kind,
             "pipeline": pm.plan.pipeline is not None, "optimizer_numel_rank0": optimizer_numel(pm.optimizer),
             "reference_optimizer_numel": optimizer_numel(ref_opt)}
@@ -496,8 +493,8 @@ def error_cases(nproc: int) -> dict:
     keyed = autopar.compile(model, flat, example_kwargs={"tokens": tokens}, loss_fn=loss_fn, optimizer=adamw, plan=plan)
     expect("other keyword inputs than compiled", lambda: keyed.train_step({"input_ids": tokens}, target))
     expect("positional inputs where keywords were compiled", lambda: keyed.train_step((tokens,), target))
-    with_loss = Plan.from_json(plan.to_json())  # as autopar.plan(..., loss_fn=) names its plans
-    with_loss.model, with_loss.pipeline = "WithLoss", Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
+    with_loss = Plan.from_json(plan.to_json())  # as autopar.plan(..., loss_fn=) marks its plans
+    with_loss.includes_loss, with_loss.pipeline = True, Pipeline(axis=0, stages=nproc, micro_batches=2, schedule="GPipe")
     expect("pipeline planned with the loss", lambda: autopar.compile(
         model, flat, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=with_loss))
     return {"case": "errors", "messages": messages}
@@ -593,6 +590,7 @@ def planned_pipeline_case(spec: str) -> dict:
     planned from a measured-style profile of the (P, D) mesh (``tests.profiles``)."""
     from autopar import layouts
     from autopar.passes.planner.pipeline import pipeline_plan as plan_pipeline
+    from autopar.passes.planner.request import PlanRequest
     from autopar.passes.lowering.recompute import Recomputed, plan_layers
     from tests.profiles import measured_style
 
@@ -607,8 +605,9 @@ def planned_pipeline_case(spec: str) -> dict:
             warnings.simplefilter("ignore")
             captured = capture(model, (tokens,))
         hardware = measured_style((p, d)) if extra == ["measured"] else "h100"
-        plan, why = plan_pipeline(captured, p, (d,), hardware, layouts.hints, memory_limit=80e9,
-                                  time_limit_s=20, shape=(p, d))
+        request = PlanRequest(mesh_shape=(p, d), hardware=hardware, memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        plan, why = plan_pipeline(captured, p, (d,), request, solver_time_s=20)
         text[0] = plan.to_json() if plan is not None else why
     dist.broadcast_object_list(text)
     plan = Plan.from_json(text[0])

@@ -1,0 +1,102 @@
+"""What a dry run found (``autopar.dry_run``): each distinct rank's pass or failure and its
+peak memory by kind, and the table that sets the largest peak beside the plan's prediction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.dryrun_tracker import KINDS
+
+
+@dataclass
+class RankResult:
+    """One rank's dry run: its mesh coordinate, the pipeline stages it runs, pass/fail with
+    the error, and its peak memory in bytes, by kind as at the peak."""
+
+    rank: int
+    coordinate: tuple[int, ...]
+    stages: tuple[int, ...] = ()
+    ok: bool = False
+    error: str | None = None
+    peak: int = 0
+    memory: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    traceback: str = field(default="", repr=False)  # of the failure, for a planner bug report
+
+    def where(self) -> str:
+        plural = "s" if len(self.stages) > 1 else ""
+        stages = f", stage{plural} {', '.join(map(str, self.stages))}" if self.stages else ""
+        return f"rank {self.rank} (coordinate {self.coordinate}{stages})"
+
+
+@dataclass
+class DryRunResult:
+    """Every distinct rank's result, and the plan's predicted memory per device to compare."""
+
+    plan_kind: str
+    mesh_shape: tuple[int, ...]
+    ranks: list[RankResult]
+    predicted: dict[str, float]
+    seconds: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    @property
+    def failures(self) -> list[RankResult]:
+        return [r for r in self.ranks if not r.ok]
+
+    @property
+    def peak(self) -> int:
+        """The largest peak over the ranks run (bytes)."""
+        return max((r.peak for r in self.ranks if r.ok), default=0)
+
+    @property
+    def predicted_total(self) -> float:
+        return float(sum(self.predicted.values()))
+
+    @property
+    def ratio(self) -> float:
+        """Predicted memory per device / the dry run's largest peak (1.0: exact; nan: nothing measured)."""
+        return self.predicted_total / self.peak if self.peak else math.nan
+
+    def raise_if_failed(self) -> None:
+        if self.ok:
+            return
+        first = self.failures[0]
+        others = f" (and {len(self.failures) - 1} more rank(s))" if len(self.failures) > 1 else ""
+        raise DryRunError(
+            f"autopar: the {self.plan_kind} plan for mesh {self.mesh_shape} fails its dry run on "
+            f"{first.where()}{others}: {first.error.removeprefix('autopar: ')}. The plan was expected to "
+            "build and train on every rank; a plan that fails its dry run is a planner bug: report it with the "
+            "plan's JSON"
+        )
+
+    def table(self) -> str:
+        """One line per rank: peak and its kinds, then the prediction beside the largest peak."""
+        lines = [f"dry run of the {self.plan_kind} plan on mesh {self.mesh_shape} ({self.world_size} ranks, "
+                 f"{len(self.ranks)} distinct run) in {self.seconds:.1f} s"]
+        for r in self.ranks:
+            if r.ok:
+                kinds = ", ".join(f"{k} {_gib(r.memory.get(k, 0))}" for k in KINDS)
+                lines.append(f"  {r.where()}: ok, peak {_gib(r.peak)} ({kinds}), {r.seconds:.1f} s")
+            else:
+                lines.append(f"  {r.where()}: FAILED: {r.error}")
+        if self.peak:
+            lines.append(f"predicted {_gib(self.predicted_total)} per device; dry-run peak {_gib(self.peak)}; "
+                         f"predicted / dry run = {self.ratio:.2f}")
+        return "\n".join(lines)
+
+
+class DryRunError(ValueError):
+    """A plan failed its dry run (``DryRunResult.raise_if_failed``)."""
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"

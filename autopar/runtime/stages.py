@@ -1,0 +1,163 @@
+"""A pipeline's stages on this rank: the graph cut where the plan cuts it, each stage
+lowered on the intra-op mesh (the mesh without the pipeline axis) and wrapped as a
+``torch.distributed.pipelining.PipelineStage``.
+
+``stage_parts`` cuts the captured graph: each stage receives the values that later stages
+need (passing on those it does not use itself) and the state it owns. ``lower_stages``
+lowers this rank's stages of one capture (``Stages``: one micro-batch shape in one mode)
+by the plan's strategies; ``autopar.runtime.pipeline.PipelineModule`` drives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils import _pytree as pytree
+
+from autopar.costmodels import Schedule
+from autopar.passes.capture import Captured
+from autopar.passes.lowering.codegen import Part, RankProgram, lower
+from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
+from autopar.passes.plan import Plan
+from autopar.passes.strategy_graph import StrategyGraph
+
+
+@dataclass
+class Stages:
+    """This rank's stages of the model captured at one micro-batch shape in one mode (train,
+    or eval: dropout off), with their schedule and loss (made at first use). The variants
+    of a PipelineModule run on the same state (``PipelineModule.state``)."""
+
+    captured: Captured
+    parts: list[Part]
+    programs: list[RankProgram]
+    stages: list[PipelineStage]
+    stage_state: list[dict[str, torch.Tensor]]
+    schedule: Any = None
+    loss: tuple[RankProgram, Captured] | None = None
+
+
+# torch's class that runs each schedule (a Plan names it by ``Schedule.display``: ``Schedule.parse``)
+SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+             Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
+
+
+def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> list[Part]:
+    """Cut the graph into stages; every value crosses each boundary between where it is
+    made and where it is last used."""
+    order = {n: i for i, n in enumerate(captured.nodes())}
+    stage: dict[fx.Node, int] = {}
+    for node in captured.nodes("call_function"):
+        if node.name not in stage_of:
+            raise ValueError(f"autopar: the plan's pipeline gives no stage for node {node.name}; re-plan")
+        stage[node] = stage_of[node.name]
+        later = [src.name for src in node.all_input_nodes if stage.get(src, -1) > stage[node]]
+        if later:  # a value would have to travel back to an earlier stage
+            raise ValueError(
+                f"autopar: the plan's pipeline runs {node.name} in stage {stage[node]} but its input {later[0]} in "
+                f"stage {stage_of[later[0]]}; expected every value to flow to the same or a later stage; re-plan")
+    user_inputs = [n for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
+    state = [n for n in captured.nodes("placeholder") if n.name not in captured.user_inputs]
+    output_node = next(iter(captured.nodes("output")))
+    outputs = [x for x in pytree.tree_leaves(output_node.args[0]) if isinstance(x, fx.Node)]
+
+    made_at = {n: -1 for n in user_inputs} | stage  # user inputs arrive before stage 0
+    last_use: dict[fx.Node, int] = {}
+    for node, s in stage.items():
+        for src in node.all_input_nodes:
+            if src in made_at:
+                last_use[src] = max(last_use.get(src, -1), s)
+    for node in outputs:
+        last_use[node] = n_stages
+    for node in state:  # state lives in the one stage that uses it
+        users = {stage[u] for u in node.users if u in stage}
+        if len(users) > 1 and captured.params.get(node.name):
+            raise ValueError(
+                f"autopar: parameter {captured.params[node.name]} is used by stages {sorted(users)}; "
+                "a pipeline needs each parameter in one stage (untie it, or cut elsewhere)"
+            )
+
+    def crossing(boundary: int) -> list[fx.Node]:  # made before the boundary, used after
+        values = [n for n, s in made_at.items() if s <= boundary < last_use.get(n, -2)]
+        return sorted(values, key=order.get)
+
+    parts = []
+    for s in range(n_stages):
+        nodes = {n for n, st in stage.items() if st == s}
+        own_state = sorted({src for n in nodes for src in n.all_input_nodes if src in state}, key=order.get)
+        received = user_inputs if s == 0 else crossing(s - 1)
+        sends = outputs if s == n_stages - 1 else crossing(s)
+        parts.append(Part(nodes=nodes, inputs=own_state + received, outputs=sends))
+    return parts
+
+
+class _Stage(nn.Module):
+    """One stage's program with the state it owns; called with what it receives."""
+
+    def __init__(self, program: RankProgram, state: list[torch.Tensor], params: nn.ParameterList):
+        super().__init__()
+        self.program = program.gm
+        self.saving = program.saving  # gathered weights it frees are saved as references
+        self.params = params
+        self.state = state
+
+    def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # send/recv move dense buffers: views (an expand, a transpose) are packed first,
+        # on the way out and for the gradients that go back.
+        received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
+        with self.saving():
+            outs = self.program(*self.state, *received)
+        return tuple(t.contiguous() for t in outs)
+
+
+class _DenseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+@dataclass(frozen=True)
+class StagePlace:
+    """Where this rank's stages run: the intra-op mesh (None: the pipeline axis is the whole
+    mesh), this rank's coordinate on the pipeline axis and its process group, the device."""
+
+    intra: DeviceMesh | None
+    pp_rank: int
+    pp_group: Any
+    device: torch.device
+
+
+def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: Plan, place: StagePlace,
+                 take: Callable[[Captured, str, Any], torch.Tensor]) -> Stages:
+    """This rank's stages of ``captured``, cut where the plan cuts and lowered by the
+    strategies ``choice`` (of ``graph``) on the intra-op mesh; ``take(captured, placeholder,
+    spec)`` gives each stage's state."""
+    pp = plan.pipeline
+    n_stages = pp.stages * pp.chunks_per_rank
+    parts = stage_parts(captured, pp.stage_of, n_stages)
+    layer_of = plan_layers(plan)
+    state_names = {*captured.params, *captured.buffers, *captured.constant_values}
+    variant = Stages(captured, parts, [], [], [])
+    for index in range(place.pp_rank, n_stages, pp.stages):
+        part = parts[index]
+        program = lower(graph, choice, place.intra, part=part)
+        mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
+        program.gm = recompute_layers(program.gm, layer_of, mine)
+        named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
+                 for n in part.inputs if n.name in state_names}
+        own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
+        variant.stage_state.append(named)
+        variant.programs.append(program)
+        variant.stages.append(PipelineStage(_Stage(program, list(named.values()), own), index, n_stages,
+                                            place.device, group=place.pp_group))
+    return variant

@@ -1,0 +1,153 @@
+"""Pipeline schedules: one type naming each, with its mathematics.
+
+Glossary (the words the planner, the Plan and the runtime use):
+
+- **stage**: a contiguous run of layers on one pipeline rank; with interleaving, a rank
+  holds ``v`` of them (**chunks**, or virtual stages: chunk ``c`` runs on rank ``c mod P``).
+- **P**: pipeline ranks (the size of the pipeline's mesh axis); **M**: micro-batches per
+  step; **v**: chunks per rank (1 unless interleaved); **r**: a pipeline rank, 0 the first.
+- **in flight**: micro-batches whose activations a rank holds at its peak, in units of one
+  micro-batch through its whole stage (all its chunks together).
+- **bubble**: the part of a step a rank sits idle, waiting for the pipeline to fill and
+  drain.
+
+A ``Schedule`` is a ``str`` whose value is the name the planner's APIs take (``"1f1b"``)
+and whose ``display`` is what ``Plan.pipeline.schedule`` stores (``"1F1B"``: torch's
+class names, ``Schedule1F1B``); ``Schedule.parse`` reads either. The formulas are sympy
+expressions in ``autopar.costmodels.formulas`` (``IN_FLIGHT``, ``BUBBLE_FRACTION``,
+``PIPELINE_TIME``), keyed by the value; the methods here evaluate them, so what a plan's
+explanation prints is what the solver computes.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Sequence
+
+from autopar.costmodels.formulas import compiled
+
+
+class Schedule(str, Enum):
+    """A pipeline schedule (module docstring: the glossary).
+
+    - ``GPIPE``: every micro-batch's forward, then every backward (Huang et al. 2019); all
+      M micro-batches in flight.
+    - ``ONE_F_ONE_B``: PipeDream-flush (Narayanan et al. 2021): P - r warm-up forwards,
+      then one forward, one backward; at most P - r in flight.
+    - ``INTERLEAVED_1F1B``: Megatron-LM's interleaved 1F1B, v chunks per rank: a bubble
+      v times smaller, a little more in flight.
+    """
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+    def __str__(self) -> str:  # printed as the name it is given by, as a plain str would be
+        return self.value
+
+    __format__ = str.__format__
+
+    @property
+    def display(self) -> str:
+        """The name a Plan stores and prints (torch's schedule class, less ``Schedule``)."""
+        return _DISPLAY[self]
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a rank runs several chunks (virtual stages)."""
+        return self is Schedule.INTERLEAVED_1F1B
+
+    @classmethod
+    def parse(cls, name: "str | Schedule") -> "Schedule":
+        """The schedule named ``name``: its value (``"1f1b"``) or its display name (``"1F1B"``)."""
+        for schedule in cls:
+            if name == schedule.value or name == schedule.display:
+                return schedule
+        raise ValueError(
+            f"autopar: expected a schedule in {tuple(s.value for s in cls)} (or as a Plan names them, "
+            f"{tuple(s.display for s in cls)}), found {name!r}; use one of those names.")
+
+    def chunks(self, requested: int) -> int:
+        """Chunks per rank this schedule runs when ``requested``: 1 unless interleaved."""
+        return requested if self.interleaved else 1
+
+    def check(self, stages: int, micro_batches: int, chunks: int = 1) -> None:
+        """Raise unless P, M and v are positive and only an interleaved schedule has v > 1."""
+        if stages < 1 or micro_batches < 1 or chunks < 1:
+            raise ValueError(
+                f"autopar: expected positive stages, micro-batches and chunks per rank, found {stages}, "
+                f"{micro_batches}, {chunks}.")
+        if chunks != 1 and not self.interleaved:
+            raise ValueError(
+                f"autopar: only {Schedule.INTERLEAVED_1F1B.value} runs several chunks per rank; {self.value} "
+                f"got chunks={chunks}; pass chunks=1 or the interleaved schedule.")
+
+    def micro_batch_problem(self, stages: int, micro_batches: int) -> str:
+        """Why this schedule cannot run ``micro_batches`` on ``stages`` ranks ("" when it can):
+        torch runs interleaving in rounds of P micro-batches (and refuses some other counts);
+        the step-time formula is exact only for whole rounds."""
+        if self.interleaved and micro_batches % stages:
+            return f"interleaved 1F1B needs micro-batches in multiples of {stages} stages"
+        return ""
+
+    def in_flight(self, stages: int, micro_batches: int, chunks: int = 1, rank: int = 0) -> float:
+        """Micro-batches in flight on pipeline rank ``rank`` at its peak (``formulas.IN_FLIGHT``);
+        rank 0, the first, is the fullest."""
+        self.check(stages, micro_batches, chunks)
+        if not 0 <= rank < stages:
+            raise ValueError(f"autopar: rank must be in 0..{stages - 1} for {stages} stages; found {rank}.")
+        return compiled(f"in_flight.{self.value}")(micro_batches, stages, chunks, rank)
+
+    def in_flight_per_stage(self, stages: int, micro_batches: int, chunks: int = 1) -> list[int]:
+        """Micro-batches each (virtual) stage keeps alive at its peak: rank ``r``'s count
+        (``in_flight``) rounded up; interleaved, each of a rank's chunks holds the rank's
+        rounded-up count spread evenly, never below it (an approximation), so stage ``c``
+        takes rank ``c mod P``'s."""
+        v = self.chunks(chunks)
+        per_rank = [math.ceil(self.in_flight(stages, micro_batches, v, rank=r)) for r in range(stages)]
+        return [per_rank[c % stages] for c in range(stages * v)]
+
+    def bubble_fraction(self, stages: int, micro_batches: int, chunks: int = 1) -> float:
+        """Fraction of the step a stage sits idle (``formulas.BUBBLE_FRACTION``)."""
+        self.check(stages, micro_batches, chunks)
+        return compiled(f"bubble.{self.value}")(micro_batches, stages, chunks)
+
+    def pipeline_time(self, stages: int, micro_batches: int, t_forward: float, t_backward: float,
+                      chunks: int = 1) -> float:
+        """Step time of equal stages taking ``t_forward + t_backward`` per micro-batch (a rank's
+        whole stage; with chunks, all v together): ``formulas.PIPELINE_TIME``."""
+        self.check(stages, micro_batches, chunks)
+        return compiled(f"pipeline.{self.value}")(micro_batches, stages, chunks, t_forward, t_backward)
+
+    def bubble_time(self, stage_time: Sequence[float], chunks: int = 1) -> float:
+        """Seconds of a step a rank sits idle, from per-micro-batch (virtual) stage times:
+        P - 1 slots of the slowest (virtual) stage while the pipeline fills and drains."""
+        return (self._ranks(stage_time, chunks) - 1) * max(stage_time)
+
+    def step_time(self, stage_time: Sequence[float], micro_batches: int, chunks: int = 1) -> float:
+        """Step time from per-micro-batch (virtual) stage times, for unequal stages:
+
+            GPipe and 1F1B:    (M + P - 1) * slowest stage
+            interleaved 1F1B:  M * slowest rank (its v chunks) + (P - 1) * slowest chunk,
+
+        which for equal chunks is ``pipeline_time``'s (M + (P - 1) / v) * rank time."""
+        v = self.chunks(chunks)
+        p = self._ranks(stage_time, v)
+        self.check(p, micro_batches, v)
+        slowest = max(stage_time)
+        if not self.interleaved:
+            return (micro_batches + p - 1) * slowest
+        rank_time = [sum(stage_time[c] for c in range(r, p * v, p)) for r in range(p)]
+        return micro_batches * max(rank_time) + self.bubble_time(stage_time, v)
+
+    def _ranks(self, stage_time: Sequence[float], chunks: int) -> int:
+        v = self.chunks(chunks)
+        if not stage_time or len(stage_time) % v:
+            raise ValueError(
+                f"autopar: expected a positive multiple of chunks_per_rank={v} virtual stages, found "
+                f"{len(stage_time)}.")
+        return len(stage_time) // v
+
+
+_DISPLAY = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}

@@ -1,0 +1,37 @@
+"""What a mesh axis does in a plan: its role.
+
+Glossary: a **mesh axis** is one dimension of the device mesh (``"axis"`` is always a mesh
+axis, ``"dim"`` a tensor dimension); it has a **name** (``Plan.axis_names``: ``"dp"``,
+``"axis1"``, or whatever the mesh was given) and, in a plan, one or more **roles** — what
+splitting work over it buys. A role is a ``str`` (its value), so a plan's text and JSON
+read the same as before the type existed.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class AxisRole(str, Enum):
+    """The role of a mesh axis (module docstring: the glossary).
+
+    - ``DP``: data parallel: the batch is split over the axis; parameters are whole (or
+      their optimizer state and gradients sharded, ZeRO-1/2) and their gradients summed.
+    - ``TP``: tensor parallel (Megatron): weights split over the axis and used split, the
+      activations moved between them.
+    - ``FSDP``: fully sharded data parallel (ZeRO-3): weights split over the axis and
+      gathered whole before use; the batch is split too.
+    - ``PP``: pipeline parallel: each rank on the axis runs a stage of the layers.
+    - ``REPLICA``: none of these: every rank on the axis runs the same work.
+    """
+
+    DP = "dp"
+    TP = "tp"
+    FSDP = "fsdp"
+    PP = "pp"
+    REPLICA = "replica"
+
+    def __str__(self) -> str:  # printed as its value, as a plain str would be
+        return self.value
+
+    __format__ = str.__format__

@@ -1,0 +1,261 @@
+"""Run under torchrun: mixed precision (FSDP2's ``MixedPrecisionPolicy``: bf16 compute,
+float32 master weights and AdamW state) under every non-pipelined layout, compared with one
+process applying the same policy, and (``fsdp2:``) with FSDP2 ``fully_shard`` itself.
+Prints one JSON line per case on rank 0.
+
+    torchrun --standalone --nproc_per_node 2 -m tests.distributed.mp_check 2:gpt:dp fsdp2:2:gpt:fsdp ...
+
+Cases: ``<mesh>:<model>:<layout>`` (policy: bf16 compute, float32 reduce and output; models
+``gpt`` (token inputs) and ``mlp`` (float inputs, cast by ``cast_forward_inputs``));
+``recompute:`` the same with layer 0 recomputed; ``accum:`` each step as 2 accumulated
+micro-batches (``train_step(accumulate=2)``, against the whole-batch reference); ``bf16-reduce:`` reduce_dtype and
+output_dtype None (gradients reduced in bf16, as FSDP2 does then; bf16 outputs and loss);
+``fsdp2:`` also FSDP2 ``fully_shard`` with the same policy on the same 1-D mesh (each block,
+then the root); ``errors``: the refused combinations.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.models import GPT, GPTConfig, WideMLP
+from autopar.passes.lowering.recompute import Recomputed
+from autopar.passes.plan import Pipeline
+from autopar.runtime.precision import MixedGather
+from tests.distributed.train_check import case_plan, planned
+
+STEPS = 3
+POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2))  # float32: the masters
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen))
+               for _ in range(STEPS)]
+    return model, lm_loss, batches
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = WideMLP(dim=16, hidden=64, n_layers=2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(STEPS)]
+    return model, F.mse_loss, batches
+
+
+MODELS = {"gpt": gpt_case, "mlp": mlp_case}
+
+
+def reference_forward(model, inputs, policy):
+    """One process under ``policy``: bf16 copies of the float32 parameters (autograd casts
+    their gradients back into the masters' .grad), floating inputs cast, the output cast."""
+    working = {n: p.to(policy.param_dtype) for n, p in model.named_parameters()}
+    inputs = inputs.to(policy.param_dtype) if inputs.is_floating_point() and policy.cast_forward_inputs else inputs
+    out = torch.func.functional_call(model, working, (inputs,))
+    return out.to(policy.output_dtype) if policy.output_dtype else out
+
+
+def reference_run(model, loss_fn, batches, policy):
+    """The one-process reference: the same policy, AdamW on the float32 masters."""
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for inputs, target in batches:
+        opt.zero_grad()
+        loss = loss_fn(reference_forward(model, inputs, policy), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+class Collectives:
+    """The dtypes of the collectives torch.distributed runs inside, by kind."""
+
+    KINDS = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+    def __init__(self):
+        self.seen = Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        for kind in self.KINDS:
+            original = self._saved[kind] = getattr(dist, kind)
+
+            def recorded(tensor, *args, _kind=kind, _original=original, **kwargs):
+                self.seen[f"{_kind}:{str(tensor.dtype).removeprefix('torch.')}"] += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(dist, kind, recorded)
+        return self
+
+    def __exit__(self, *exc):
+        for kind, original in self._saved.items():
+            setattr(dist, kind, original)
+
+
+def update_error(before, after, ref_before, ref_after) -> float:
+    """|run's update - reference's update| / |reference's update|, over all parameters."""
+    diff = sum(((a - b) - (ra - rb)).pow(2).sum() for a, b, ra, rb in zip(after, before, ref_after, ref_before))
+    norm = sum((ra - rb).pow(2).sum() for ra, rb in zip(ref_after, ref_before))
+    return (diff / norm).sqrt().item()
+
+
+def mesh_of(text: str):
+    shape = tuple(int(x) for x in text.split("x"))
+    return init_device_mesh("cpu", shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(shape))))
+
+
+def run_case(spec: str) -> dict:
+    parts = spec.split(":")
+    mode = parts.pop(0) if parts[0] in ("recompute", "bf16-reduce", "fsdp2", "accum") else None
+    mesh_text, model_name, layout = parts
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mode == "bf16-reduce" else POLICY
+    mesh = mesh_of(mesh_text)
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    fsdp = FullyShardedRun(copy.deepcopy(model), mesh, loss_fn) if mode == "fsdp2" else None
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = batches[0][0]
+    plan = planned(model, mesh, tokens, layout) if mode == "recompute" else case_plan(model, mesh, tokens, layout)
+    if mode == "recompute":
+        plan.recompute = ["layer 0"]
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100",
+                         mp_policy=policy)
+    with torch.no_grad():  # before any step: the same weights everywhere
+        logits = pm(tokens)
+        fp32_logits = reference(tokens)
+        bf16_logits = reference_forward(reference, tokens, policy)
+    accumulate = 2 if mode == "accum" else 1
+    losses = []
+    with Collectives() as seen:
+        losses.append(pm.train_step((tokens,), batches[0][1], accumulate=accumulate).item())
+    for inputs, target in batches[1:]:
+        losses.append(pm.train_step((inputs,), target, accumulate=accumulate).item())
+    ref_losses = reference_run(reference, loss_fn, batches, policy)
+    full = pm.full_parameters()
+    names = [n for n, _ in reference.named_parameters()]
+    after = [full[n] for n in names]
+    against_fsdp2 = {} if fsdp is None else fsdp.compare(batches, losses, before, after)
+    masters = [p.dtype for p in pm.shards]
+    grads = [p.grad.dtype for p in pm.shards if p.grad is not None]
+    state = [t.dtype for s in pm.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    casts = sum(1 for n in pm.gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_compute")
+    gathers = [m for m in pm.gm.modules() if isinstance(m, MixedGather)]
+    return {
+        "case": spec, "losses": losses, "ref_losses": ref_losses,
+        "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "update_err": update_error(before, after, before, [p.detach() for p in reference.parameters()]),
+        "param_err": max((a - b.detach()).abs().max().item() for a, b in zip(after, reference.parameters())),
+        "logits_dtype": str(logits.dtype), "logit_err": (logits - bf16_logits).abs().max().item(),
+        "fp32_logit_err": (fp32_logits - bf16_logits).abs().max().item(),
+        "masters": sorted({str(d) for d in masters}), "grads": sorted({str(d) for d in grads}),
+        "state": sorted({str(d) for d in state}), "casts": casts, "mixed_gathers": len(gathers),
+        "collectives": dict(seen.seen),
+        "recomputed": [m.layer for m in pm.gm.modules() if isinstance(m, Recomputed)],
+        **against_fsdp2,
+    }
+
+
+class FullyShardedRun:
+    """FSDP2 ``fully_shard`` (each block, then the root) with the same policy on the same
+    1-D mesh, each rank on its rows of the batch: what autopar's dp and zero3 layouts run."""
+
+    def __init__(self, model, mesh, loss_fn):
+        # blocks hand bf16 on; only the root's output is cast (output_dtype)
+        inner = MixedPrecisionPolicy(param_dtype=POLICY.param_dtype, reduce_dtype=POLICY.reduce_dtype)
+        for block in getattr(model, "blocks", None) or model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=inner)
+        self.model = fully_shard(model, mesh=mesh, mp_policy=POLICY)
+        self.loss_fn = loss_fn
+
+    def compare(self, batches, losses, before, after) -> dict:
+        """Train as many steps; the largest loss and update differences from autopar's run."""
+        opt = adamw(list(self.model.parameters()))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        theirs = []
+        for inputs, target in batches:
+            opt.zero_grad()
+            loss = self.loss_fn(self.model(inputs.chunk(world)[rank]), target.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+            theirs.append(mean.item())
+        params = [p.full_tensor() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        return {
+            "fsdp2_losses": theirs, "fsdp2_loss_err": max(abs(a - b) for a, b in zip(losses, theirs)),
+            "fsdp2_update_err": update_error(before, after, before, [p.detach() for p in params]),
+            "fsdp2_param_err": max((a - b.detach()).abs().max().item() for a, b in zip(after, params)),
+        }
+
+
+def error_cases() -> dict:
+    """The refused combinations that need a mesh: each an ``autopar:`` error (the policy's
+    own checks: tests/test_mixed_precision.py)."""
+    mesh = mesh_of(str(dist.get_world_size()))
+    model, _, batches = gpt_case()
+    tokens = batches[0][0]
+    messages = {}
+
+    def expect(what, fn):
+        try:
+            fn()
+            messages[what] = "no error"
+        except (ValueError, TypeError) as exc:
+            messages[what] = str(exc)
+
+    plan = case_plan(model, mesh, tokens, "dp")
+    mixed = copy.deepcopy(model)
+    mixed.head.to(torch.float64)
+    expect("mixed master dtypes", lambda: autopar.compile(mixed, mesh, (tokens,), loss_fn=lm_loss, optimizer=adamw,
+                                                          plan=plan, mp_policy=POLICY))
+    piped = copy.deepcopy(plan)
+    piped.pipeline = Pipeline(axis=0, stages=dist.get_world_size(), micro_batches=2, schedule="GPipe")
+    expect("pipeline plan", lambda: autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, optimizer=adamw,
+                                                    plan=piped, mp_policy=POLICY))
+    return {"case": "errors", "messages": messages}
+
+
+def main(cases: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for spec in cases:
+        start = time.perf_counter()
+        try:
+            if spec == "errors":
+                result = error_cases()
+            else:
+                result = run_case(spec)
+        except Exception as exc:  # reported, then the launch ends: other ranks may be stuck
+            print("RESULT " + json.dumps({"case": spec, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            os._exit(1)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({**result, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
