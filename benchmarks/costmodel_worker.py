@@ -39,6 +39,7 @@ import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.passes.plan import Plan
 from autopar.costmodels import collective_time, compute_time
+from autopar.costmodels.comm import FIRST_GRADIENT_BUCKET_BYTES, GRADIENT_BUCKET_BYTES
 from autopar.costmodels.comm import Step
 from autopar.costmodels.fit import fit_linear
 from autopar.costmodels.formulas import BUS_FACTOR, N
@@ -65,7 +66,7 @@ COMPILED = {"DP": "dp", "TP": "tp", "ZeRO-3": "fsdp"}
 # between the profiler's fitted sizes (4 KiB .. 4 MiB, powers of 4): none was fitted
 HELD_OUT_BYTES = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # DDP's bucket caps (torch/nn/parallel/distributed.py): first bucket 1 MiB, then 25 MiB
-DDP_FIRST_BUCKET, DDP_BUCKET = dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024
+DDP_FIRST_BUCKET, DDP_BUCKET = FIRST_GRADIENT_BUCKET_BYTES, GRADIENT_BUCKET_BYTES  # DDP's defaults (costmodels.comm)
 CPU = torch.device("cpu")
 
 

@@ -54,7 +54,7 @@ from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
 from autopar.passes.plan import Plan, choice_from_plan
 from autopar.passes.lowering.buckets import gathered
-from autopar.passes.planner.assemble import node_breakdown, predict, storage_specs, zero_levels
+from autopar.passes.planner.assemble import chosen, node_breakdown, predict, storage_specs, zero_levels
 from autopar.passes.lowering.recompute import Recomputed
 from autopar.passes.strategy_graph import build_strategy_graph
 from benchmarks.runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for
@@ -80,9 +80,10 @@ def costed(model, tokens, layout: str, n: int) -> Plan:
     level = {"zero1": 1, "zero2": 2}.get(base, 0)
     zero = {node: level for node in graph.nodes if node.name in cap.params}
     assignment = costs.assignment(choice_from_plan(graph, plan), zero)
-    plan.predicted = predict(costs, assignment)
-    plan.zero = zero_levels(costs, assignment)
-    plan.params = storage_specs(costs, assignment)
+    picked = chosen(costs, assignment)
+    plan.predicted = predict(costs, picked)
+    plan.zero = zero_levels(costs, picked)
+    plan.params = storage_specs(costs, picked)
     plan.breakdown = node_breakdown(costs, assignment)  # each node's layer, which recomputation reads
     plan.recompute = [f"layer {k}" for k in sorted(costs.recompute)]
     plan.kind = layout

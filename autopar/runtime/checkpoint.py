@@ -549,7 +549,7 @@ class Checkpointer:
             if match and int(match.group(1)) < newest and int(match.group(1)) not in complete:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def barrier(self) -> None:
+    def _barrier(self) -> None:
         barrier(self.group)
 
 

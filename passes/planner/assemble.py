@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+from torch import fx
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -29,13 +31,27 @@ class Solved:
 
 
 
-def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float]:
+class Chosen(NamedTuple):
+    """One solver assignment and what it chooses: each node's strategy and each parameter's
+    ZeRO level (``Costs.choice``), worked out once and read by every step of assembling."""
+
+    assignment: Sequence[int]
+    choice: dict[fx.Node, int]
+    zero: dict[fx.Node, int]
+
+
+def chosen(costs: Costs, assignment: Sequence[int]) -> Chosen:
+    choice, zero = costs.choice(assignment)
+    return Chosen(list(assignment), choice, zero)
+
+
+def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
     """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
     parameters), temporary (alive only while backward runs); each kind at its most, as the
     solver's memory constraint adds them (``costing.at_peak``: at the step's peak)."""
     mesh = costs.graph.mesh_shape
     out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "temporary": 0.0}
-    choice, zero = costs.choice(assignment)
+    choice, zero = picked.choice, picked.zero
     for ph, zi in costs.zero_node.items():
         spec = costs.graph.nodes[ph].strategies[choice[ph]].output
         val = ph.meta["val"]
@@ -43,7 +59,7 @@ def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float
         shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
         for kind, b in state_breakdown(numel, zero[ph], shards, costs.precision).items():
             out[kind] += b
-    for v, s in enumerate(assignment):
+    for v, s in enumerate(picked.assignment):
         out["activations"] += float(costs.activation_memory[v][s])
         out["temporary"] += float(costs.temporary_memory[v][s])
         if v < len(costs.index):
@@ -51,10 +67,10 @@ def memory_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, float
     return out
 
 
-def zero_levels(costs: Costs, assignment: Sequence[int]) -> dict[str, int]:
+def zero_levels(costs: Costs, picked: Chosen) -> dict[str, int]:
     """Qualified name -> ZeRO level: 3 where the placement splits the parameter over an axis on
     which a consumer needs it whole (gathered in forward), else the chosen level 0..2."""
-    choice, zero = costs.choice(assignment)
+    choice, zero = picked.choice, picked.zero
     graph = costs.graph
     out = {}
     for ph, level in zero.items():
@@ -71,13 +87,13 @@ def zero_levels(costs: Costs, assignment: Sequence[int]) -> dict[str, int]:
     return out
 
 
-def predict(costs: Costs, assignment: Sequence[int]) -> Prediction:
-    pc = plan_costs(costs.problem, assignment)
-    compute = sum(float(costs.compute[v][s]) for v, s in enumerate(assignment))
+def predict(costs: Costs, picked: Chosen) -> Prediction:
+    pc = plan_costs(costs.problem, picked.assignment)
+    compute = sum(float(costs.compute[v][s]) for v, s in enumerate(picked.assignment))
     # (the difference of two float sums: clamp the rounding residue of a plan with no communication)
     communication = max(0.0, pc.total_time - compute)
     return Prediction(step_time=pc.total_time, compute=compute, communication=communication,
-                      bubble=0.0, memory=memory_breakdown(costs, assignment))
+                      bubble=0.0, memory=memory_breakdown(costs, picked))
 
 
 def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[str, float]]:
@@ -96,12 +112,12 @@ def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[st
     return out
 
 
-def storage_specs(costs: Costs, assignment: Sequence[int]) -> dict[str, str]:
+def storage_specs(costs: Costs, picked: Chosen) -> dict[str, str]:
     """Qualified name -> where the parameter is STORED (``Plan.params``, passes/plan.py): its
     placement, except that at ZeRO 1-2 the axes it is replicated on split it too (along the
     largest dim that divides), the runtime gathering it once per step."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
-    choice, zero = costs.choice(assignment)
+    choice, zero = picked.choice, picked.zero
     out = {}
     for ph, level in zero.items():
         spec = list(graph.nodes[ph].strategies[choice[ph]].output)
@@ -125,11 +141,11 @@ def param_layers(costs: Costs) -> dict[str, int]:
 def build_plan(solved: Solved, assignment: Sequence[int], *, kind: str, axis_names: Sequence[str]) -> Plan:
     """The Plan of one assignment of ``solved``'s problem, with its prediction and breakdown."""
     costs = solved.costs
-    choice, _ = costs.choice(assignment)
-    plan = plan_from_choice(costs.graph, choice, kind=kind, axis_names=tuple(axis_names))
-    plan.zero = zero_levels(costs, assignment)
-    plan.params = storage_specs(costs, assignment)
-    plan.predicted = predict(costs, assignment)
+    picked = chosen(costs, assignment)
+    plan = plan_from_choice(costs.graph, picked.choice, kind=kind, axis_names=tuple(axis_names))
+    plan.zero = zero_levels(costs, picked)
+    plan.params = storage_specs(costs, picked)
+    plan.predicted = predict(costs, picked)
     plan.breakdown = node_breakdown(costs, assignment)
     plan.param_layers = param_layers(costs)
     plan.candidates = {name: t for name, (t, m) in solved.hint_times.items()

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar import costmodels
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.plan import Plan
-from autopar.passes.planner.assemble import Solved, build_plan, memory_breakdown, record_recompute
+from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
 from autopar.passes.placements import spec_str
@@ -386,7 +386,7 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
 
 def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
     costs, result = solved.costs, solved.result
-    need = memory_breakdown(costs, result.min_memory_assignment)
+    need = memory_breakdown(costs, chosen(costs, result.min_memory_assignment))
     parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in need.items())
     limit = costs.problem.memory_limit or 0.0
     total = sum(need.values())

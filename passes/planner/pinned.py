@@ -189,7 +189,7 @@ def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_l
         return PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=layers, fits=False,
                           notes=notes + [f"no stage cut of {p} stages with {m} micro-batches fits"])
     option = found[0]
-    overhead = float(num.param_time.sum()) / p  # planner_pipeline.search's step_overhead
+    overhead = num.step_overhead(p)
     sends = m * _rank_sends(option.cut, full, num, m, p)
     folded = len(costs.recompute)  # "full": in the per-layer numbers already
     recomputed = folded + _recomputed(option)
@@ -204,9 +204,10 @@ def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_l
 
 def _rank_sends(cut, profile: costmodels.HardwareProfile, num: LayerNumbers, m: int, p: int) -> float:
     """Seconds per micro-batch of the point-to-point sends of the busiest rank (its virtual
-    stages' boundaries; ``planner_pipeline.search`` prices each the same way)."""
+    stages' boundaries, each priced as the pipeline search prices it: ``LayerNumbers.send_times``)."""
     ends = [stage.stop - 1 for stage in map(cut.layers, range(len(cut.starts)))][:-1]
-    send = [costmodels.collective_time("send_recv", num.boundary[e] / m, 0, profile, in_step=True) for e in ends]
+    every = num.send_times(profile, m)
+    send = [every[e] for e in ends]
     return max((sum(send[r::p]) for r in range(p)), default=0.0)
 
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate
 from autopar import costmodels
 from autopar.passes.costing import Costs, build_costs, state_breakdown
 from autopar.passes.plan import Pipeline, Plan, Prediction
-from autopar.passes.planner.assemble import node_breakdown, param_layers, storage_specs, zero_levels
+from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers, storage_specs, zero_levels
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import PlanRequest
@@ -63,6 +63,17 @@ class LayerNumbers:
     forward: np.ndarray  # the forward compute of the repeated layer's own nodes (what recomputing it runs again)
     recomputable: np.ndarray  # bytes, whole batch: the part of ``activation`` a repeated layer's own nodes keep
     inputs: np.ndarray  # bytes, whole batch: what a recomputed repeated layer keeps (its inputs)
+
+    def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
+        """Seconds to send each layer's output (one micro-batch of it) to the next stage,
+        point to point on ``profile``'s axis 0 (the last layer's output goes nowhere)."""
+        return [costmodels.collective_time("send_recv", b / micro_batches, 0, profile, in_step=True)
+                for b in self.boundary[:-1]]
+
+    def step_overhead(self, stages: int) -> float:
+        """Seconds once per step outside the schedule: each stage syncs and steps its own
+        share of the parameters (``param_time``, spread evenly over ``stages``)."""
+        return float(self.param_time.sum()) / stages
 
     @property
     def recompute_saving(self) -> np.ndarray:
@@ -179,14 +190,13 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
     and runs its forward again, and backward rebuilds one layer of one micro-batch at a time."""
     count = len(num.act_time)
-    send = lambda nbytes: costmodels.collective_time("send_recv", nbytes, 0, pp_profile, in_step=True)  # noqa: E731
     saving = num.recompute_saving
 
     def layer_costs(p: int, m: int) -> LayerCosts:
         return LayerCosts(
             time=num.act_time / m, static_memory=num.static, activation_memory=num.activation / m,
-            boundary_time=[send(b / m) for b in num.boundary[:-1]] if count > 1 else None,
-            step_overhead=float(num.param_time.sum()) / p,
+            boundary_time=num.send_times(pp_profile, m) if count > 1 else None,
+            step_overhead=num.step_overhead(p),
             recompute_saving=saving / m, recompute_time=num.forward / m,
         )
 
@@ -288,14 +298,14 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
 def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names, batching: tuple[int, int]):
     option, _ = found
     graph = costs.graph
-    choice, _ = costs.choice(assignment)
+    picked = chosen(costs, assignment)
     stage_of_layer = {}
     for s in range(len(option.cut.starts)):
         for layer in option.cut.layers(s):
             stage_of_layer[layer] = s
     m, v = option.num_microbatches, option.chunks_per_rank
     bubble = option.schedule.bubble_time(option.cut.stage_time, v)
-    overhead = float(num.param_time.sum()) / p
+    overhead = num.step_overhead(p)
     rank = int(np.argmax(option.rank_memory))
     layers = [l for s in range(rank, p * v, p) for l in option.cut.layers(s)]
     kinds = num.kinds[layers].sum(axis=0)
@@ -313,9 +323,9 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     )
     plan = Plan(
         model=graph.captured.model_name, mesh_shape=(p,) + tuple(intra), axis_names=names,
-        strategies={n.name: str(ns.strategies[choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
-        params=storage_specs(costs, assignment),
-        zero=zero_levels(costs, assignment),
+        strategies={n.name: str(ns.strategies[picked.choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
+        params=storage_specs(costs, picked),
+        zero=zero_levels(costs, picked),
         pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=option.schedule.display,
                           stage_of={n.name: stage_of_layer[num.layer_of_node[n]] for n in graph.nodes},
                           chunks_per_rank=v, batch_size=batching[0], batch_split=batching[1]),
