@@ -37,6 +37,7 @@ from autopar.dryrun import dry_run
 from autopar.models import MODELS
 from autopar.passes.plan import Plan
 from autopar.planning import plan
+from autopar.runtime.precision import POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,7 +188,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hardware = _hardware(args.hardware)
     with _PhaseBar(enabled=not args.no_progress) as bar:
         result = plan(model, args.mesh, inputs, hardware=hardware, time_limit_s=args.time_limit,
-                      pipeline=not args.no_pipeline, layout=args.layout, progress=bar.update)
+                      pipeline=not args.no_pipeline, layout=args.layout, progress=bar.update,
+                      mp_policy=POLICIES[args.mp] if args.mp else None)
     print(result.explain())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +236,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise _UsageError(f"the benchmark module autopar.bench is not available here ({e})") from None
     # bench.run checks the names: an unknown model or mesh is a one-line autopar: error
     table = bench.run(models=args.models, meshes=args.meshes, out_dir=args.out, quick=args.quick,
-                      progress=not args.no_progress, time_limit_s=args.time_limit)
+                      progress=not args.no_progress, time_limit_s=args.time_limit, dry_run=args.dry_run)
     print(Path(table).read_text())
     print(f"table: {table}")
     return 0
@@ -345,6 +347,9 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=None, metavar="NAME",
                    help=f"cost this manual layout instead of searching: {', '.join(LAYOUTS)}")
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
+    p.add_argument("--mp", choices=sorted(POLICIES), default=None, help="plan for mixed precision as autopar.compile("
+                   "mp_policy=) runs it: bf16 = bf16 compute, fp32 master weights, gradients and AdamW state, "
+                   "fp32 reductions (default: the model's own dtypes)")
     p.add_argument("--dry-run", action="store_true", help="then run one training step of every distinct rank at "
                    "the mesh's full size on fake tensors (autopar.dry_run): check it and measure its peak memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -371,6 +376,8 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=20.0, metavar="S", help="planning seconds per case "
                    "(default: 20)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true", help="dry-run every auto plan of an H100 mesh at its full "
+                   "world size (autopar.dry_run) and add its verdict, peak memory and seconds to the table")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("coverage", help="the ops of a model without a sharding rule, and the layouts that apply",

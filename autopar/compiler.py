@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.precision import Precision, capture_cast, recorded_policy
 from autopar.costmodels.profiler import profile_mesh
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
@@ -54,8 +55,10 @@ def compile(  # noqa: A001  (the public name users expect)
     ``mp_policy``: mixed precision as FSDP2's policy says (e.g. ``param_dtype=torch.bfloat16,
     reduce_dtype=torch.float32``): parameters and optimizer state stay in their dtype (the
     master copy, stored as the plan says), compute runs in ``param_dtype``, gradients are
-    reduced in ``reduce_dtype``. Not yet for pipeline plans; the plan itself is priced as
-    the model's own dtype (issue 15).
+    reduced in ``reduce_dtype``; pipeline stages too (what crosses a stage boundary is in
+    ``param_dtype``). A plan made here is priced as the policy runs (``autopar.plan(...,
+    mp_policy=)``) and records it; a given plan that records one runs under it when
+    ``mp_policy`` is None.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -68,15 +71,9 @@ def compile(  # noqa: A001  (the public name users expect)
     if plan is None:
         # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
-        if mp_policy is not None:  # mixed precision runs in ParallelModule only, so far
-            keywords["pipeline"] = False
-        plan = plan_once(model, mesh, example_inputs, hardware, **keywords)
-    if plan.pipeline is not None and mp_policy is not None:
-        raise ValueError(
-            "autopar: mp_policy is supported for plans without a pipeline; found a plan with "
-            f"{plan.pipeline.stages} pipeline stages; compile without "
-            "mp_policy, or with a plan without pipeline (autopar.plan(..., pipeline=False))"
-        )
+        plan = plan_once(model, mesh, example_inputs, hardware, mp_policy=mp_policy, **keywords)
+    if mp_policy is None:  # a saved plan priced under a policy replays under it
+        mp_policy = recorded_policy(plan.mp_policy)
     if plan.pipeline is not None:
         if example_kwargs or loss_fn is None:
             raise ValueError(
@@ -84,9 +81,9 @@ def compile(  # noqa: A001  (the public name users expect)
                 f"{'example_kwargs ' + str(sorted(example_kwargs)) if example_kwargs else 'loss_fn=None'}; pass "
                 "the inputs positionally with a loss_fn, or use a plan without a pipeline"
             )
-        pm = _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan)
+        pm = _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan, mp_policy)
     else:
-        captured = capture(model, example_inputs, example_kwargs)
+        captured = _captured(model, example_inputs, example_kwargs, mp_policy)
         if loss_fn is None and optimizer is not None:
             _require_own_loss(captured)
         graph = build_strategy_graph(captured, tuple(mesh.shape))
@@ -152,8 +149,9 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     return Plan.from_json(text[0])
 
 
-def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan):
-    """A pipeline plan's strategies are for one micro-batch on the intra-op axes."""
+def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan, mp_policy=None):
+    """A pipeline plan's strategies are for one micro-batch on the intra-op axes (under
+    ``mp_policy``, of the model as it computes under the policy)."""
     pp = plan.pipeline
     if plan.includes_loss:  # its stages were cut from another graph than the model's own
         raise ValueError(
@@ -172,7 +170,13 @@ def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Pla
             f"autopar: the batch ({example_inputs[0].shape[0]}) must divide into {pp.micro_batches} "
             "equal micro-batches; change the batch size or the plan's micro-batch count"
         )
-    captured = capture(model, micro)
+    captured = _captured(model, micro, None, mp_policy)
     intra = tuple(s for i, s in enumerate(mesh.shape) if i != pp.axis)
     graph = build_strategy_graph(captured, intra)
-    return PipelineModule(model, captured, graph, plan, mesh, loss_fn, optimizer)
+    return PipelineModule(model, captured, graph, plan, mesh, loss_fn, optimizer, mp_policy)
+
+
+def _captured(model: nn.Module, inputs: tuple, kwargs: dict[str, Any] | None, mp_policy: Any):
+    """The model's program as it computes (under ``mp_policy``: ``capture_cast``)."""
+    precision = Precision.of(mp_policy)
+    return capture(model, inputs, kwargs) if precision is None else capture_cast(capture, model, precision)(inputs, kwargs)

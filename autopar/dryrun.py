@@ -53,10 +53,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.runtime.loss import WithLoss
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineModule
+from autopar.runtime.precision import Precision, capture_cast, recorded_policy
 from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step
 from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
 from autopar.dryrun_tracker import CPU, FakeState, create_optimizer_state, peak_memory, tracker_for
@@ -168,9 +170,11 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
     capture_inputs = inputs
     if plan.pipeline is not None:
         capture_inputs = _micro_batch(inputs, plan.pipeline.micro_batches)
+    precision = Precision.of(recorded_policy(plan.mp_policy))  # a plan priced under a policy runs under it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = _on_cpu(capture(model, capture_inputs))
+        captured = _on_cpu(capture(model, capture_inputs) if precision is None
+                           else capture_cast(capture, model, precision)(capture_inputs))
     if plan.pipeline is not None:
         _check_stage_order(captured, plan.pipeline.stage_of)
     flat = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
@@ -313,15 +317,16 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
             captured = dataclasses.replace(work.captured, constant_values=state.constants)
             if plan.pipeline is None:
                 module = ParallelModule(state, captured, work.graph, plan, mesh, work.loss_fn, optimizer,
-                                        check_inputs=False)
+                                        check_inputs=False, mp_policy=recorded_policy(plan.mp_policy))
             else:
-                module = PipelineModule(state, captured, work.graph, plan, mesh, work.loss_fn, optimizer)
+                module = PipelineModule(state, captured, work.graph, plan, mesh, work.loss_fn, optimizer,
+                                        recorded_policy(plan.mp_policy))
                 result.stages = tuple(s.stage_index for s in module.stages)
             inputs = tuple(torch.zeros(s, dtype=d, device=CPU) for s, d in work.inputs)
             target = torch.zeros(work.target[0], dtype=work.target[1], device=CPU)
             create_optimizer_state(module.optimizer)
             tracker = tracker_for(module)
-            with tracker:
+            with tracker, _AsOnDevice():
                 if plan.pipeline is None:
                     module.train_step(inputs, target)
                 else:
@@ -337,6 +342,19 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
 
 
 # --- small helpers ------------------------------------------------------------------------
+
+class _AsOnDevice(TorchDispatchMode):
+    """Ops that the capture (on the meta device) took the accelerator's path for, run as that
+    path runs although the fake tensors live on the CPU: ``histc`` of integers (Hugging Face's
+    grouped-matmul experts count tokens so on CUDA; the CPU kernel takes floats only, and the
+    fake tensor's checks follow the CPU's) counts the same values as floats."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.histc.default and not args[0].is_floating_point():
+            args = (args[0].float(), *args[1:])
+        return func(*args, **kwargs)
+
 
 def _coordinate(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     coord = []

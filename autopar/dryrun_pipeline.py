@@ -28,10 +28,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     pm.zero_grad()
     stages = {stage.stage_index: (stage, program) for stage, program in zip(pm.stages, pm.programs)}
     in_flight: dict[tuple[int, int], tuple] = {}
-    for action in pm.schedule.pipeline_order[pm.pp_rank]:
-        if action is None:
-            continue
-        kind, index, mb = action.computation_type, action.stage_index, action.microbatch_index
+    for kind, index, mb in _actions(pm.schedule.pipeline_order[pm.pp_rank]):
         if kind == _ComputationType.FORWARD:
             stage, program = stages[index]
             received = _received(pm, index, program, inputs, mb)
@@ -48,10 +45,27 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
             grads = [None if stages[index][0].is_last else torch.zeros_like(t) for t in needs]
             torch.autograd.backward(needs, grads)  # received gradients: fake, of the outputs' shapes
         elif kind != _ComputationType.REDUCE_GRAD:  # summed below, for every stage at once
-            raise ValueError(f"autopar: the dry run replays forward and full-backward actions; found {action} "
+            raise ValueError(f"autopar: the dry run replays forward and full-backward actions; found {kind} of stage {index} "
                              f"in schedule {pp.schedule}")
     pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
     pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
+
+
+def _actions(order: list) -> list[tuple]:
+    """(kind, stage, micro-batch) of each action of a rank's ``pipeline_order``, the
+    micro-batches numbered in the order each stage runs them: every torch schedule runs a
+    stage's forwards, and its backwards, in micro-batch order, and torch 2.13's 1F1B order
+    numbers the last stage's from 1 (``Schedule1F1B._get_pipeline_order``: its first forward is
+    micro-batch 1, its last M), which its ``_step_microbatches`` does not."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for action in order:
+        if action is None:
+            continue
+        key = (action.computation_type, action.stage_index)
+        out.append((*key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out
 
 
 def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -> list[torch.Tensor]:

@@ -5,11 +5,13 @@ activations, and the temporary memory the plan does not predict."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from autopar.passes.capture import Captured
 from autopar.runtime.module import ParallelModule
@@ -83,12 +85,37 @@ def state_tensors(module: nn.Module) -> list[torch.Tensor]:
         t for stage in module.stages for t in stage.submod.state]
 
 
+class _ModulesHoldingNoGradients(ModTracker):
+    """ModTracker, less the backward hook it puts on a module's inputs (``register_multi_grad_hook``,
+    mode "all"), which holds every input's gradient until the last one arrives: the runtime's
+    programs take parameters as inputs, so that hook alone held a whole stage's parameter
+    gradients to the end of each micro-batch's backward (twice the gradients at GPipe's
+    peak), which no real step does. A module's backward is marked ended when the backward
+    ends instead, as ModTracker marks it for a module none of whose inputs needs a gradient
+    (the dry run reads no per-module statistics)."""
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        if torch._dynamo.eval_frame._is_in_optimized_module():
+            return
+        name, w_mod = self._get_mod_name(mod), weakref.ref(mod)
+        self._get_append_fn(w_mod, name, False)()
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+        if not self.is_bw:
+            self._post_bw_callbacks_to_enqueue.append(self._get_pop_fn(w_mod, name, True))
+
+
 class PeakTracker(MemTracker):
     """MemTracker, with gradients that autograd accumulates into parameters the module does
     not call as submodules (the runtime's programs take them as inputs) counted as gradients,
     as MemTracker's own per-module gradient hook does; and a pipeline stage's program called
     once per micro-batch in one step (MemTracker takes a second forward call of a module for
-    the next step: its per-module statistics, which the dry run does not read, keep the first)."""
+    the next step: its per-module statistics, which the dry run does not read, keep the first);
+    and no module holding its inputs' gradients (``_ModulesHoldingNoGradients``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _ModulesHoldingNoGradients()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:

@@ -13,7 +13,8 @@ functions that draw.
   device memory the plan was made for (``plan.solver["memory_limit"]``).
 - ``weight_placement``: a row per parameter, a column per mesh axis, each cell the
   parameter's storage placement on that axis, plus its ZeRO level; repeated layers with
-  identical placements fold into one group ("layers 0-79").
+  identical placements fold into one group ("layers 0-79"); an axis experts are split
+  over by expert (expert parallel) is marked "by expert".
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from autopar.costmodels import Schedule
 from autopar.costmodels.formulas import BACKWARD_FACTOR
-from autopar.passes.explain import _common_prefix, _kinds
+from autopar.passes.explain import _common_prefix, _kinds, expert_axes
 from autopar.passes.placements import parse_spec, spec_str
 
 GIB = float(1 << 30)
@@ -280,7 +281,9 @@ def weight_placement(plan, path: str | Path) -> Path:
     groups = placement_groups(plan)
     axes = [(n, s) for a, (n, s) in enumerate(zip(plan.axis_names, plan.mesh_shape))
             if plan.pipeline is None or a != plan.pipeline.axis]  # stages' parameters live on the other axes
-    columns = [f"{n}\n({s})" for n, s in axes] + ["ZeRO"]
+    _, by_expert = expert_axes(plan)
+    columns = [f"{n}\n({s})" + ("\nby expert" if plan.axis_names.index(n) in by_expert else "")
+               for n, s in axes] + ["ZeRO"]
     rows = sum(1 + len(members) for _, members in groups)
     fig, ax = _figure(2.5 + 0.8 * len(columns), 1.6 + 0.26 * rows)
     labels, y, bold = [], 0, []
@@ -317,6 +320,7 @@ def weight_placement(plan, path: str | Path) -> Path:
                for z in sorted(seen_zero) if z in _ZERO_WORDS]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     pp = f"; pipeline axis {plan.axis_names[plan.pipeline.axis]}: by stage" if plan.pipeline else ""
+    pp += "; experts split by expert on the axes so marked" if by_expert else ""
     ax.set_title(f"Where each weight is stored: {plan.model} on mesh {'x'.join(map(str, plan.mesh_shape))}{pp}",
                  fontsize=10, pad=12)
     return _save(fig, path)

@@ -16,7 +16,9 @@ import torch
 
 from autopar import costmodels
 from autopar.passes.planner import layouts
+from autopar.costmodels.precision import META_KEY
 from autopar.runtime.loss import WithLoss
+from autopar.runtime.precision import Precision, capture_cast
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
 from autopar.passes.planner.request import PlanRequest
@@ -39,20 +41,30 @@ def plan(
     layout: str | None = None,
     axis_names: Sequence[str] | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
+    mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
 ) -> Plan:
     """The fastest predicted Plan that fits in memory (or, with ``layout``, that manual layout).
 
-    ``loss_fn(model(*example_inputs), target)`` is planned too when given (pass ``target``).
-    ``memory_limit`` defaults to the device memory of ``hardware``. ``time_limit_s`` bounds the
-    search after capture (strategies, costs, solves, pipeline search); past it the best plan
-    found so far is returned, with the solver's gap in ``plan.solver``. Capture time is
+    ``loss_fn(model(*example_inputs), target)`` is planned too when given (pass ``target``);
+    then no pipeline is searched (a pipeline's loss runs apart, on its last stage: plan
+    without ``loss_fn`` for pipelines, the planner prices the loss the runtime adds).
+    ``memory_limit`` defaults to the device memory of ``hardware``. ``time_limit_s`` sets the
+    search's budget after capture, counted in work, not seconds (pipeline depths tried, the
+    solvers' deterministic limits), so the same call gives the same plan on a loaded machine;
+    a safety net stops it sooner only past 3x the limit in CPU seconds or 30x in wall clock,
+    and says so (``plan.solver["clock_cut"]``; the solver's gap is there too). Capture time is
     reported in ``plan.solver["capture_seconds"]``. ``pipeline=False``
     keeps the mesh as given (no pipeline axis); on a ``DeviceMesh`` (what ``autopar.compile``
     plans on) a pipeline may take its whole outermost axis, the others staying intra-op. The result's ``candidates`` lists the
     manual layouts' predicted step times; the auto plan is never slower than the best.
     ``progress(phase, done, total)`` is told each phase as it starts: "capture" (total None),
     then the search's ``total`` steps ("strategies", "no pipeline", "pp2x8", ..., "done").
+    ``mp_policy``: priced as ``autopar.compile(..., mp_policy=)`` runs it (the model captured
+    as it computes under the policy: compute, activations and parameter gathers in
+    ``param_dtype``; float32 masters, gradients and AdamW state; reductions in
+    ``reduce_dtype``: ``autopar.costmodels.precision``); the plan records it (``mp_policy``).
     """
+    precision = Precision.of(mp_policy)
     shape, names = _mesh(mesh_or_shape, axis_names)
     if loss_fn is not None and target is None:
         raise ValueError("autopar: plan(loss_fn=...) expected a target= tensor for the loss; found none. "
@@ -60,7 +72,10 @@ def plan(
     request = PlanRequest(
         mesh_shape=shape, hardware=hardware, memory_limit=memory_limit,
         time_limit_s=time_limit_s,  # the search's own limit: capture (torch.export) cannot be interrupted
-        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names, pipeline=pipeline,
+        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names,
+        # a pipeline trains the model alone and lays its loss out on the last stage (autopar.compile,
+        # autopar.dry_run): stages cut from the model-and-loss graph could not run
+        pipeline=pipeline and loss_fn is None,
         outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
         progress=progress,
     )
@@ -71,7 +86,10 @@ def plan(
         progress("capture", 0, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
-        captured = capture(model, example_inputs, example_kwargs)
+        if precision is None:
+            captured = capture(model, example_inputs, example_kwargs)
+        else:
+            captured = capture_cast(capture, model, precision)(example_inputs, example_kwargs)
     captured_in = time.perf_counter() - started
     with warnings.catch_warnings(record=True) as seen:  # each pipeline option lists strategies anew
         warnings.simplefilter("always", NoRuleWarning)
@@ -83,6 +101,9 @@ def plan(
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     result.solver["capture_seconds"] = captured_in
     result.includes_loss = loss_fn is not None  # the captured module was WithLoss(model, loss_fn)
+    if precision is not None:
+        priced = next((n.meta[META_KEY] for n in captured.nodes("placeholder") if META_KEY in n.meta), None)
+        result.mp_policy = precision.record(priced)
     return result
 
 

@@ -19,7 +19,8 @@ With ``--plan``, a saved plan of a built-in ``autopar plan`` model is dry-run in
 70B demo plan). Prints one markdown row per plan: predicted and dry-run GiB by kind
 (parameters / gradients / optimizer / activations / temporary), each kind's predicted ÷
 measured, the total's, and the dry run's seconds. The dry run's kinds are MemTracker's at
-the worst rank's peak (``autopar.dryrun``).
+the worst rank's peak (``autopar.dryrun``); for a pipeline, also the least and most of every
+pipeline rank's predicted (``Prediction.memory_by_rank``) ÷ its dry-run peak.
 """
 
 from __future__ import annotations
@@ -139,7 +140,17 @@ def _row(label: str, plan, model, inputs, loss) -> str:
     instant = sum(at_peak(plan.predicted.memory).values()) if pp is None else sum(predicted)
     return (f"| {label} {shape} | {_in(predicted, size)} (= {sum(predicted) / size:.2f} {unit}) | "
             f"{_in(measured, size)} (= {worst.peak / size:.2f} {unit}, {worst.where()}) | {by_kind} | "
-            f"{result.ratio:.2f} / {instant / worst.peak:.2f} | {seconds:.0f} |")
+            f"{result.ratio:.2f} / {instant / worst.peak:.2f}{_per_rank(plan, result)} | {seconds:.0f} |")
+
+
+def _per_rank(plan, result) -> str:
+    """A pipeline's predicted ÷ dry-run peak of each pipeline rank run (``Prediction.memory_by_rank``)."""
+    by_rank = plan.predicted.memory_by_rank
+    if plan.pipeline is None or not by_rank:
+        return ""
+    axis = plan.pipeline.axis
+    ratios = [sum(by_rank[r.coordinate[axis]].values()) / r.peak for r in result.ranks if r.peak]
+    return f"; per pipeline rank {min(ratios):.2f}–{max(ratios):.2f}"
 
 
 def _in(values, size: float) -> str:

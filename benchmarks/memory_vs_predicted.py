@@ -1,6 +1,7 @@
 """Memory per rank, measured while training, against the plan's prediction.
 
     python -m benchmarks.memory_vs_predicted            # launches 4 gloo ranks itself
+    python -m benchmarks.memory_vs_predicted --mp bf16  # under a MixedPrecisionPolicy (runtime.precision.POLICIES)
 
 For the small GPT of ``runtime_vs_manual.py`` on 4 ranks: DP, ZeRO-1, ZeRO-2, ZeRO-3
 (the same layouts as that benchmark: DP's ops, parameters stored split on dim 0), Megatron
@@ -57,6 +58,7 @@ from autopar.passes.lowering.buckets import gathered
 from autopar.passes.planner.assemble import chosen, node_breakdown, predict, storage_specs, zero_levels
 from autopar.passes.lowering.recompute import Recomputed
 from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.runtime.precision import POLICIES, Precision, capture_cast
 from benchmarks.runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -65,7 +67,7 @@ RECOMPUTE = "+recompute"
 TOLERANCE = 0.15
 
 
-def costed(model, tokens, layout: str, n: int) -> Plan:
+def costed(model, tokens, layout: str, n: int, mp_policy=None) -> Plan:
     """The layout's plan with the planner's prediction (ZeRO-1/2: DP's ops, the optimizer
     state (and, at 2, gradients) sharded, parameters stored split as the planner stores them;
     ``+recompute``: every repeated layer recomputed in backward)."""
@@ -73,7 +75,8 @@ def costed(model, tokens, layout: str, n: int) -> Plan:
     plan = plan_for(model, tokens, "dp" if base in ("zero1", "zero2") else base, (n,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cap = capture(model, (tokens,))
+        cap = capture(model, (tokens,)) if mp_policy is None else capture_cast(
+            capture, model, Precision.of(mp_policy))((tokens,))  # as it computes under the policy
     graph = build_strategy_graph(cap, (n,))
     # memory does not depend on the hardware
     costs = build_costs(graph, preset("h100", (n,)), recompute=layout.endswith(RECOMPUTE))
@@ -140,8 +143,8 @@ def measure(pm, tokens, target) -> dict[str, float]:
     return out
 
 
-def auto_plan(model, tokens, n: int) -> Plan:
-    text = [autopar.plan(model, (n,), (tokens,), hardware="h100", pipeline=False).to_json()
+def auto_plan(model, tokens, n: int, mp_policy=None) -> Plan:
+    text = [autopar.plan(model, (n,), (tokens,), hardware="h100", pipeline=False, mp_policy=mp_policy).to_json()
             if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text)
     return Plan.from_json(text[0])
@@ -153,11 +156,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
+    mp = sys.argv[sys.argv.index("--mp") + 1] if "--mp" in sys.argv else None
+    mp_policy = POLICIES[mp] if mp else None
     base, tokens, target = gpt_and_batch()
     rows = []
     for layout in LAYOUTS:
-        plan = auto_plan(base, tokens, n) if layout == "auto" else costed(base, tokens, layout, n)
-        pm = autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+        plan = auto_plan(base, tokens, n, mp_policy) if layout == "auto" else costed(base, tokens, layout, n, mp_policy)
+        pm = autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan,
+                             mp_policy=mp_policy)
         pm.train_step((tokens,), target)  # warm-up: the loss program and the optimizer state exist after it
         mine = measure(pm, tokens, target)
         peak = torch.tensor([mine[k] for k in KINDS], dtype=torch.float64)
@@ -166,7 +172,7 @@ def main() -> None:
                      plan.predicted.memory, dict(zip(KINDS, peak.tolist()))))
     if dist.get_rank() == 0:
         print(f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
-              f"{n} gloo ranks; MiB per rank (largest over ranks); ! where measured is off by more than "
+              f"{n} gloo ranks, mixed precision {mp or 'none'}; MiB per rank (largest over ranks); ! where measured is off by more than "
               f"{TOLERANCE:.0%}")
         print("| layout | kind | predicted | measured | measured / predicted |")
         print("| --- | --- | --- | --- | --- |")
@@ -182,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main() if "RANK" in os.environ else launch("benchmarks.memory_vs_predicted"))
+    sys.exit(main() if "RANK" in os.environ else launch("benchmarks.memory_vs_predicted", sys.argv[1:]))

@@ -37,6 +37,7 @@ import torch
 
 import autopar
 from autopar import layouts
+from autopar.bench.run import plan_line
 from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
 from autopar.passes.capture import capture
@@ -100,7 +101,11 @@ def published_rows() -> list[Row]:
         Row(key="tt-8b", source=tt, build=lambda: llama3("8b", 8192), gpus=8, batch=16, seq=8192, mesh=(8,),
             pinned=Pinned(layout="fsdp"), layout_text="FSDP 8, selective AC", tokens_per_gpu=5762,
             memory_gib=82.4, hardware=GRAND_TETON,
-            note="selective AC approximated by the fewest recomputed layers that fit 96 GB"),
+            note="selective AC (op-level, torchtitan's 8B config: every other matmul and every elementwise op "
+                 "recomputed in every layer) approximated by the fewest recomputed whole layers that fit 96 GB; "
+                 "predicted fast although its matmuls price at or under a measured H100 table "
+                 "(tests/test_costmodel_rates.py): not modelled are the 500 W cap's sustained clocks (the preset "
+                 "takes the bf16 peak midway between SXM and NVL), eager per-op overheads and that AC policy"),
         Row(key="tt-405b-1f1b", source=tt, build=l405, gpus=512, batch=256, seq=8192, mesh=(64, 8),
             pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="1f1b", recompute="full"),
             layout_text="FSDP 8 x TP 8 x PP 8, 1F1B, M=32, full AC", tokens_per_gpu=100, memory_gib=82.5,
@@ -128,7 +133,9 @@ def published_rows() -> list[Row]:
             pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=16, schedule="interleaved_1f1b",
                           recompute=LLAMA3_RECOMPUTE),
             layout_text="TP 8, PP 16, DP 128, interleaved (M=16)", tflops_per_gpu=400,
-            note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank"),
+            note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank, "
+                 "whose bubble (P-1)/(v M) (Megatron's and the paper's, sec. 3.3.2) at M=16 is 47% of the work; "
+                 "the paper's 400 vs 430 TFLOP/s on 8,192 GPUs (M=32) implies a smaller bubble, a deeper interleave"),
     ]
 
 
@@ -155,16 +162,9 @@ def tokens_per_gpu(row: Row, step_time: float) -> float:
 
 
 def one_line(plan) -> str:
-    """The auto plan in one line: mesh, pipeline, layout family, ZeRO levels, recomputation."""
-    parts = [f"mesh {'x'.join(map(str, plan.mesh_shape))}"]
-    if plan.pipeline is not None:
-        p = plan.pipeline
-        parts.append(f"PP{p.stages} {p.schedule}{f' v{p.chunks_per_rank}' if p.chunks_per_rank > 1 else ''} "
-                     f"M={p.micro_batches}")
-    levels = sorted(set(plan.zero.values()))
-    parts.append(f"ZeRO {'/'.join(map(str, levels))}")
-    if plan.recompute:
-        parts.append(f"recompute {len(plan.recompute)}")
+    """The auto plan in one line: ``autopar bench``'s (mesh, pipeline, ZeRO levels,
+    recomputation), then against the best manual layout and how far the search went."""
+    parts = [plan_line(plan)]
     best = min(plan.candidates.items(), key=lambda kv: kv[1], default=None)
     if best is not None:  # the planner's manual candidates, costed alike
         parts.append(f"÷ best manual ({best[0]}) {plan.predicted.step_time / best[1]:.2f}")
@@ -172,7 +172,7 @@ def one_line(plan) -> str:
     if options:
         skipped = sum("not tried" in n for n in options)
         parts.append(f"pipelines tried {len(options) - skipped}/{len(options)}"
-                     + (" (wall clock cut)" if any("out of time" in n for n in options) else ""))
+                     + (" (safety net cut)" if plan.solver.get("clock_cut") else ""))
     return ", ".join(parts)
 
 

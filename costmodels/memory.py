@@ -47,6 +47,24 @@ def micro_batches_in_flight(schedule: str | Schedule, stages: int, micro_batches
     return Schedule.parse(schedule).in_flight(stages, micro_batches, chunks, rank)
 
 
+def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batches: int,
+                             chunks: int = 1) -> list[float]:
+    """Per (virtual) stage, the most micro-batches whose activations it holds once a backward
+    has made its gradients, as torch's schedules run: GPipe runs every forward first, so its
+    peak (``Schedule.in_flight_per_stage``: M) comes before any gradient, and the first
+    backward frees one micro-batch as it makes them (M - 1); 1F1B's rank r runs min(M, P - r)
+    forwards, then a backward before each further forward, so that count is held again with
+    gradients when M > P - r (else, as GPipe, one less); interleaved 1F1B reaches its peak
+    count again after its first backwards (checked against torch's orders by the tests)."""
+    schedule = Schedule.parse(schedule)
+    peak = schedule.in_flight_per_stage(stages, micro_batches, chunks)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return peak
+    if schedule is Schedule.GPIPE:
+        return [n - 1 for n in peak]
+    return [n if micro_batches > n else n - 1 for n in peak]
+
+
 def activation_bytes(
     per_micro_batch: float, schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1
 ) -> float:

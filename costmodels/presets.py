@@ -161,7 +161,10 @@ def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
         "fp32": matmul_rate(peak["fp32"], sms),
         # stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
         # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (80.3% of peak, torch
-        # 2.7.0+cu126), the best of a search over large shapes
+        # 2.7.0+cu126), the best of a search over large shapes. Cross-checked by shape against
+        # OpenXLA's measured sm_90 table (tensorflow third_party/xla/xla/service/gpu/model/
+        # matmul_interpolator_data.h: 4096^3 783 TFLOP/s, 2048^3 632): this curve gives 0.69-0.93
+        # of it for cubes and square-ish shapes (tests/test_costmodel_rates.py)
         "bf16": matmul_rate(794.5 * TFLOPS * clock, sms),
         # fp16 runs on the same tensor cores at the same datasheet rate as bf16; the MAMF
         # table reports bf16 only, so the bf16 measurement is used

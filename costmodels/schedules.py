@@ -21,7 +21,6 @@ explanation prints is what the solver computes.
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 from typing import Sequence
 
@@ -99,13 +98,13 @@ class Schedule(str, Enum):
             raise ValueError(f"autopar: rank must be in 0..{stages - 1} for {stages} stages; found {rank}.")
         return compiled(f"in_flight.{self.value}")(micro_batches, stages, chunks, rank)
 
-    def in_flight_per_stage(self, stages: int, micro_batches: int, chunks: int = 1) -> list[int]:
+    def in_flight_per_stage(self, stages: int, micro_batches: int, chunks: int = 1) -> list[float]:
         """Micro-batches each (virtual) stage keeps alive at its peak: rank ``r``'s count
-        (``in_flight``) rounded up; interleaved, each of a rank's chunks holds the rank's
-        rounded-up count spread evenly, never below it (an approximation), so stage ``c``
-        takes rank ``c mod P``'s."""
+        (``in_flight``); interleaved, a rank's ``v * in_flight`` chunk micro-batches (the count
+        torch's ``ScheduleInterleaved1F1B`` order reaches) spread evenly over its chunks, which
+        is exact for alike chunks, so stage ``c`` takes rank ``c mod P``'s."""
         v = self.chunks(chunks)
-        per_rank = [math.ceil(self.in_flight(stages, micro_batches, v, rank=r)) for r in range(stages)]
+        per_rank = [float(self.in_flight(stages, micro_batches, v, rank=r)) for r in range(stages)]
         return [per_rank[c % stages] for c in range(stages * v)]
 
     def bubble_fraction(self, stages: int, micro_batches: int, chunks: int = 1) -> float:

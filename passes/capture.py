@@ -140,6 +140,8 @@ def capture(
         model.train(was_training)
     captured = _from_exported(ep, type(model).__name__)
     _merge_tied_parameters(captured, model)
+    captured.gm.graph.lint()
+    captured.gm.recompile()  # once, after every rewrite: Python code for 5,600 nodes takes a while
     return captured
 
 
@@ -195,8 +197,6 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     _drop_metadata_asserts(gm)
     _functionalize_inplace(gm)
     _mean_loss_as_sum_over_count(gm)
-    gm.graph.lint()
-    gm.recompile()
     return captured
 
 
@@ -252,7 +252,6 @@ def _merge_tied_parameters(captured: Captured, model: torch.nn.Module) -> None:
         captured.gm.graph.erase_node(placeholders[ph])
         captured.placeholders.remove(ph)
         del captured.params[ph]
-    captured.gm.recompile()
 
 
 # In-place ops whose result, not their mutated input, is what later nodes read.

@@ -86,6 +86,7 @@ from torch.distributed.tensor import Replicate
 from autopar import costmodels
 from autopar.passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
 from autopar.costmodels.formulas import BYTES_PER_PARAM
+from autopar.costmodels.precision import META_KEY, MixedPrecision, dtype_name, plain_zero_bytes
 from autopar.passes.placements import gradient_spec
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
@@ -121,7 +122,7 @@ class Costs:
     temporary_memory: list[np.ndarray]
     edge_inputs: list[tuple[fx.Node, fx.Node, int]]  # per problem edge: (producer, consumer, position)
     layer_of: dict[fx.Node, int] = field(default_factory=dict)  # node -> layer number, in graph order
-    precision: str = "fp32"
+    precision: str | MixedPrecision = "fp32"
     recompute: frozenset[int] = frozenset()  # layers recomputed in backward
     pricer: object = None  # the price caches, to rebuild cheaply (e.g. with recomputation)
     # per problem node: the forward compute alone (what recomputing a layer runs again);
@@ -153,9 +154,14 @@ class Costs:
         return choice, zero
 
 
-def precision_of(graph: StrategyGraph) -> str:
+def precision_of(graph: StrategyGraph) -> str | MixedPrecision:
     """"bf16" (2+2+4 bytes per parameter) for 16-bit parameters, else "fp32" (4+4+8): a model
-    given in bf16 trains in pure bf16 (AdamW's moments in the parameters' dtype), as it runs."""
+    given in bf16 trains in pure bf16 (AdamW's moments in the parameters' dtype), as it runs;
+    a graph captured under a mixed-precision policy: its ``MixedPrecision`` (on the parameters'
+    placeholders, ``costmodels.precision.META_KEY``)."""
+    policies = [n.meta[META_KEY] for n in graph.nodes if n.name in graph.captured.params and META_KEY in n.meta]
+    if policies:
+        return policies[0]
     params = [n.meta["val"] for n in graph.nodes if n.name in graph.captured.params]
     return "bf16" if params and params[0].dtype in (torch.bfloat16, torch.float16) else "fp32"
 
@@ -289,9 +295,12 @@ def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict
 class _Pricer:
     """Caches of per-strategy and per-edge prices: repeated layers repeat the same keys."""
 
-    def __init__(self, graph: StrategyGraph, profile: costmodels.HardwareProfile):
+    def __init__(self, graph: StrategyGraph, profile: costmodels.HardwareProfile,
+                 precision: str | MixedPrecision | None = None):
         self.mesh = graph.mesh_shape
         self.profile = profile
+        # under a policy a parameter's gradient is reduced in its reduce dtype (``precision_of``)
+        self.reduce_itemsize = precision.reduce_bytes if isinstance(precision, MixedPrecision) else None
         self.reshard: dict[tuple, float] = {}
         self.tables: dict[tuple, np.ndarray] = {}
         self.node: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -326,7 +335,8 @@ class _Pricer:
             size = meta.dtype.itemsize
             steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
             if grad is not None:
-                steps += costmodels.backward_reshard_plan(meta.shape, size, src, dst, self.mesh, grad)
+                grad_size = self.reduce_itemsize if bucketed and self.reduce_itemsize else size
+                steps += costmodels.backward_reshard_plan(meta.shape, grad_size, src, dst, self.mesh, grad)
             # an activation's move waits right after compute; a parameter's travels bucketed
             charges = tuple(Charge(s.collective, s.axis, costmodels.collective_time(
                 s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective), in_step=not bucketed))
@@ -409,7 +419,7 @@ class _Pricer:
         return t + costmodels.backward_time([op], self.profile), t, out_bytes
 
 
-def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
+def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str | MixedPrecision,
                profile: costmodels.HardwareProfile, shares: "Shares | None" = None) -> tuple[float, float, float]:
     """(compute seconds, communication seconds, bytes) of one parameter's state at a ZeRO level."""
     shares = shares or UNPACKED
@@ -421,24 +431,30 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str,
         return math.inf, 0.0, sum(state_breakdown(numel, 0, 1, precision).values())
     shards = shards if level else 1
     memory = sum(state_breakdown(numel, level, shards, precision).values())
+    mixed = isinstance(precision, MixedPrecision)  # AdamW steps the master; collectives' bytes by dtype
+    master = dtype_name(precision.master) if mixed else _dtype(meta)
     optimizer = sum(costmodels.compute_time(op.flops, op.bytes, op.dtype, profile)
-                    for op in costmodels.adamw_ops([math.ceil(numel / shards)], _dtype(meta)))
+                    for op in costmodels.adamw_ops([math.ceil(numel / shards)], master))
     comm = 0.0
-    size = numel * meta.dtype.itemsize
+    size = precision.zero_bytes(numel) if mixed else plain_zero_bytes(numel, meta.dtype.itemsize)
     for a in replicated if level == 1 else ():  # after the step, in the gradients' buckets
-        comm += costmodels.collective_time("all_gather", size, a, profile, shares.of("all_reduce"))
+        comm += costmodels.collective_time("all_gather", size["step_gather"], a, profile, shares.of("all_reduce"))
     for a in replicated if level == 2 else ():
-        ring = sum(costmodels.collective_time(c, size, a, profile, shares.of(c))
+        ring = sum(costmodels.collective_time(c, size[c], a, profile, shares.of(c))
                    for c in ("all_gather", "reduce_scatter"))
-        comm += max(0.0, ring - costmodels.collective_time("all_reduce", size, a, profile, shares.of("all_reduce")))
+        comm += max(0.0, ring - costmodels.collective_time("all_reduce", size["all_reduce"], a, profile,
+                                                           shares.of("all_reduce")))
     return optimizer, comm, memory
 
 
-def state_breakdown(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:
+def state_breakdown(numel: float, level: int, shards: int, precision: str | MixedPrecision) -> dict[str, float]:
     """Bytes by kind of ``numel`` parameters at a ZeRO level, as the runtime holds them:
     level 1 splits the optimizer state; level 2 the gradients too, and stores the parameter
     split as well, gathering a whole copy once per step in forward that backward keeps
-    (``autopar.passes.lowering.codegen`` storage; the dry run counts it with the activations)."""
+    (``autopar.passes.lowering.codegen`` storage; the dry run counts it with the activations).
+    Under a mixed-precision policy: ``MixedPrecision.state_breakdown``."""
+    if isinstance(precision, MixedPrecision):
+        return precision.state_breakdown(numel, level, shards)
     p, g, o = BYTES_PER_PARAM[precision]
     n = max(shards, 1)
     return {
@@ -479,10 +495,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             f"{graph.mesh_shape}; build both for the same mesh shape"
         )
     reuse = pricer is not None and pricer.profile is profile and pricer.graph is graph
-    pricer = pricer if reuse else _Pricer(graph, profile)
+    precision = precision_of(graph)
+    pricer = pricer if reuse else _Pricer(graph, profile, precision)
     grad_inputs = tuple(grad_inputs)
     grad_nodes = pricer.once(("grad", grad_inputs), lambda: requires_grad(graph, grad_inputs))
-    precision = precision_of(graph)
     params = graph.captured.params
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -516,6 +532,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             compute.append(t); forward.append(t_forward); state.append(zeros); comm.append(zeros)
             activation.append(saved if node in kept else zeros)
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
+            if leader is None and graph.in_place:  # on an in-place write's path a reader follows its value
+                first = next(iter(tensor_inputs(node)), None)
+                if (first, node) in graph.in_place:
+                    leader = (first, graph.in_place_choices(first, node, t))
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
     shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
@@ -546,7 +566,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
                              regather=src.name in params, shares=shares.get(src, UNPACKED),
                              alike=alike.get((src, node, position), 1))
-            edges.append((index[src], index[node], pricer.edge(edge)))
+            table = pricer.edge(edge)
+            if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved
+                table = table + graph.in_place_mask(src, node)
+            edges.append((index[src], index[node], table))
             edge_inputs.append((src, node, position))
             edge_prices.append(edge)
     temporary = [np.zeros(len(a)) for a in activation]

@@ -10,6 +10,11 @@ from __future__ import annotations
 import math
 from itertools import groupby
 
+from torch.distributed.tensor import Shard
+
+from autopar.passes.placements import parse_spec
+from autopar.passes.rules.moe import EXPERT_KERNEL
+
 MS = 1e3
 GB = 1e9
 
@@ -69,6 +74,28 @@ def _kinds(memory: dict) -> list[str]:
     return [k for k in order if k in memory] + sorted(k for k in memory if k not in order)
 
 
+def expert_axes(plan) -> tuple[list[str], list[int]]:
+    """(the strategies of the grouped matmuls that run only this rank's experts: the
+    ``local_experts`` kernel of ``autopar.passes.rules.moe``, the mesh axes their experts
+    are split over: where the expert weights, the matmul's second input, split dim 0)."""
+    chosen = [text for text in plan.strategies.values() if text.endswith(f"[{EXPERT_KERNEL}]")]
+    axes = set()
+    for text in chosen:
+        weights = parse_spec(text[1:text.index(") ->")].split(", ")[1])
+        axes |= {a for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
+    return chosen, sorted(axes)
+
+
+def expert_parallel(plan) -> str | None:
+    """'expert parallel: ...' for a plan that splits experts by expert, else None."""
+    chosen, axes = expert_axes(plan)
+    if not chosen:
+        return None
+    where = ", ".join(f"{plan.axis_names[a]} (size {plan.mesh_shape[a]})" for a in axes)
+    return (f"expert parallel: experts split by expert over {where}; {len(chosen)} grouped matmuls run "
+            "only the tokens routed to this rank's experts (tokens gathered before, outputs reduced after)")
+
+
 def explain(plan) -> str:
     p = plan.predicted
     lines = [
@@ -82,8 +109,13 @@ def explain(plan) -> str:
         pl = plan.pipeline
         lines.append(f"pipeline on axis {pl.axis}: {pl.stages} stages, {pl.micro_batches} micro-batches, "
                      f"{pl.schedule}" + (f", {pl.chunks_per_rank} chunks per rank" if pl.chunks_per_rank > 1 else ""))
+    if plan.mp_policy:
+        lines.append(f"mixed precision: {plan.mp_policy['priced']}")
     if plan.recompute:
         lines.append(f"recomputed in backward: {len(plan.recompute)} layers")
+    experts = expert_parallel(plan)
+    if experts:
+        lines.append(experts)
     zero = {}
     for level in plan.zero.values():
         zero[level] = zero.get(level, 0) + 1

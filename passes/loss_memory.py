@@ -32,6 +32,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils import _pytree as pytree
 
+from autopar.costmodels.precision import OUTPUT_DTYPE_KEY
 from autopar.passes.capture import Captured, capture
 from autopar.passes.placements import Spec, local_shape
 from autopar.passes.propagate import choose_by_propagation, reshard_bytes
@@ -146,7 +147,9 @@ def loss_memory(captured: Captured, mesh_shape: tuple[int, ...]) -> LossMemory |
     if not isinstance(first, torch.Tensor) or not first.dtype.is_floating_point or has_loss(captured):
         return None
     loss_fn, target = default_loss(captured)
-    example = (torch.empty(tuple(first.shape), dtype=first.dtype, device="meta"), target)
+    # under a mixed-precision policy's output_dtype the loss reads the output cast to it
+    dtype = output_node(captured).meta.get(OUTPUT_DTYPE_KEY, first.dtype)
+    example = (torch.empty(tuple(first.shape), dtype=dtype, device="meta"), target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cap = capture(_LossOfFirst(loss_fn), example)

@@ -73,6 +73,8 @@ class Prediction:
     bubble: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by kind
     # e.g. {"parameters": .., "gradients": .., "optimizer": .., "activations": ..}
+    # a pipeline's: ``memory`` of each pipeline rank at its peak (``memory`` is the fullest's)
+    memory_by_rank: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -95,6 +97,11 @@ class Plan:
     # The plan covers the model followed by its loss (``autopar.plan(..., loss_fn=, target=)``):
     # the planned graph takes the target as its last input and outputs the loss.
     includes_loss: bool = False
+    # The mixed-precision policy the plan is priced for (None: the model's own dtypes), as
+    # dtype names: {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": ...,
+    # "cast_forward_inputs": true, "priced": "bf16 compute, fp32 master, fp32 reduce"};
+    # ``autopar.compile(..., mp_policy=)`` runs it
+    mp_policy: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     # For explain(): per node {"compute": s, "comm": s, "memory": bytes, "layer": i (if in a layer)}
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -22,6 +22,8 @@ class AxisRole(str, Enum):
     - ``FSDP``: fully sharded data parallel (ZeRO-3): weights split over the axis and
       gathered whole before use; the batch is split too.
     - ``PP``: pipeline parallel: each rank on the axis runs a stage of the layers.
+    - ``EP``: expert parallel (mixture-of-experts): each rank on the axis holds whole
+      experts and computes the tokens routed to them; the batch is split too.
     - ``REPLICA``: none of these: every rank on the axis runs the same work.
     """
 
@@ -29,6 +31,7 @@ class AxisRole(str, Enum):
     TP = "tp"
     FSDP = "fsdp"
     PP = "pp"
+    EP = "ep"
     REPLICA = "replica"
 
     def __str__(self) -> str:  # printed as its value, as a plain str would be

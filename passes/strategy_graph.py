@@ -5,7 +5,13 @@
 - an op node gets the strategies of its rule (``autopar.passes.rules``), or only the
   replicated one, with one warning per op that has no rule;
 - a ``getitem`` of a multi-output op follows its producer: it has the producer's
-  strategies, taking the chosen output's placement.
+  strategies, taking the chosen output's placement;
+- an in-place write (``copy_``, ``fill_``, ... into a view of a value) must land in the
+  tensor later readers read: the edges from the value it writes into, through the views
+  it is taken from, to the writer are kept where their values lie (``StrategyGraph.in_place``):
+  the solver's problem makes each reader on the path follow its value
+  (``in_place_choices``) and forbids every other pair (``in_place_mask``, in the edge's
+  table; ``autopar.passes.costing``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
@@ -56,6 +63,48 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
 
 
+def aliases_first(node: fx.Node) -> tuple[bool, bool]:
+    """(the op's output is a view of its first argument, the op writes into that argument),
+    from its schema's alias annotations (``slice``: (True, False); ``copy_``: (True, True))."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return alias is not None, alias is not None and alias.is_write
+
+
+def write_path(writer: fx.Node) -> list[fx.Node]:
+    """An in-place write and the values it writes into: the writer, its destination, the
+    value that one is a view of, and so on back to the base (the first value that is no
+    view); [] for an op that writes nothing in place."""
+    aliases, writes = aliases_first(writer)
+    if not (aliases and writes) or not tensor_inputs(writer):
+        return []
+    path = [writer]
+    while aliases_first(path[-1])[0] and tensor_inputs(path[-1]):
+        path.append(tensor_inputs(path[-1])[0])
+    return path
+
+
+def read_after(path: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
+    """The readers of a write path's values that run after its writer (``position``: the
+    graph's order): they must read what was written."""
+    writer = path[0]
+    return [u for n in path[1:] for u in n.users if position.get(u, -1) > position[writer]]
+
+
+def in_place_edges(graph: fx.Graph) -> frozenset[tuple[fx.Node, fx.Node]]:
+    """(value, reader) edges that must read their value where it lies: along the path of
+    every in-place write whose values something reads afterwards (``write_path``), each
+    link from a value to the view or writer taken from it. Moved, the link would hand the
+    writer a copy, and the readers after it would read the unwritten value."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    edges = set()
+    for node in graph.nodes:
+        path = write_path(node)
+        if path and read_after(path, position):
+            edges.update((value, reader) for reader, value in zip(path, path[1:]))
+    return frozenset(edges)
+
+
 def placeholder_specs(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Spec]:
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
     specs = [s for s in itertools.product(per_axis, repeat=len(mesh_shape)) if fits(shape, s, mesh_shape)]
@@ -77,9 +126,36 @@ class StrategyGraph:
     mesh_shape: tuple[int, ...]
     nodes: dict[fx.Node, NodeStrategies] = field(default_factory=dict)
     missing_rules: dict[str, int] = field(default_factory=dict)  # op -> node count
+    # (value, reader) edges on an in-place write's path (``in_place_edges``): read where it lies
+    in_place: frozenset[tuple[fx.Node, fx.Node]] = frozenset()
 
     def __getitem__(self, node: fx.Node) -> NodeStrategies:
         return self.nodes[node]
+
+    def output_specs(self, node: fx.Node) -> list[Spec]:
+        """The placement ``node``'s value takes under each of its strategies (a ``getitem``: its
+        producer's, at its output)."""
+        ns = self.nodes[node]
+        out = ns.follows[1] if ns.follows is not None else 0
+        return [s.outputs[out] for s in ns.strategies]
+
+    def in_place_mask(self, value: fx.Node, reader: fx.Node) -> np.ndarray:
+        """[strategies of ``value``, strategies of ``reader``]: 0 where the reader's strategy
+        takes its first input where ``value`` lies (or does not read it), inf where it would
+        read a moved copy. Added to the edge's resharding table, it keeps an in-place write's
+        path unmoved (``in_place``)."""
+        have = self.output_specs(value)
+        needs = [s.inputs[0] if s.inputs else None for s in self.nodes[reader].strategies]
+        return np.array([[0.0 if need is None or need == h else np.inf for need in needs] for h in have])
+
+    def in_place_choices(self, value: fx.Node, reader: fx.Node, preference: np.ndarray) -> tuple[int, ...]:
+        """Per strategy of ``value``, the strategy of ``reader`` that takes it where it lies, the
+        least ``preference`` (e.g. its time) first: the reader follows its value. Where none
+        does, 0, a pair ``in_place_mask`` forbids: that strategy of ``value`` is not taken."""
+        allowed = np.isfinite(self.in_place_mask(value, reader))
+        ranked = np.where(allowed, np.asarray(preference, dtype=float)[None, :], np.inf)
+        best = ranked.argmin(axis=1)
+        return tuple(int(j) if np.isfinite(row[j]) else 0 for row, j in zip(ranked, best))
 
     def counts(self) -> dict[str, list[int]]:
         """Op name -> number of strategies of each of its nodes."""
@@ -137,6 +213,7 @@ def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int],
             if key not in known:
                 known[key] = tuple(rules.strategies_for(info, mesh_shape))
             graph.nodes[node] = NodeStrategies(node, known[key], info=info, has_rule=has_rule)
+    graph.in_place = in_place_edges(captured.graph)
     for name, count in graph.missing_rules.items():
         warnings.warn(
             f"autopar: no sharding rule for {name} ({count} node(s) in {captured.model_name}); "

@@ -8,7 +8,6 @@ returns (model, example_inputs, example_kwargs); the loss is the model's output'
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from autopar.models import MODELS as REGISTRY
 from tests.coverage_models import TINY_MIXTRAL
@@ -29,22 +28,10 @@ def _towers(**keywords) -> dict:
     return {tower: {**tiny[tower], **keywords} for tower in ("text_config", "vision_config")}
 
 
-class ClipWithLoss(nn.Module):
-    """CLIP returning its contrastive loss, ``return_loss=True`` bound here rather than given
-    as an input: the runtime takes tensor inputs only (a bool keyword input fails in
-    ``ParallelModule.train_step``; ``clip_as_given`` keeps that case)."""
-
-    def __init__(self, clip: nn.Module):
-        super().__init__()
-        self.clip = clip
-
-    def forward(self, input_ids, pixel_values):
-        return self.clip(input_ids=input_ids, pixel_values=pixel_values, return_loss=True)
-
-
 def clip():
-    model, args, kwargs = _registry("clip", **_towers(num_hidden_layers=LAYERS))
-    return ClipWithLoss(model), args, {k: v for k, v in kwargs.items() if k != "return_loss"}
+    """The registry's CLIP as given: its contrastive loss asked for by a bool keyword input
+    (``return_loss=True``), which the runtime takes as a setting of the captured program."""
+    return _registry("clip", **_towers(num_hidden_layers=LAYERS))
 
 
 def mixtral():
@@ -67,13 +54,10 @@ def vit():
         "labels": torch.randint(0, 4, (2,), generator=gen)}
 
 
-# ``clip_as_given``: the registry's CLIP with its bool keyword input (return_loss=True), which
-# plans but does not train yet (benchmarks.layout_matrix lists it; the suite leaves it out)
 LAYOUT_MODELS = {
     "resnet": lambda: _registry("resnet", depths=[LAYERS, LAYERS]),
     "convnext": lambda: _registry("convnext", depths=[LAYERS, LAYERS]),
     "clip": clip,
-    "clip_as_given": lambda: _registry("clip", **_towers(num_hidden_layers=LAYERS)),
     "whisper": lambda: _registry("whisper", encoder_layers=LAYERS, decoder_layers=LAYERS),
     "bart": lambda: _registry("bart", encoder_layers=LAYERS, decoder_layers=LAYERS),
     "mixtral": mixtral,

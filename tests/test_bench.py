@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar import bench
 from autopar.bench.report import COLUMNS, SUMMARY_COLUMNS
@@ -92,3 +94,69 @@ def test_layout_plans_share_costs_and_match_autopar_plan():
         assert plan.strategies == alone.strategies and plan.zero == alone.zero
         assert plan.predicted.step_time == pytest.approx(alone.predicted.step_time, rel=1e-9)
         assert plan.predicted.memory == pytest.approx(alone.predicted.memory, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_h100():
+    """A 2-layer GPT (dim 64) as a bench workload on the meta device, and its TP+DP plan for
+    an h100-8 mesh (2x4), planned alone as the bench plans preset meshes (a layout: quicker
+    to plan than the search, and dry-run alike)."""
+    import warnings
+
+    import torch
+
+    import autopar
+    from autopar.bench.workloads import Workload, lm_loss
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    ids = torch.zeros(16, 64, dtype=torch.long, device="meta")
+    work = Workload(model, (ids,), torch.zeros(16, 64, dtype=torch.long, device="meta"), lm_loss, "tiny GPT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (2, 4), work.inputs, hardware="h100", layout="tp+dp", axis_names=("dp", "tp"))
+    return work, plan
+
+
+def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
+    from autopar.bench.run import dry_run_row
+
+    work, plan = tiny_h100
+    row = dry_run_row(plan, work, 80e9)
+    assert row["status"] == "ok" and not row["over_memory"], row
+    assert row["peak"] > 0 and row["seconds"] > 0 and row["ranks"] == 2  # the first rank and the last
+    assert row["ratio"] == pytest.approx(sum(plan.predicted.memory.values()) / row["peak"])
+    assert row["plan"].startswith("mesh 2x4, ZeRO ")
+
+
+def test_a_failing_dry_run_is_a_row_with_its_autopar_message(tiny_h100, tmp_path):
+    import copy
+
+    from autopar.bench import report
+    from autopar.bench.run import dry_run_row
+
+    work, plan = tiny_h100
+    broken = copy.deepcopy(plan)
+    node = next(n for n, s in broken.strategies.items() if "S(" in s)
+    broken.strategies[node] = "(S(5)S(5)) -> S(5)S(5)"  # a dim the tensor does not have
+    row = dry_run_row(broken, work, 80e9)
+    assert row["status"] == "failed" and "autopar:" in row["error"], row
+    assert row["error"].startswith("rank 0 (coordinate (0, 0)): autopar:")
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:  # autopar.dry_run raises here (it starts its own process group): still a row
+        refused = dry_run_row(plan, work, 80e9)
+    finally:
+        dist.destroy_process_group()
+    assert refused["status"] == "failed" and refused["error"].startswith("autopar: dry_run starts"), refused
+    over = {"status": "ok", "peak": 77 * 2**30, "ratio": 0.76, "seconds": 1.0, "plan": "mesh 2x4, ZeRO 0",
+            "over_memory": True, "memory_limit": 80e9}  # a plan whose peak the device cannot hold
+    rows = [{"mesh": "h100-8", "model": "gpt", "layout": "auto", "label": "tiny GPT", "dry_run": row},
+            {"mesh": "h100-8", "model": "big", "layout": "auto", "label": "big GPT", "dry_run": over}]
+    text = report.markdown(rows, {"date": "today", "seconds": 1.0, "meshes": ["h100-8"], "time_limit_s": 2.0,
+                                  "steps": 3, "warmup": 0, "quick": False, "load": "0", "dry_run": True,
+                                  "models": ["gpt"], "mesh_shapes": {"h100-8": (2, 4)}}, [])
+    dry = [line for line in text.splitlines() if line.startswith("| h100-8 | gpt |")]
+    assert dry and "**failed**: rank 0 (coordinate (0, 0)): autopar:" in dry[0]
+    assert "| ok, **peak over the device's 74.5 GiB** | 77 GiB | 0.76 |" in text
+    assert _header(text.splitlines(), "mesh") == list(report.DRY_RUN_COLUMNS)

@@ -182,7 +182,7 @@ def test_bench_calls_autopar_bench_and_prints_the_table(tmp_path, monkeypatch, c
     assert main(["bench", "--models", "gpt2,llama", "--meshes", "gloo-4", "--out", str(tmp_path), "--quick",
                  "--no-progress"]) == 0
     assert calls == [{"models": ["gpt2", "llama"], "meshes": ["gloo-4"], "out_dir": str(tmp_path), "quick": True,
-                      "progress": False, "time_limit_s": 20.0}]
+                      "progress": False, "time_limit_s": 20.0, "dry_run": False}]
     if signature is not None:
         signature.bind(**calls[0])
     printed = capsys.readouterr().out

@@ -173,3 +173,77 @@ def test_a_worker_that_dies_fails_its_ranks_with_an_autopar_error(staged, monkey
                for r in result.failures)
     with pytest.raises(ValueError, match=r"^autopar: dry_run\(workers=...\) expected at least 1"):
         autopar.dry_run(plan, model, inputs, workers=0)
+
+
+def test_a_plan_made_with_its_loss_searches_no_pipeline(monkeypatch):
+    """Found by ``autopar bench --dry-run``: ``autopar.plan(..., loss_fn=, target=)`` on a preset
+    searched pipelines over the model-and-loss graph, and its pipeline plans (wide-mlp on h100-8:
+    PP2 GPipe M=128) failed every dry run ("this pipeline plan was made for the model and its loss
+    together"): a pipeline trains the model alone, its loss laid out on the last stage."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(captured, request):
+        seen["pipeline"] = request.pipeline
+        raise Stop
+
+    monkeypatch.setattr(autopar.planning, "plan_captured", record)
+    model, inputs = _gpt(16)
+    target = torch.zeros(16, 64, dtype=torch.long, device="meta")
+    for loss_fn, searched in ((None, True), (lambda out, t: out.flatten(0, 1).float().logsumexp(-1).mean(), False)):
+        with pytest.raises(Stop), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            autopar.plan(model, (2, 8), inputs, hardware="h100", loss_fn=loss_fn,
+                         target=target if loss_fn else None)
+        assert seen.pop("pipeline") is searched
+
+
+def test_a_pipeline_never_parts_tied_weights():
+    """Found by ``autopar bench --dry-run``: GPT-2's auto plan on h100-8 was PP2 (interleaved,
+    4 virtual stages) with the tied token embedding in stage 0 and the output head in stage 3;
+    its dry run failed on rank 0 ("parameter transformer.wte.weight is used by stages [0, 3]").
+    A parameter read in two layers can go to no stage cut: the pipeline search says so."""
+    from autopar.models import MODELS
+
+    family = MODELS["gpt2"]
+    with torch.device("meta"):
+        model = family.build("bench-cpu")
+        (ids,), _ = family.inputs("bench-cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, (ids,))
+        request = PlanRequest(mesh_shape=(2, 2), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
+                              hint_fn=layouts.hints)
+        plan, why = pipeline_plan(captured, 2, (2,), request, solver_time_s=2)
+    assert plan is None and "transformer.wte.weight is read in layers 0 and 1 (tied)" in why, why
+
+
+class _CountsExperts(torch.nn.Module):
+    """Routes each row to its top expert and counts rows per expert with ``histc`` of integers,
+    as Hugging Face's grouped-matmul Mixtral does on CUDA (and, captured on the meta device, here)."""
+
+    def __init__(self, dim: int = 8, experts: int = 4):
+        super().__init__()
+        self.router = torch.nn.Linear(dim, experts)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        counts = torch.histc(logits.argmax(-1).int(), bins=self.experts, min=0, max=self.experts - 1)
+        return logits * counts.to(logits.dtype)
+
+
+def test_integer_histc_dry_runs_as_on_the_device():
+    """Found by ``autopar bench --dry-run``: the MoE auto plan on h100-8 failed on rank 0 with
+    ``"histogram_cpu" not implemented for 'torch.int32'``: captured on the meta device, Mixtral
+    takes CUDA's integer ``histc``, which the CPU fake tensors refused."""
+    with torch.device("meta"):
+        model = _CountsExperts()
+    inputs = (torch.zeros(16, 8, device="meta"),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (2,), inputs, hardware="h100", layout="dp")
+    result = autopar.dry_run(plan, model, inputs, workers=1)
+    assert result.ok, result.table()

@@ -42,7 +42,8 @@ def test_megatron_splits_columns_then_rows(gpt_graph):
 def test_each_layout_places_parameters_as_it_promises(gpt_graph):
     _, _, graph = gpt_graph
     by_name = {h.name: h for h in layouts.hints(graph)}
-    assert set(layouts.LAYOUTS) <= set(by_name) | {"zero1", "zero2"}
+    # without experts, ep is dp and tp+ep is tp+dp: dropped as duplicates
+    assert set(layouts.LAYOUTS) <= set(by_name) | {"zero1", "zero2", "ep", "tp+ep"}
     dp = _param_specs(graph, by_name["dp"])
     assert set(dp.values()) == {"RR"}
     tokens = next(n for n in graph.nodes if n.name == "tokens")

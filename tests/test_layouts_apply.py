@@ -1,7 +1,8 @@
 """Ties never refuse a layout (issue #18, item 1): where a manual layout places tied layers
 differently, the tie is split for it and the plan says so; every layout of ``LAYOUTS``
 gives a Plan on Mixtral, a ViT, CLIP, Whisper and BART (``tests.layout_models``: two of
-every repeated layer) on a (2, 2) mesh."""
+every repeated layer) on a (2, 2) mesh. Mixtral's layouts (item 2): Megatron keeps the
+router whole and splits each expert's MLP; ``ep`` and ``tp+ep`` split experts by expert."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
-from autopar import costmodels
+from autopar import costmodels, pictures
+from autopar.passes.explain import expert_axes
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
 from autopar.passes.planner import layouts
 from autopar.passes.planner.intra_op import plan_layout
 from autopar.passes.planner.untie import Restrictions, restrict
+from autopar.passes.placements import spec_str
 from autopar.passes.solve import Follower, SolveProblem
 from autopar.passes.solve.shrink import shrink_problem
 from autopar.passes.strategy_graph import build_strategy_graph
@@ -36,7 +41,7 @@ def costs_of(name: str):
 
 
 # The issue's models (ResNet and ConvNeXt plan every layout in tests/test_layout_matrix.py too)
-APPLY_MODELS = ("bart", "clip_as_given", "mixtral", "vit", "whisper")
+APPLY_MODELS = ("bart", "clip", "mixtral", "vit", "whisper")
 
 
 @pytest.mark.parametrize("name", APPLY_MODELS)
@@ -49,16 +54,82 @@ def test_every_layout_gives_a_plan(name):
         assert plan.predicted.step_time > 0, (name, layout)
 
 
+class Alternating(nn.Module):
+    """Two repeated layers of one linear each after a first linear: Megatron's walk makes
+    that one column-parallel, layer 0 (reading its split output) row-parallel and layer 1
+    column-parallel again: the tied layers placed apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+
+    def forward(self, x):
+        x = self.first(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
 def test_a_layout_that_places_tied_layers_apart_splits_the_tie_and_says_so():
-    # Megatron's walk marks Mixtral's router column-parallel, so the second layer's
-    # attention reads a split activation: row-parallel where the first is column-parallel.
-    costs = costs_of("mixtral")
-    hint = layouts.hint("tp+dp", costs.graph)
-    plan, _ = plan_layout(costs, {"tp+dp": hint}, "tp+dp", None, ("dp", "tp"))
-    q = {fqn: spec for fqn, spec in plan.params.items() if fqn.endswith("self_attn.q_proj.weight")}
-    assert sorted(q.values()) == ["RS(0)", "RS(1)"], q  # the layout's placements, kept in both layers
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = build_strategy_graph(capture(Alternating(), (torch.randn(8, 16),)), MESH)
+    costs = build_costs(graph, costmodels.preset("h100", MESH))
+    plan, _ = plan_layout(costs, {"tp+dp": layouts.hint("tp+dp", graph)}, "tp+dp", None, ("dp", "tp"))
+    weights = {fqn: spec for fqn, spec in plan.params.items() if fqn.startswith("layers.") and fqn.endswith("0.weight")}
+    assert sorted(weights.values()) == ["RS(0)", "RS(1)"], weights  # the layout's placements, kept in both layers
     assert any("tied layers placed differently" in r and "layers 0 | 1" in r for r in plan.reasons), plan.reasons
     assert "tied layers placed differently" in plan.explain()
+
+
+def _mixtral_params(layout: str) -> dict[str, str]:
+    """Layer 0's parameter placements under ``layout`` on Mixtral (names from ``mlp.`` on)."""
+    graph = costs_of("mixtral").graph
+    fixed = layouts.hint(layout, graph).fixed
+    names = {graph.captured.params[n.name]: spec_str(spec) for n, spec in fixed.items() if n.name in graph.captured.params}
+    return {fqn.split("layers.0.")[1]: spec for fqn, spec in names.items() if "layers.0.mlp" in fqn}
+
+
+def test_megatron_keeps_the_router_whole_and_splits_each_expert_like_an_mlp():
+    # gate_up_proj [E, 2I, H] by output features, down_proj [E, H, I] by input features
+    assert _mixtral_params("tp+dp") == {"mlp.gate.weight": "RR", "mlp.experts.gate_up_proj": "RS(1)",
+                                        "mlp.experts.down_proj": "RS(2)"}
+    costs = costs_of("mixtral")
+    plan, _ = plan_layout(costs, {"tp+dp": layouts.hint("tp+dp", costs.graph)}, "tp+dp", None, ("dp", "tp"))
+    assert not any("tied layers placed differently" in r for r in plan.reasons), plan.reasons  # layers alike
+
+
+@pytest.mark.parametrize("layout, attention", [("ep", "RR"), ("tp+ep", "RS(0)")])
+def test_expert_parallel_layouts_split_experts_by_expert_and_run_them_locally(layout, attention, tmp_path):
+    assert _mixtral_params(layout) == {"mlp.gate.weight": "RR", "mlp.experts.gate_up_proj": "RS(0)",
+                                       "mlp.experts.down_proj": "RS(0)"}
+    costs = costs_of("mixtral")
+    hint = layouts.hint(layout, costs.graph)
+    q = next(spec for n, spec in hint.fixed.items() if costs.graph.captured.params.get(n.name, "").endswith(
+        "layers.0.self_attn.q_proj.weight"))
+    assert spec_str(q) == attention
+    plan, _ = plan_layout(costs, {layout: hint}, layout, None, ("dp", "tp"))
+    # the down projections run on local experts; an up projection's output feeds the gate's
+    # silu, which takes no pending sum: there the completion weighs reducing that output
+    # against gathering the weights (this tiny model gathers them)
+    params = costs.graph.captured.params
+    down = {node.name for node in costs.graph.nodes if str(node.target) in layouts.GROUPED_MM
+            and any(params[w.name].endswith("down_proj") for w in layouts.expert_weights(node, params))}
+    experts = {n: s for n, s in plan.strategies.items() if "grouped_mm" in n}
+    assert len(down) == 2 and len(experts) == 4, experts
+    assert all(experts[n].endswith("[local_experts]") for n in down), experts
+    assert "expert parallel: experts split by expert over tp (size 2)" in plan.explain()
+    assert expert_axes(plan)[1] == [1]  # what the weight picture marks "by expert"
+    assert pictures.weight_placement(plan, tmp_path / "weights.png").stat().st_size > 0
+    tokens = next(n for n in hint.fixed if n.name in costs.graph.captured.user_inputs)
+    assert spec_str(hint.fixed[tokens][-1:]) == ("S(0)" if layout == "ep" else "R")  # ep's axis splits the batch
+
+
+def test_expert_layouts_on_a_model_without_experts_are_its_dense_layouts():
+    names = [h.name for h in layouts.hints(costs_of("vit").graph)]
+    assert "ep" not in names and "tp+ep" not in names and {"dp", "tp+dp"} <= set(names)
 
 
 def _two_tied(follower_map=None) -> SolveProblem:

@@ -53,7 +53,9 @@ def test_plan_round_trips_and_replays(gpt_plan, tmp_path):
     kinds = {"parameters", "gradients", "optimizer", "activations"}
     assert kinds <= set(p.predicted.memory) <= kinds | {"temporary"}  # temporary: the default loss's backward
     assert p.solver["status"] in ("optimal", "feasible") and 0.0 <= p.solver["gap"] <= 1.0
-    assert p.solver["planning_seconds"] < 3 * LIMIT  # the wall-clock limit holds (with slack for costing)
+    # the deterministic budget ended the search, not a safety net, whatever the machine's load
+    # (how fast that budget runs is benchmarks/plan_llama.py's to report, not a test's)
+    assert "clock_cut" not in p.solver and p.solver["planning_cpu_seconds"] > 0
     if p.pipeline is None:
         graph = build_strategy_graph(capture(model, inputs), p.mesh_shape)
         assert len(choice_from_plan(graph, p)) == len(graph.nodes)
@@ -311,15 +313,30 @@ def _without_timings(p: Plan) -> dict:
     import json
 
     out = json.loads(p.to_json())
-    for key in ("seconds", "planning_seconds", "capture_seconds"):
+    for key in ("seconds", "planning_seconds", "planning_cpu_seconds", "capture_seconds"):
         out["solver"].pop(key, None)
     return out
 
 
-def test_the_same_call_gives_the_same_plan():
+def _wall_clock_running(monkeypatch, speed: float) -> None:
+    """The wall clock, as the planner and its solvers read it, running ``speed`` times too fast:
+    a machine ``speed`` times more loaded, as far as any wall-clock limit can tell."""
+    import time
+
+    from autopar.passes.solve import chain_dp
+
+    real, start = time.perf_counter, time.perf_counter()
+    fast = lambda: start + speed * (real() - start)  # noqa: E731
+    monkeypatch.setattr(time, "perf_counter", fast)
+    monkeypatch.setattr(chain_dp, "perf_counter", fast)
+
+
+def test_the_same_call_gives_the_same_plan(monkeypatch):
     """Planning is deterministic (a seeded, interleaved CP-SAT search with a deterministic
     budget, fixed shares of the time limit): planned twice, a GPT on a 2 x 4 mesh — an
-    intra-op ILP (residual skips make it no chain) and a pipeline search — gives one plan."""
+    intra-op ILP (residual skips make it no chain) and a pipeline search — gives one plan,
+    the second time with the wall clock running 5 times too fast (a machine under a load that
+    takes 5 times longer: the wall clock is only a safety net, never what decides)."""
     cfg = GPTConfig(vocab_size=1024, max_seq_len=512, dim=256, n_heads=8, n_layers=4)
     from autopar.models import GPT
 
@@ -327,7 +344,11 @@ def test_the_same_call_gives_the_same_plan():
     x = torch.zeros(32, 512, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first, second = (plan(model, (2, 4), (x,), hardware="h100", time_limit_s=60) for _ in range(2))
+        first = plan(model, (2, 4), (x,), hardware="h100", time_limit_s=60)
+        _wall_clock_running(monkeypatch, 5.0)
+        second = plan(model, (2, 4), (x,), hardware="h100", time_limit_s=60)
+    # the clock ran fast: 5 x the wall clock, and CPU seconds are at most the solver's few threads x it
+    assert second.solver["planning_seconds"] > 1.5 * second.solver["planning_cpu_seconds"]
     assert "clock_cut" not in first.solver and "clock_cut" not in second.solver, (first.solver, second.solver)
     assert any(n.startswith("pp2x4: ") and "not tried" not in n for n in first.notes), first.notes
     assert _without_timings(first) == _without_timings(second)
@@ -377,3 +398,25 @@ def test_pipelines_deeper_than_the_layers_and_past_the_budget_are_not_planned():
     notes = dict(n.split(": ", 1) for n in p.notes if n.startswith("pp"))
     assert notes["pp4x2"] == "not tried: 4 stages for 2 repeated layers", notes
     assert not notes["pp2x2x2"].startswith("not tried"), notes
+
+
+def test_the_safety_net_counts_cpu_seconds_and_only_a_runaway_wall_clock(monkeypatch):
+    """The pipeline search stops early only past CPU_SAFETY_FACTOR x its limit in this
+    process's CPU seconds (which a loaded machine hardly changes), or past WALL_SAFETY_FACTOR x
+    it in wall seconds; a wall clock a few times slower than idle, as under load, cuts nothing."""
+    import time
+
+    from autopar.passes.planner import search
+
+    wall, cpu = [100.0], [5.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: wall[0])
+    monkeypatch.setattr(time, "process_time", lambda: cpu[0])
+    net = search.SafetyNet.start(10.0)
+    wall[0] += 5 * 10.0  # five times the limit on the wall clock: a loaded machine
+    cpu[0] += 0.9 * search.CPU_SAFETY_FACTOR * 10.0
+    assert net.cut() == ""
+    cpu[0] += 0.2 * search.CPU_SAFETY_FACTOR * 10.0
+    assert "CPU s used" in net.cut()
+    cpu[0] = 5.0
+    wall[0] = 100.0 + 1.1 * search.WALL_SAFETY_FACTOR * 10.0
+    assert "wall clock" in net.cut()

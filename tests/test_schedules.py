@@ -48,7 +48,7 @@ def test_unequal_stages_wait_for_the_slowest():
 def test_in_flight_per_stage_follows_the_rank():
     assert Schedule.ONE_F_ONE_B.in_flight_per_stage(4, 8) == [4, 3, 2, 1]
     per_stage = Schedule.INTERLEAVED_1F1B.in_flight_per_stage(4, 8, 2)
-    assert per_stage[:4] == per_stage[4:] == [6, 5, 4, 3]  # ceil(P + (P - 1 - 2r) / v)
+    assert per_stage[:4] == per_stage[4:] == [5.5, 4.5, 3.5, 2.5]  # P + (P - 1 - 2r) / v
     with pytest.raises(ValueError, match="autopar: only interleaved_1f1b runs several chunks"):
         Schedule.GPIPE.in_flight(4, 8, chunks=2)
     assert Schedule.INTERLEAVED_1F1B.micro_batch_problem(4, 6) and not Schedule.INTERLEAVED_1F1B.micro_batch_problem(4, 8)

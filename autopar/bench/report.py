@@ -19,9 +19,10 @@ from pathlib import Path
 MANUAL_EXCLUDED = ("n/a", "does not fit")
 LOSS_TOLERANCE = 1e-4  # relative; float32 sums in other orders differ by about 1e-7
 COLUMNS = ("model", "layout", "pred step", "meas step", "meas ÷ pred", "pred mem/rank", "meas mem/rank",
-           "meas ÷ pred mem", "planning s", "÷ best manual (pred)", "÷ best manual (meas)", "note")
+           "meas ÷ pred mem", "planning s", "÷ best manual (pred)", "÷ best manual (meas)", "dry run", "note")
 SUMMARY_COLUMNS = ("model", "mesh", "auto plan", "auto pred", "best manual (pred)", "auto ÷ best manual (pred)",
                    "auto meas", "best manual (meas)", "auto ÷ best manual (meas)", "auto planning s")
+DRY_RUN_COLUMNS = ("mesh", "model", "auto plan", "dry run", "worst-rank peak", "predicted ÷ peak", "dry run s")
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -151,12 +152,39 @@ def markdown(rows: list[dict], meta: dict, charts: list[str]) -> str:
                          _ratio(row.get("memory_measured_over_predicted")),
                          f"{row['plan_seconds']:.1f}" if "plan_seconds" in row else "–",
                          _ratio(row.get("vs_best_manual_predicted")), _ratio(row.get("vs_best_manual_measured")),
-                         _row_note(row)])
+                         _dry_run_cell(row.get("dry_run")), _row_note(row)])
         lines += _table(COLUMNS, body)
+    if meta.get("dry_run"):
+        lines += ["", "## Dry runs of the H100 auto plans (`autopar.dry_run`)", ""]
+        lines += _table(DRY_RUN_COLUMNS, [_dry_run_line(row) for row in rows if row.get("dry_run")])
     lines += ["", "## Legend", "", *LEGEND, ""]
     if charts:
         lines += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
     return "\n".join(lines)
+
+
+def _dry_run_cell(dry: dict | None) -> str:
+    """The per-mesh table's dry-run column: ok with the worst rank's peak and predicted ÷ peak, or failed."""
+    if not dry:
+        return "–"
+    if dry["status"] != "ok":
+        return f"**failed**: {dry['error']}".replace("|", "/")
+    return f"{_dry_verdict(dry)}: {_mem(dry['peak'])}, pred ÷ peak {_ratio(dry.get('ratio'))}, {dry['seconds']:.0f} s"
+
+
+def _dry_verdict(dry: dict) -> str:
+    """ok, or ok with a peak over the device's memory (the plan would not fit: a planner bug)."""
+    if dry.get("over_memory"):
+        return f"ok, **peak over the device's {_mem(dry['memory_limit'])}**"
+    return "ok"
+
+
+def _dry_run_line(row: dict) -> list[str]:
+    dry = row["dry_run"]
+    verdict = _dry_verdict(dry) if dry["status"] == "ok" else f"**failed**: {dry['error']}".replace("|", "/")
+    peak = _mem(dry["peak"]) if dry.get("peak") else "–"
+    return [row["mesh"], row["model"], dry.get("plan", ""), verdict, peak, _ratio(dry.get("ratio")),
+            f"{dry['seconds']:.0f}"]
 
 
 def _best_cell(rows: list[dict], auto: dict, key: str, best_key: str) -> str:
@@ -194,6 +222,10 @@ LEGEND = [
     "- Layouts: `autopar.layouts.LAYOUTS`; on H100 meshes also `pp+<layout>` / `3d`: the planner's "
     "pipeline search over that layout (the fastest mesh split is shown; predicted time only). "
     "The planner searches pipelines only with a preset, so gloo meshes have none.",
+    "- **dry run** (`--dry-run`, H100 auto plans): `autopar.dry_run` of the plan at its full world size on "
+    "torch's fake process group and fake tensors: ok, with the worst rank's peak memory (MemTracker) and "
+    "predicted ÷ that peak, and its seconds (a peak over the device's memory is flagged: the plan would not "
+    "fit); or failed, with the first failing rank's `autopar:` message.",
     "- **n/a**: the layout does not apply to this model (the planner's reason); **does not fit**: "
     "predicted over the device memory; **failed**: compiling or running it raised (its first line).",
 ]

@@ -20,12 +20,17 @@ model; the predicted step time, memory per device and planning time are recorded
   Every plan is then compiled and trained under ONE torchrun launch per mesh
   (``autopar.bench.worker``): median step time and peak memory per rank, measured.
 - ``h100-8`` / ``h100-64`` / ``h100-512``: 2x4, 8x8 and 64x8 meshes of the H100 preset,
-  bf16 models sized for those machines, built on the meta device: predicted only.
+  bf16 models sized for those machines, built on the meta device: predicted only. With
+  ``dry_run``, every auto plan there is also dry-run at its full world size
+  (``autopar.dry_run``): its verdict, the worst rank's peak memory, predicted ÷ that peak,
+  and the seconds it took; a failure is its row's ``autopar:`` message, not the end of the run.
 
-Each model is planned together with its loss (``autopar.plan(..., loss_fn=, target=)``),
-and on gloo the same module (model and loss) is what trains, so the prediction covers
-the step that is measured. A layout that does not apply, does not fit, or fails to
-compile or run is a row with its one-line reason. Writes ``table.md``, ``results.json``
+On gloo each model is planned together with its loss (``autopar.plan(..., loss_fn=, target=)``),
+and the same module (model and loss) is what trains, so the prediction covers the step
+that is measured. On H100 meshes, where pipelines are searched too, each model is planned
+alone (``autopar.plan(...)``; the planner prices the loss that the runtime adds), so that
+every plan is one ``autopar.compile`` and ``autopar.dry_run`` can run. A layout that does
+not apply, does not fit, or fails to compile or run is a row with its one-line reason. Writes ``table.md``, ``results.json``
 and PNG charts (``autopar.bench.report``) to ``out_dir``.
 """
 
@@ -46,7 +51,8 @@ from autopar import costmodels
 from autopar.costmodels.cache import cache_path, check_profile, machine_fingerprint
 from autopar import layouts
 from autopar.bench import report as bench_report
-from autopar.bench.workloads import MODELS, build
+from autopar.bench.workloads import MODELS, Workload, build
+from autopar.dryrun import dry_run as dry_run_plan
 from autopar.runtime.loss import WithLoss
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
@@ -93,6 +99,7 @@ class Settings:
     quick: bool
     time_limit_s: float
     say: Callable[[str], None]
+    dry_run: bool = False  # dry-run every auto plan on a preset (H100) mesh
 
     @property
     def steps(self) -> int:
@@ -108,8 +115,9 @@ class Settings:
 
 
 def run(models: list[str] | None = None, meshes: list[str] | None = None, out_dir: str = "results/bench",
-        quick: bool = False, progress: bool = True, time_limit_s: float = 20.0) -> Path:
-    """Runs the benchmark, writes out_dir/table.md, out_dir/results.json and PNG charts; returns out_dir/table.md's path."""
+        quick: bool = False, progress: bool = True, time_limit_s: float = 20.0, dry_run: bool = False) -> Path:
+    """Runs the benchmark, writes out_dir/table.md, out_dir/results.json and PNG charts; returns out_dir/table.md's path.
+    ``dry_run``: also dry-run every auto plan of a preset (H100) mesh (``autopar.dry_run``)."""
     models = list(models) if models else (QUICK_MODELS if quick else list(MODELS))
     meshes = list(meshes) if meshes else (QUICK_MESHES if quick else list(MESHES))
     _check_names("model", models, list(MODELS))
@@ -117,13 +125,14 @@ def run(models: list[str] | None = None, meshes: list[str] | None = None, out_di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda msg: print(f"autopar bench: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    settings = Settings(out, quick, min(time_limit_s, QUICK_TIME_LIMIT_S) if quick else time_limit_s, say)
+    settings = Settings(out, quick, min(time_limit_s, QUICK_TIME_LIMIT_S) if quick else time_limit_s, say, dry_run)
     started = time.perf_counter()
     load = bench_report.load_average()
     rows: list[dict] = []
     for mesh in meshes:
         rows += bench_mesh(mesh, models, settings)
     meta = {"models": models, "meshes": meshes, "quick": quick, "time_limit_s": settings.time_limit_s,
+            "dry_run": dry_run,
             "seconds": time.perf_counter() - started, "load": load, "steps": settings.steps, "warmup": settings.warmup,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mesh_shapes": {m: MESH_SPECS[m].shape for m in meshes}}
     return bench_report.write(rows, meta, out)
@@ -182,17 +191,22 @@ def runs_as(plan) -> str:
 def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list[tuple[dict, Any]]:
     """(row, Plan or None) for the auto plan and every manual layout of ``model`` on ``spec``."""
     work = build(model, spec.scale, meta=spec.hardware != "gloo")
+    # On gloo every plan compiles from the model-and-loss capture that trains there, and a
+    # pipeline plan cannot (its stages are captured from the model alone, per micro-batch,
+    # and the runtime lays the loss out on the last stage): the gloo auto plan is intra-op.
+    # Presets search pipelines too, so there every row is planned from the model alone
+    # (the loss the runtime adds priced by the planner), as autopar.plan without loss_fn:
+    # a plan that autopar.compile and autopar.dry_run can run.
+    with_loss = spec.hardware == "gloo"
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
-        captured = capture(WithLoss(work.model, work.loss_fn), (*work.inputs, work.target))
+        captured = (capture(WithLoss(work.model, work.loss_fn), (*work.inputs, work.target)) if with_loss
+                    else capture(work.model, work.inputs))
     capture_s = time.perf_counter() - started
-    # On gloo the plan must compile from this model-and-loss capture, and a pipeline plan
-    # cannot (a pipeline's stages are captured from the model alone, per micro-batch): the
-    # gloo auto plan is intra-op; presets search pipelines too.
     request = PlanRequest(mesh_shape=spec.shape, hardware=hardware, time_limit_s=settings.time_limit_s,
                           layouts=layouts.LAYOUTS, hint_fn=layouts.hints, axis_names=spec.names,
-                          pipeline=spec.hardware != "gloo")
+                          pipeline=not with_loss)
     limit = request.memory_bytes
 
     def row_of(name: str, plan, seconds: float, error: str | None = None) -> tuple[dict, Any]:
@@ -213,13 +227,44 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
         out.append(row_of(name, plan, seconds, error))
     for _, plan in out:
         if plan is not None:
-            plan.includes_loss = True  # planned with its loss, as autopar.plan(..., loss_fn=) plans
+            plan.includes_loss = with_loss  # as autopar.plan(..., loss_fn=) or autopar.plan(...) would record
     if auto is not None:
         out[0][0]["what"] = describe(auto, {r["layout"]: p for r, p in out[1:] if p is not None})
         out[0][0]["search"] = list(auto.notes)  # what the planner tried: "pp2x4: 52.7 ms (...)", ...
         if spec.hardware != "gloo":  # predicted only: on gloo every row is also measured
             out += [(row, None) for row in pipeline_rows(auto, model, work.label)]
+            if settings.dry_run:
+                settings.say(f"dry-running the auto plan of {model} on {spec.shape}")
+                dry = out[0][0]["dry_run"] = dry_run_row(auto, work, limit)
+                settings.say(f"dry run of {model} on {spec.shape} ({dry['plan']}): {dry['status']}"
+                             + (f", peak {dry['peak'] / 2**30:.3g} GiB{' (over the device)' * dry['over_memory']}, "
+                                f"predicted ÷ peak {dry['ratio']:.2f}"
+                                if dry["status"] == "ok" else f": {dry['error']}") + f", {dry['seconds']:.0f} s")
     return out
+
+
+def dry_run_row(plan, work: Workload, memory_limit: float) -> dict:
+    """``autopar.dry_run`` of ``plan``, training with ``work``'s loss and target: ok or failed with
+    the first failing rank's ``autopar:`` message (and its traceback), the worst rank's peak bytes,
+    predicted ÷ that peak, whether that peak is over ``memory_limit`` (the device's bytes: the plan
+    would not fit), seconds. A dry run that raises is a failed row, not the end of the run."""
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = dry_run_plan(plan, work.model, work.inputs, loss_fn=work.loss_fn, target=work.target)
+    except Exception as exc:  # noqa: BLE001  (the finding is the row's, the other plans still run)
+        text = _first_line(exc)
+        return {"status": "failed", "error": text if text.startswith("autopar:") else f"{type(exc).__name__}: {text}",
+                "seconds": time.perf_counter() - started, "plan": plan_line(plan)}
+    row = {"status": "ok" if result.ok else "failed", "peak": result.peak, "seconds": result.seconds,
+           "ratio": result.ratio if result.peak else None, "ranks": len(result.ranks), "plan": plan_line(plan),
+           "over_memory": result.peak > memory_limit, "memory_limit": memory_limit}
+    if not result.ok:
+        first = result.failures[0]
+        row["error"] = f"{first.where()}: {first.error}"
+        row["traceback"] = first.traceback
+    return row
 
 
 def layout_plans(captured, profile: costmodels.HardwareProfile, names: Sequence[str],
@@ -277,6 +322,19 @@ def pipeline_rows(auto, model: str, label: str) -> list[dict]:
     return [{"model": model, "layout": name, "label": label, "status": "planned", "fits": True,
              "predicted_step": t, "what": f"mesh {where}; memory not reported by the pipeline search"}
             for name, (where, t) in sorted(best.items())]
+
+
+def plan_line(plan) -> str:
+    """The plan in one line: mesh, pipeline (stages, schedule, micro-batches), ZeRO levels, recomputed layers."""
+    parts = [f"mesh {'x'.join(map(str, plan.mesh_shape))}"]
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        parts.append(f"PP{p.stages} {p.schedule}{f' v{p.chunks_per_rank}' if p.chunks_per_rank > 1 else ''} "
+                     f"M={p.micro_batches}")
+    parts.append(f"ZeRO {'/'.join(map(str, sorted(set(plan.zero.values()))))}")
+    if plan.recompute:
+        parts.append(f"recompute {len(plan.recompute)}")
+    return ", ".join(parts)
 
 
 def describe(plan, manual: dict[str, Any]) -> str:

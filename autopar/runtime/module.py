@@ -36,9 +36,10 @@ from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
 from autopar.runtime.meshes import mesh_device, whole
-from autopar.runtime.precision import Precision, apply_precision, capture_cast
+from autopar.runtime.precision import Precision, apply_precision, capture_cast, captured_under_policy
 from autopar.runtime.state_dicts import in_state_dict_order
-from autopar.runtime.variants import Variant, Variants, backward_order, lower_plan, stored_layouts
+from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, settings_key, settings_of,
+                                      stored_layouts)
 from autopar.runtime.zero1 import OptimizerSlices
 from autopar.passes.capture import Captured, capture
 from autopar.passes.lowering.codegen import RankProgram
@@ -71,8 +72,9 @@ class ParallelModule(nn.Module):
         self._capture = functools.partial(capture, model)
         if self.precision is not None:  # the program a param_dtype model runs, on the float32 masters
             self._capture = capture_cast(capture, model, self.precision)
-            captured = self._recapture(captured)
-            graph = build_strategy_graph(captured, tuple(mesh.shape))
+            if not captured_under_policy(captured):  # (compile and the dry run capture under it themselves)
+                captured = self._recapture(captured)
+                graph = build_strategy_graph(captured, tuple(mesh.shape))
             self._check_planned(graph)
         stored = stored_layouts(captured, plan)
         program, level1 = lower_plan(graph, captured, plan, mesh)
@@ -103,7 +105,7 @@ class ParallelModule(nn.Module):
         self._compiled = Variant.of(captured, program, GradientSync(program.grad_sync, self.local, order, mesh,
                                                                     reduce_dtype=self._reduce_dtype),
                                     tuple(mesh.shape), self.coord, self.device)
-        self._variants = Variants((self._compiled.shapes, True), self._compiled)
+        self._variants = Variants((self._compiled.shapes, self._compiled.setting_key, True), self._compiled)
         self._variant = self._compiled
         self._sync_gradients = True  # False inside ``no_sync()``
 
@@ -111,9 +113,11 @@ class ParallelModule(nn.Module):
     def _recapture(self, captured: Captured) -> Captured:
         """The model captured again (train mode, as compiled), as it computes under the policy,
         with inputs of the same shapes."""
-        shapes = [tuple(n.meta["val"].shape) for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
-        dtypes = [n.meta["val"].dtype for n in captured.nodes("placeholder") if n.name in captured.user_inputs]
-        args, kwargs = self._examples(captured, shapes, dtypes)
+        settings = settings_of(captured)
+        tensors = [n.meta["val"] for n in captured.nodes("placeholder")
+                   if n.name in captured.user_inputs and n.name not in settings]
+        args, kwargs = self._examples(captured, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors],
+                                      settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._capture(tuple(args), kwargs, train=True)
@@ -209,16 +213,31 @@ class ParallelModule(nn.Module):
         names = self._compiled.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
-                f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
+                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}"
             )
-        shapes = tuple(self._whole_shape(name, tuple(t.shape), local) for name, t in zip(names, flat))
+        settings = self._settings(dict(zip(names, flat)))
+        tensors = [t for name, t in zip(names, flat) if name not in settings]
+        shapes = tuple(self._whole_shape(name, tuple(t.shape), local)
+                       for name, t in zip(self._compiled.tensor_names, tensors))
         train = self.training
 
         def build() -> Variant:
             self._check_divisible(shapes)
-            return self._build_variant(shapes, [t.dtype for t in flat], train=train)
+            return self._build_variant(shapes, [t.dtype for t in tensors], settings, train=train)
 
-        return self._variants.get((shapes, train), build)
+        return self._variants.get((shapes, settings_key(settings), train), build)
+
+    def _settings(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The non-tensor inputs among ``given`` (by name), where the compiled example had them:
+        each value runs the program captured with it (a variant)."""
+        compiled = self._compiled.settings
+        for i, (name, value) in enumerate(given.items()):
+            if (name in compiled) == isinstance(value, torch.Tensor):
+                expected = f"a {type(compiled[name]).__name__}" if name in compiled else "a tensor"
+                raise ValueError(
+                    f"autopar: expected input {i} ({name}) to be {expected}, as in the example inputs; found a "
+                    f"{type(value).__name__}; give each input the kind it was compiled with")
+        return {name: value for name, value in given.items() if name in compiled}
 
     def _whole_shape(self, name: str, shape: tuple[int, ...], local: bool) -> tuple[int, ...]:
         """The whole batch's shape of an input given as it is (``local``: this rank's rows)."""
@@ -228,15 +247,16 @@ class ParallelModule(nn.Module):
 
     def _check_divisible(self, shapes: tuple[tuple[int, ...], ...]) -> None:
         compiled = self._compiled
-        names = compiled.captured.user_inputs
+        names = compiled.tensor_names
         check_divisible(shapes, [compiled.program.input_specs[n] for n in names],
                         [compiled.input_shapes[n] for n in names], tuple(self.mesh.shape))
 
     def _build_variant(self, shapes: tuple[tuple[int, ...], ...], dtypes: list[torch.dtype],
-                       train: bool) -> Variant:
-        """The model captured at ``shapes`` (in train or eval mode) and laid out by the plan:
-        the same strategies, found by node name, on the same shards (checked)."""
-        args, kwargs = self._examples(self._compiled.captured, shapes, dtypes)
+                       settings: dict[str, Any], train: bool) -> Variant:
+        """The model captured at ``shapes`` with the non-tensor inputs ``settings`` (in train
+        or eval mode) and laid out by the plan: the same strategies, found by node name, on
+        the same shards (checked)."""
+        args, kwargs = self._examples(self._compiled.captured, shapes, dtypes, settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             captured = self._capture(tuple(args), kwargs, train=train)
@@ -263,11 +283,14 @@ class ParallelModule(nn.Module):
         return Variant.of(captured, program, grads, tuple(self.mesh.shape), self.coord, self.device)
 
     @staticmethod
-    def _examples(captured: Captured, shapes: Sequence[tuple[int, ...]],
-                  dtypes: Sequence[torch.dtype]) -> tuple[tuple, dict]:
-        """Example inputs of ``shapes`` and ``dtypes`` in ``captured``'s input structure."""
-        device = next(iter(captured.nodes("placeholder"))).meta["val"].device
-        examples = [torch.zeros(s, dtype=t, device=device) for s, t in zip(shapes, dtypes)]
+    def _examples(captured: Captured, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
+                  settings: dict[str, Any]) -> tuple[tuple, dict]:
+        """Example inputs in ``captured``'s input structure: tensors of ``shapes`` and ``dtypes``,
+        and the non-tensor inputs' values (``settings``, by name)."""
+        device = next(n.meta["val"].device for n in captured.nodes("placeholder")
+                      if isinstance(n.meta.get("val"), torch.Tensor))
+        tensors = iter([torch.zeros(s, dtype=t, device=device) for s, t in zip(shapes, dtypes)])
+        examples = [settings[n] if n in settings else next(tensors) for n in captured.user_inputs]
         in_spec = captured.in_spec
         return ((tuple(examples), {}) if in_spec is None or in_spec.num_leaves != len(examples)
                 else pytree.tree_unflatten(examples, in_spec))
@@ -277,22 +300,26 @@ class ParallelModule(nn.Module):
     def gm(self) -> fx.GraphModule:
         return self.program.gm
 
-    def input_specs(self) -> list[Spec]:
+    def input_specs(self) -> list[Spec | None]:
         """Placement of each user input in this rank's program (``local=True`` takes this
-        rank's rows of the batch instead: ``data_parallel``)."""
-        return [self.program.input_specs[n] for n in self.captured.user_inputs]
+        rank's rows of the batch instead: ``data_parallel``); None for a non-tensor input."""
+        return [self.program.input_specs.get(n) for n in self.captured.user_inputs]
 
-    def _local_inputs(self, inputs: Any, local: bool) -> dict[str, torch.Tensor]:
+    def _local_inputs(self, inputs: Any, local: bool) -> dict[str, Any]:
         """This rank's shard of each input, from the whole batch or (``local``) from this
-        rank's rows of it (``data_parallel``): any further split is cut here."""
+        rank's rows of it (``data_parallel``): any further split is cut here. Non-tensor
+        inputs are passed as given (the variant running was captured with them)."""
         flat = self._flat_inputs(inputs)
         names = self.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
-                f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
+                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}"
             )
         values = {}
         for i, (name, value) in enumerate(zip(names, flat)):
+            if name in self._variant.settings:
+                values[name] = value
+                continue
             cut = self._cuts[name]
             rows = self._rows(cut.whole) if local and name in self._batch_inputs else None
             expected = rows.local if rows is not None else cut.whole
@@ -346,15 +373,16 @@ class ParallelModule(nn.Module):
     @cached_property
     def _batch_inputs(self) -> frozenset[str]:
         """Inputs that carry the batch: their first dim is the first input's (the batch size)."""
-        shapes = [self.input_shapes[n] for n in self.captured.user_inputs]
+        names = self._variant.tensor_names
+        shapes = [self.input_shapes[n] for n in names]
         if not shapes or not shapes[0]:
             return frozenset()
-        return frozenset(n for n, shape in zip(self.captured.user_inputs, shapes) if shape and shape[0] == shapes[0][0])
+        return frozenset(n for n, shape in zip(names, shapes) if shape and shape[0] == shapes[0][0])
 
     @cached_property
     def _input_dtypes(self) -> dict[str, torch.dtype]:
         return {n.name: n.meta["val"].dtype for n in self.captured.nodes("placeholder")
-                if n.name in self.captured.user_inputs}
+                if n.name in self._variant.tensor_names}
 
     @cached_property
     def data_parallel(self) -> DataParallel:

@@ -17,6 +17,14 @@ gradients accumulate whole over every micro-batch and schedule run of a step, an
 summed once per step: all-reduced (ZeRO-1), or reduce-scattered into the slices over the
 data-parallel axes and then dropped whole (ZeRO-2); the updated slices are all-gathered
 into the whole parameters after the optimizer step (``step``).
+
+Mixed precision (``mp_policy``, as ``autopar.runtime.precision`` applies it): the stages
+are cut from the model as it computes under the policy and run on the float32 masters,
+each stage casting its own parameters once per call; the activations a stage sends and
+the gradients it sends back are therefore in ``param_dtype``; the gradients accumulate in
+the masters' dtype and are summed over the intra-op mesh in ``reduce_dtype``; floating
+inputs are cast as ``cast_forward_inputs`` says and outputs (the loss's inputs) to
+``output_dtype``.
 """
 
 from __future__ import annotations
@@ -37,10 +45,11 @@ from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
 from autopar.runtime.clipping import clip_grad_norm_, replicas
-from autopar.runtime.gradsync import Rider, sync_gradients
+from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, check_divisible, split_batch
 from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.precision import Precision, capture_cast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
 from autopar.runtime.variants import Variants, backward_order, stored_layouts
@@ -77,7 +86,10 @@ class PipelineModule(nn.Module):
         mesh: DeviceMesh,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        mp_policy: Any = None,
     ):
+        """``captured``: the model at micro-batch size (under ``mp_policy``: as it computes
+        under the policy, ``autopar.runtime.precision.capture_cast``)."""
         super().__init__()
         pp = plan.pipeline
         names = mesh.mesh_dim_names
@@ -94,6 +106,9 @@ class PipelineModule(nn.Module):
         self._intra_shape = tuple(self.intra.shape) if self.intra is not None else ()
         # the model is captured again for other micro-batch shapes and for eval (a partial, not a submodule)
         self._capture = functools.partial(capture, model)
+        self.precision = Precision.of(mp_policy)
+        self._capture_stages = self._capture if self.precision is None else capture_cast(capture, model, self.precision)
+        self._check_captured_under_policy(captured)
         self.params = nn.ParameterList()
         self.shard_names: list[str] = []
         # placeholder -> this rank's shard of a state tensor and its placement, shared by every variant
@@ -105,7 +120,8 @@ class PipelineModule(nn.Module):
         values = captured.state_values(model)
         self._place = StagePlace(self.intra, self.pp_rank, self.pp_group, self.device)
         self._compiled = lower_stages(captured, graph, choice, plan, self._place,
-                                      functools.partial(self._take_state, values))
+                                      functools.partial(self._take_state, values), self.precision)
+        self._reduce_dtype = self._gradient_reduce_dtype()
         micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
         self._variants = Variants((micro, True), self._compiled)
         self._variant = self._compiled
@@ -168,6 +184,42 @@ class PipelineModule(nn.Module):
             self.shard_names.append(captured.params[name])
         self.state[name] = (local, spec)
         return local
+
+    # --- mixed precision ------------------------------------------------------------
+    def _check_captured_under_policy(self, captured: Captured) -> None:
+        """Under a policy the stages are cut from the model as it computes under it."""
+        if self.precision is None:
+            return
+        values = {n.name: n.meta["val"] for n in captured.nodes("placeholder") if n.name in captured.params}
+        wrong = sorted({str(v.dtype) for v in values.values()
+                        if v.is_floating_point() and v.dtype != self.precision.param_dtype})
+        if self.precision.param_dtype is not None and wrong:
+            raise ValueError(
+                f"autopar: under mp_policy the pipeline's stages are cut from the model captured with its "
+                f"parameters in param_dtype {self.precision.param_dtype}; found parameters in {wrong}; capture "
+                "with autopar.runtime.precision.capture_cast (autopar.compile does)"
+            )
+
+    def _gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype the gradients' data-parallel shares are summed in: the policy's for the masters' dtype."""
+        if self.precision is None:
+            return None
+        masters = {t.dtype for t, _ in self.state.values() if isinstance(t, nn.Parameter) and t.is_floating_point()}
+        if len(masters) > 1:
+            raise ValueError(
+                f"autopar: mp_policy expects every floating parameter in one dtype (the master copy), found "
+                f"{sorted(str(d) for d in masters)}; convert the model first (model.float())"
+            )
+        return self.precision.gradient_reduce_dtype(masters.pop()) if masters else None
+
+    def _output(self, value: Any) -> Any:
+        """A model output as the caller and the loss get it: ``output_dtype`` under the policy."""
+        return value if self.precision is None else self.precision.output(value)
+
+    def _output_meta(self, value: torch.Tensor) -> torch.Tensor:
+        """An output's traced value (the loss is captured from it) as ``_output`` makes it."""
+        dtype = self.precision.output_dtype if self.precision is not None and value.is_floating_point() else None
+        return torch.empty(value.shape, dtype=dtype or value.dtype, device="meta")
 
     def _optimizer_slices(self) -> tuple[OptimizerSlices, dict[str, Spec]]:
         """ZeRO-1/2 as the plan stores them (``Plan.params``, on the intra-op mesh): the
@@ -241,10 +293,10 @@ class PipelineModule(nn.Module):
             examples = tuple(torch.zeros(s, dtype=t.dtype, device=device) for s, t in zip(micro, flat))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                captured = self._capture(examples, train=train)
+                captured = self._capture_stages(examples, train=train)
             graph = build_strategy_graph(captured, self._intra_shape)
             return lower_stages(captured, graph, choice_from_plan(graph, self.plan), self.plan, self._place,
-                                self._shared_state)
+                                self._shared_state, self.precision)
 
         return self._variants.get((micro, train), build)
 
@@ -256,7 +308,7 @@ class PipelineModule(nn.Module):
         last = self.programs[-1] if self.stages[-1].is_last else None
         if last is not None and target_micro is not None:
             out_specs = last.output_specs
-            out_metas = [n.meta["val"] for n in self.parts[-1].outputs]
+            out_metas = [self._output_meta(n.meta["val"]) for n in self.parts[-1].outputs]
             # a data-parallel loss stays this rank's share of the sum (backward from a share is
             # backward from the sum); the shares are summed once per step, with the gradients
             self._loss = build_loss_program(self.loss_fn, self.captured.out_spec, out_metas, out_specs,
@@ -265,12 +317,13 @@ class PipelineModule(nn.Module):
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False,
                                      loss_fn=self._micro_loss if target_micro is not None else None)
+        self._variant.trains = target_micro is not None
 
     def _micro_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss: this rank's share of it where the loss is a pending sum."""
         program, cap = self._loss
         outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        values = dict(zip(cap.user_inputs, [*outs, target]))
+        values = dict(zip(cap.user_inputs, [*map(self._output, outs), target]))
         flat = pytree.tree_leaves(program.gm(*[values[n] for n in cap.placeholders]))
         return flat[cap.user_outputs[0]] * self._loss_scale
 
@@ -406,7 +459,7 @@ class PipelineModule(nn.Module):
         pp = self.plan.pipeline
         self._loss_scale = scale / pp.micro_batches
         with self._running(inputs):
-            if self.schedule is None:
+            if not self._variant.trains:  # none yet, or one made for forward only (a call before training)
                 self._build_schedule(target.chunk(pp.micro_batches)[0])
             losses = self._run_schedule(inputs, target)
             self._axes = self._loss_axes() if losses else ()
@@ -428,8 +481,9 @@ class PipelineModule(nn.Module):
                 riders = [Rider(total, self._axes)] if last else []
                 # stages differ in their axes: no group is made for them (flatten=False)
                 # (ZeRO-2: not over the axes its reduce-scatter sums, just below)
-                sync_gradients(self.optimizer_slices.all_reduced(program.grad_sync), named, self.intra, riders,
-                               flatten=False)
+                grad_sync = self.optimizer_slices.all_reduced(program.grad_sync)
+                GradientSync(grad_sync, named, list(grad_sync), self.intra, overlap=False, flatten=False,
+                             reduce_dtype=self._reduce_dtype).finish(riders)
             self.optimizer_slices.take_gradients()  # ZeRO-1: the slices' gradients (views); ZeRO-2: reduce-scattered
         self._summed = True
         return total
@@ -467,6 +521,8 @@ class PipelineModule(nn.Module):
         """One run of the running stages' schedule over the batch ``inputs`` (forward only
         when ``target`` is None); this rank's micro-batch losses (the last stage's)."""
         flat = pytree.tree_leaves(inputs)
+        if self.precision is not None:
+            flat = [self.precision.input(x) for x in flat]
         first = self.programs[0]
         args = [self._micro_batched(x, first.input_specs.get(n.name))
                 for x, n in zip(flat, self.parts[0].inputs[-len(flat):])]
@@ -510,7 +566,7 @@ class PipelineModule(nn.Module):
             pieces = [chunk[j] if isinstance(chunk, tuple) else chunk for chunk in chunks]
             if self.intra is not None and spec is not None:
                 pieces = [whole(p, spec, self.intra) for p in pieces]
-            wholes.append(torch.cat(pieces).cpu())
+            wholes.append(self._output(torch.cat(pieces).cpu()))
         return wholes
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -16,7 +16,10 @@ shared by all of its ops:
 
 The program is captured with the parameters in ``param_dtype`` (:func:`capture_cast`),
 so that what the model decides from its weights' dtype (``x.to(w.dtype)``, masks made
-in it, norms computed in float32 and cast back) is what a ``param_dtype`` model does.
+in it, norms computed in float32 and cast back) is what a ``param_dtype`` model does; its
+parameters' placeholders carry the policy in the cost model's terms (``MixedPrecision``
+under ``costmodels.precision.META_KEY``), so a plan of that graph prices the masters,
+the working copies and the reductions as they run here.
 """
 
 from __future__ import annotations
@@ -31,9 +34,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
+from autopar.costmodels.precision import META_KEY, OUTPUT_DTYPE_KEY, MixedPrecision
 from autopar.passes.capture import Captured
+from autopar.passes.loss_memory import output_node
 from autopar.passes.lowering.buckets import GatherBucket
 from autopar.passes.lowering.codegen import RankProgram, Reshard
+
+
+# Policies by the short name the CLI and benchmarks take (``--mp bf16``): bf16 compute with
+# float32 masters, gradients reduced in float32 and outputs (the loss's inputs) in float32
+POLICIES = {"bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                         output_dtype=torch.float32)}
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,20 @@ class Precision:
             return master
         return self.reduce_dtype or self.compute_dtype(master)
 
+    def cost_model(self, master: torch.dtype) -> MixedPrecision | None:
+        """How a ``master`` dtype parameter runs, in the cost model's terms (None: not cast, not reduced otherwise)."""
+        compute, reduce = self.compute_dtype(master), self.gradient_reduce_dtype(master)
+        return None if compute == master == reduce else MixedPrecision(master, compute, reduce)
+
+    def record(self, priced: MixedPrecision | None) -> dict[str, Any]:
+        """The policy as a plan records it (``Plan.mp_policy``): dtype names, and how it was priced."""
+        def name(dtype: torch.dtype | None) -> str | None:
+            return None if dtype is None else str(dtype).removeprefix("torch.")
+
+        return {"param_dtype": name(self.param_dtype), "reduce_dtype": name(self.reduce_dtype),
+                "output_dtype": name(self.output_dtype), "cast_forward_inputs": self.cast_forward_inputs,
+                "priced": priced.describe() if priced is not None else "as the model's own dtypes (nothing cast)"}
+
     def input(self, x: Any) -> Any:
         """A forward input as the model gets it (``cast_forward_inputs``: floating ones in ``param_dtype``)."""
         if self.cast_forward_inputs and self.param_dtype is not None and _floating(x):
@@ -87,6 +112,24 @@ class Precision:
         if self.output_dtype is not None and _floating(x):
             return x.to(self.output_dtype)
         return x
+
+
+def recorded_policy(record: dict[str, Any] | None) -> MixedPrecisionPolicy | None:
+    """The policy a plan records (``Precision.record``), as torch's type again (None: none)."""
+    if record is None:
+        return None
+
+    def dtype(name: str | None) -> torch.dtype | None:
+        return None if name is None else getattr(torch, name)
+
+    return MixedPrecisionPolicy(param_dtype=dtype(record["param_dtype"]), reduce_dtype=dtype(record["reduce_dtype"]),
+                                output_dtype=dtype(record["output_dtype"]),
+                                cast_forward_inputs=record["cast_forward_inputs"])
+
+
+def captured_under_policy(captured: Captured) -> bool:
+    """``captured`` was made by ``capture_cast`` (its parameters say how they run)."""
+    return any(META_KEY in n.meta for n in captured.nodes("placeholder") if n.name in captured.params)
 
 
 def _floating(x: Any) -> bool:
@@ -117,9 +160,23 @@ def capture_cast(capture: Callable[..., Captured], model: nn.Module, precision: 
     def captured(inputs: tuple, kwargs: dict | None = None, train: bool = True) -> Captured:
         inputs, kwargs = pytree.tree_map(precision.input, (inputs, kwargs or {}))
         with cast_parameters(model, precision):
-            return capture(model, inputs, kwargs, train=train)
+            cast = capture(model, inputs, kwargs, train=train)
+        _mark_masters(cast, model, precision)
+        if precision.output_dtype is not None and cast.user_outputs:
+            output_node(cast).meta[OUTPUT_DTYPE_KEY] = precision.output_dtype
+        return cast
 
     return captured
+
+
+def _mark_masters(captured: Captured, model: nn.Module, precision: Precision) -> None:
+    """Each cast parameter's placeholder says how it runs (``MixedPrecision``), for costing."""
+    masters = dict(model.named_parameters(remove_duplicate=False))
+    for node in captured.nodes("placeholder"):
+        if node.name in captured.params:
+            priced = precision.cost_model(masters[captured.params[node.name]].dtype)
+            if priced is not None:
+                node.meta[META_KEY] = priced
 
 
 def to_compute(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ from autopar.passes.lowering.codegen import Part, RankProgram, lower
 from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
 from autopar.passes.plan import Plan
 from autopar.passes.strategy_graph import StrategyGraph
+from autopar.runtime.precision import Precision, apply_precision
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Stages:
     stage_state: list[dict[str, torch.Tensor]]
     schedule: Any = None
     loss: tuple[RankProgram, Captured] | None = None
+    trains: bool = False  # the schedule runs backward (made with a loss), not forward only
 
 
 # torch's class that runs each schedule (a Plan names it by ``Schedule.display``: ``Schedule.parse``)
@@ -138,10 +140,12 @@ class StagePlace:
 
 
 def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: Plan, place: StagePlace,
-                 take: Callable[[Captured, str, Any], torch.Tensor]) -> Stages:
+                 take: Callable[[Captured, str, Any], torch.Tensor], precision: Precision | None = None) -> Stages:
     """This rank's stages of ``captured``, cut where the plan cuts and lowered by the
     strategies ``choice`` (of ``graph``) on the intra-op mesh; ``take(captured, placeholder,
-    spec)`` gives each stage's state."""
+    spec)`` gives each stage's state. Under ``precision`` (``captured`` as the model computes
+    under it: ``capture_cast``) each stage computes on cast copies of the master state it
+    is given (``apply_precision``), so what crosses a boundary is in ``param_dtype``."""
     pp = plan.pipeline
     n_stages = pp.stages * pp.chunks_per_rank
     parts = stage_parts(captured, pp.stage_of, n_stages)
@@ -155,6 +159,8 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
         program.gm = recompute_layers(program.gm, layer_of, mine)
         named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
                  for n in part.inputs if n.name in state_names}
+        if precision is not None:
+            apply_precision(program, captured, named, precision)
         own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
         variant.stage_state.append(named)
         variant.programs.append(program)

@@ -5,13 +5,17 @@ same for every capture of one model: any batch size, train or eval mode), with Z
 parameters held as their ops use them where they can be (``zero1_layouts``). A
 ``Variant`` is one such program with what running it needs; ``Variants`` keeps the
 compiled one and the most recently used others.
+
+Non-tensor inputs (CLIP's ``return_loss=True``) are settings: export bakes their values
+into the graph, so a variant is captured for each value given (``settings_of``, part of
+the key), and the value is passed to the program as captured.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import fx
@@ -37,28 +41,58 @@ class Variant:
     captured: Captured
     program: RankProgram
     grads: GradientSync  # sums the data-parallel gradient shares its backward leaves
-    input_shapes: dict[str, tuple[int, ...]]  # whole
-    cuts: dict[str, Cut]  # this rank's cut of each whole input
+    input_shapes: dict[str, tuple[int, ...]]  # whole, per tensor input
+    cuts: dict[str, Cut]  # this rank's cut of each whole tensor input
     constants: dict[str, torch.Tensor]  # this rank's shards of the tensors export lifted as constants
     target_cuts: dict[tuple[int, ...], Cut] = field(default_factory=dict)  # whole target shape -> its cut
     loss_program: RankProgram | None = None  # laid out when the first target is seen
     loss_captured: Captured | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # non-tensor inputs, as captured (``settings_of``)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """The user inputs that are tensors, in the graph's order."""
+        return [n for n in self.captured.user_inputs if n not in self.settings]
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.input_shapes[n] for n in self.captured.user_inputs)
+        return tuple(self.input_shapes[n] for n in self.tensor_names)
+
+    @property
+    def setting_key(self) -> tuple:
+        return settings_key(self.settings)
 
     @staticmethod
     def of(captured: Captured, program: RankProgram, grads: GradientSync, mesh_shape: tuple[int, ...],
            coord: tuple[int, ...], device: torch.device) -> Variant:
+        settings = settings_of(captured)
         shapes = {n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder")
-                  if n.name in captured.user_inputs}
+                  if n.name in captured.user_inputs and n.name not in settings}
         cuts = {name: Cut.of(shape, program.input_specs[name], mesh_shape, coord) for name, shape in shapes.items()}
         constants = {}
         for name, value in captured.constant_values.items():
             spec = program.input_specs.get(name)
             constants[name] = (value if spec is None else local_slice(value, spec, mesh_shape, coord)).to(device)
-        return Variant(captured, program, grads, shapes, cuts, constants)
+        return Variant(captured, program, grads, shapes, cuts, constants, settings=settings)
+
+
+def settings_of(captured: Captured) -> dict[str, Any]:
+    """The captured model's non-tensor user inputs by name (a bool keyword such as CLIP's
+    ``return_loss``), with the values they were captured with: export bakes those into the
+    graph, so another value needs another capture."""
+    return {n.name: n.meta.get("val") for n in captured.nodes("placeholder")
+            if n.name in captured.user_inputs and not isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def settings_key(settings: dict[str, Any]) -> tuple:
+    """The settings as part of a variant's key: plain values (bool, int, float, str) only."""
+    for name, value in settings.items():
+        if not isinstance(value, Hashable):
+            raise ValueError(
+                f"autopar: expected the non-tensor input {name!r} to be a plain value (bool, int, float, str), "
+                f"captured into the program; found a {type(value).__name__}; pass it as a tensor, or bind it "
+                "in a wrapper module's forward")
+    return tuple((name, type(value).__name__, value) for name, value in settings.items())
 
 
 def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,

@@ -40,7 +40,7 @@ from autopar.passes.lowering.buckets import Gather, GatherBucket
 from autopar.passes.lowering.collectives import Axis, AxisMove, grad_side
 from autopar.passes.layers import layer_path
 from autopar.passes.placements import Spec, gradient_spec, spec_str
-from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+from autopar.passes.strategy_graph import StrategyGraph, read_after, tensor_inputs, write_path
 from autopar.passes.op_strategies import OpInfo, ShardingStrategy
 
 
@@ -278,6 +278,9 @@ def lower(
                     args, kwargs = rule.localize(ns.info, strategy, args, kwargs, ctx)
                 env[node] = out.call_function(node.target, args, kwargs)
             env[node].meta["autopar_node"] = node.name
+            written = set(write_path(node)[1:])  # copies moved from these before the write are stale now
+            for key in [k for k in moved if k[0] in written]:
+                del moved[key]
         elif node.op == "output":
             if part is not None:
                 outputs, output_specs = emit(list(part.outputs))
@@ -295,40 +298,25 @@ def lower(
     return RankProgram(gm, input_specs, output_specs, grad_sync, regathers)
 
 
-def _aliases_first(node: fx.Node) -> tuple[bool, bool]:
-    """(the op's output is a view of its first argument, the op writes into that argument)."""
-    schema = getattr(node.target, "_schema", None)
-    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
-    return alias is not None, alias is not None and alias.is_write
-
-
 def check_write_reaches(node: fx.Node, moved_input: set[fx.Node], order: list[fx.Node]) -> None:
     """An in-place write (``copy_``, ``fill_``, ...) into a value, or into a view of one,
-    must land in the tensor later readers read. Where the plan moves the written value (or
-    the base it views) to another placement on the way, the write lands in a moved copy
-    and the readers after it would read the unwritten value: silently wrong, so an error.
-    ``moved_input``: the ops lowered so far that read their first tensor input moved."""
-    aliases, writes = _aliases_first(node)
-    if not (aliases and writes) or not tensor_inputs(node):
+    must land in the tensor later readers read. The planner keeps such a write's path where
+    its values lie (``StrategyGraph.in_place``); a plan that moves the written value (or
+    the base it views) to another placement on the way anyway would land the write in a
+    moved copy, and the readers after it would read the unwritten value: silently wrong,
+    so an error. ``moved_input``: the ops lowered so far that read their first tensor input moved."""
+    path = write_path(node)
+    if not path:
         return
-    position = {n: i for i, n in enumerate(order)}
-    chain, moved = [node], node in moved_input
-    value = tensor_inputs(node)[0]
-    while True:  # back through the views to the base: each view's own input edge may move it too
-        chain.append(value)
-        producer_aliases, producer_writes = _aliases_first(value) if value.op == "call_function" else (False, False)
-        if not producer_aliases or producer_writes or not tensor_inputs(value):
-            break
-        moved = moved or value in moved_input
-        value = tensor_inputs(value)[0]
-    later = [u.name for n in chain[1:] for u in n.users if u in position and position[u] > position[node]]
+    later = read_after(path, {n: i for i, n in enumerate(order)})
+    moved = [n.name for n in path[:-1] if n in moved_input]
     if moved and later:
         raise ValueError(
-            f"autopar: {node.name} ({node.target}) writes in place into {chain[1].name}, a view of {value.name}, "
-            f"which this plan moves to another placement on the way: the write would land in a copy and "
-            f"{later[:3]} would read the unwritten value. Expected in-place writes to keep the placement of the "
-            "value they write into; plan another layout (e.g. the auto plan, or layout='dp' on a mesh whose "
-            "batch split leaves this value whole), or write the model's op out of place")
+            f"autopar: {node.name} ({node.target}) writes in place into {path[1].name}, a view of {path[-1].name}, "
+            f"which this plan moves to another placement on the way (read moved by {moved}): the write would "
+            f"land in a copy and {[u.name for u in later[:3]]} would read the unwritten value. Expected the plan "
+            "to keep an in-place write's path where its values lie (StrategyGraph.in_place): a plan made by "
+            "another planner version or edited by hand breaks it; plan again, or write the model's op out of place")
 
 
 class Flow:

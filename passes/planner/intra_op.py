@@ -26,13 +26,14 @@ from autopar import costmodels
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.plan import Plan
 from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute
+from autopar.passes.planner.microbatch import batch_dims, batch_size, sequences_split
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
 from autopar.passes.placements import spec_str
 from autopar.passes.solve import SolveOptions, plan_costs, solve
 from autopar.passes.solve.heuristics import chain_relaxation_plan
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
-from autopar.passes.strategy_graph import StrategyGraph
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 GB = 1e9
 
@@ -49,6 +50,9 @@ class Hint:
     # mesh axes that split the data: ops reading a parameter use it whole there (gathered,
     # under FSDP) and split their work (else a tiny model "wins" by replicating everything)
     data_axes: tuple[int, ...] = ()
+    # mesh axes that never split the batch (Megatron's and torchtitan's tp axis: activations
+    # replicated across TP ranks, the batch split over the data-parallel axes only)
+    batch_whole_axes: tuple[int, ...] = ()
     everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
     untied: list[str] = field(default_factory=list)  # what completing it gave up (tied layers split), for explain()
 
@@ -129,6 +133,8 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
                             and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
                     for s in strategies])
             out.soft.append((costs.index[dst], tables[key]))  # an op with no such strategy moves the weight
+    if hint.batch_whole_axes:
+        out.soft += _batch_kept_whole(costs, hint.batch_whole_axes)
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
@@ -139,6 +145,35 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
                                                    for p in (*s.inputs, *s.outputs)) else np.inf
                                         for s in ns.strategies])
             out.soft.append((costs.index[node], tables[key]))
+    return out
+
+
+def _batch_kept_whole(costs: Costs, axes: tuple[int, ...]) -> list[tuple[int, np.ndarray]]:
+    """Soft restrictions: no op splits whole sequences over ``axes``: a dim made of the batch
+    (``microbatch.batch_dims``) sharded there where its shards would cut the batch, as
+    ``microbatch.batch_split`` counts them; so a micro-batch of one sequence per
+    data-parallel replica stays valid."""
+    graph, mesh = costs.graph, costs.graph.mesh_shape
+    batch = batch_size(graph)
+    dims = batch_dims(graph, batch) if batch else {}
+
+    def cuts(source: fx.Node, i: int, spec) -> bool:
+        return sequences_split(source, i, spec, dims, batch, mesh, axes) > 1
+
+    out, tables = [], {}  # repeated layers share a table: keyed by strategies, batch dims and shapes
+    for node, ns in graph.nodes.items():
+        if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
+            continue
+        inputs = tensor_inputs(node)
+        if not dims.get(node) and not any(dims.get(u) for u in inputs):
+            continue
+        key = (id(ns.strategies), *((tuple(dims.get(u, ())), str(u.meta.get("val"))) for u in (node, *inputs)))
+        if key not in tables:
+            tables[key] = np.array([np.inf if any(cuts(node, i, spec) for i, spec in enumerate(s.outputs))
+                                    or any(cuts(u, 0, spec) for u, spec in zip(inputs, s.inputs)) else 0.0
+                                    for s in ns.strategies])
+        if np.isinf(tables[key]).any():
+            out.append((costs.index[node], tables[key]))
     return out
 
 

@@ -22,7 +22,18 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
 - ``tp+zero1``: ``tp+dp`` with the optimizer state sharded over the data-parallel axes
   (Megatron-LM's distributed optimizer);
 - ``tp+sp``: ``tp+dp`` plus sequence parallelism (inputs split by sequence on tp);
-- ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others.
+- ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others;
+- ``ep``: expert parallel (mixture-of-experts models): ``dp`` with every expert's weights
+  on one rank of the last axis (experts split by expert there, tokens gathered to them
+  and their outputs reduced: Megatron-Core's "allgather" dispatch);
+- ``tp+ep``: ``tp+dp`` with the experts split by expert over the tp axis instead of
+  within each expert.
+
+On an MoE layer Megatron leaves the router whole (its scores pick the experts on every
+rank) and splits each expert's MLP like a dense one: the grouped matmul reading the
+layer's input by output features (column), the one reading its split activation by
+input features (row). On a model without experts ``ep`` is ``dp`` and ``tp+ep`` is
+``tp+dp`` (``hints`` drops the duplicates).
 
 Pipeline layouts (``pp+dp`` with 1F1B, and 3-D ``pp+tp+dp``) are these intra-op
 layouts inside the pipeline search (``autopar.passes.planner.pipeline``). The public name
@@ -39,13 +50,18 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.passes.placements import Spec, fits
 from autopar.passes.planner.intra_op import Hint
 from autopar.passes.roles import AxisRole
+from autopar.passes.rules.moe import GROUPED_MM_OPS
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import StrategyGraph
 
-LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp")
+LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "ep",
+           "tp+ep")
 LINEAR = "aten.linear.default"  # weight [out, in]
 ADDMM = "aten.addmm.default"  # Conv1D: addmm(bias, x, weight), weight [in, out]
 EMBEDDING = "aten.embedding.default"
+TOPK = "aten.topk.default"
+GROUPED_MM = GROUPED_MM_OPS  # x, w[E, K, N], offs
+TRANSPOSE = "aten.transpose.int"
 
 
 def axis_roles(name: str, ndim: int) -> tuple[AxisRole, ...]:
@@ -56,9 +72,16 @@ def axis_roles(name: str, ndim: int) -> tuple[AxisRole, ...]:
         return (AxisRole.DP,) * ndim
     if name == "tp":
         return (AxisRole.TP,) * ndim
-    if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp"):
+    if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "tp+ep"):
         return (AxisRole.DP,) * (ndim - 1) + (AxisRole.TP,)
+    if name == "ep":
+        return (AxisRole.DP,) * (ndim - 1) + (AxisRole.EP,)
     raise ValueError(f"autopar: no layout named {name!r}; expected one of {LAYOUTS}")
+
+
+def expert_axes(name: str, ndim: int) -> tuple[int, ...]:
+    """The mesh axes over which layout ``name`` splits experts by expert (the last, for ``ep`` and ``tp+ep``)."""
+    return (ndim - 1,) if name in ("ep", "tp+ep") else ()
 
 
 def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
@@ -70,15 +93,27 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
     split on dim 1, bias whole, output whole after its all-reduce). A Conv1D's
     ``addmm(bias, x, weight)`` with its weight stored [in, out] is the same with the
     weight's dims swapped (column: dim 1, row: dim 0). Embedding tables are split by
-    vocabulary (dim 0). Other ops pass the mark on.
+    vocabulary (dim 0). An MoE router (a linear whose scores reach a ``topk``) stays whole;
+    each expert's grouped matmul is a linear of the same kind (``expert_weights``: the
+    expert parameter's dims). Other ops pass the mark on.
     """
     split: set[fx.Node] = set()
     dims: dict[fx.Node, int] = {}
     params = graph.captured.params
+    routers = router_linears(graph)
     for node in graph.captured.nodes("call_function"):
         target = str(node.target)
         weighted = _weighted(node, target, params)
-        if weighted is not None:
+        if node in routers:
+            continue
+        if target in GROUPED_MM and node.args[0] not in split:  # column: output features (w's dim 2)
+            for w, dim in expert_weights(node, params).items():
+                dims.setdefault(w, dim[2])
+            split.add(node)
+        elif target in GROUPED_MM:  # row: input features (w's dim 1)
+            for w, dim in expert_weights(node, params).items():
+                dims.setdefault(w, dim[1])
+        elif weighted is not None:
             x, w, bias, out_dim = weighted
             row = x in split
             if isinstance(w, fx.Node) and w.name in params:
@@ -94,6 +129,39 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
         elif any(a in split for a in node.all_input_nodes):
             split.add(node)
     return dims
+
+
+def router_linears(graph: StrategyGraph) -> set[fx.Node]:
+    """The linears whose outputs reach a ``topk`` through single-input ops (softmax, casts):
+    MoE routers, which score every expert for every token."""
+    routers = set()
+    for node in graph.captured.nodes("call_function"):
+        if str(node.target) != TOPK:
+            continue
+        source = node.args[0]
+        while isinstance(source, fx.Node) and source.op == "call_function":
+            if str(source.target) == LINEAR:
+                routers.add(source)
+                break
+            if len(source.all_input_nodes) != 1:
+                break
+            source = source.all_input_nodes[0]
+    return routers
+
+
+def expert_weights(node: fx.Node, params) -> dict[fx.Node, tuple[int, int, int]]:
+    """The expert parameter a grouped matmul multiplies by (directly, or transposed as
+    transformers stores it: [E, N, K]) -> its dims for the matmul's (expert, K, N)."""
+    w = node.args[1]
+    if isinstance(w, fx.Node) and w.name in params:
+        return {w: (0, 1, 2)}
+    if isinstance(w, fx.Node) and str(w.target) == TRANSPOSE and isinstance(w.args[0], fx.Node) \
+            and w.args[0].name in params:
+        order = list(range(w.args[0].meta["val"].dim()))
+        a, b = (d % len(order) for d in w.args[1:3])
+        order[a], order[b] = order[b], order[a]
+        return {w.args[0]: tuple(order)}
+    return {}
 
 
 def _weighted(node: fx.Node, target: str, params) -> tuple | None:
@@ -114,6 +182,9 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
     roles = axis_roles(name, len(mesh))
     captured = graph.captured
     tp_dims = megatron_dims(graph) if AxisRole.TP in roles else {}
+    by_expert = expert_axes(name, len(mesh))
+    experts = {w for node in captured.nodes("call_function") if str(node.target) in GROUPED_MM
+               for w in expert_weights(node, captured.params)}
     fixed: dict[fx.Node, Spec] = {}
     zero: dict[fx.Node, int] = {}
     for node in captured.nodes("placeholder"):
@@ -123,13 +194,15 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
         spec: list = [Replicate()] * len(mesh)
         if node.name in captured.user_inputs:
             for a, role in enumerate(roles):
-                if role is AxisRole.DP and shape:
+                if role in (AxisRole.DP, AxisRole.EP) and shape:
                     spec[a] = Shard(0)
                 elif role is AxisRole.TP and name == "tp+sp" and len(shape) > 1:
                     spec[a] = Shard(1)
         elif node.name in captured.params:
             for a, role in enumerate(roles):
-                if role is AxisRole.TP and node in tp_dims:
+                if a in by_expert and node in experts:
+                    spec[a] = Shard(0)
+                elif role is AxisRole.TP and node in tp_dims:
                     spec[a] = Shard(tp_dims[node])
             if name in ("fsdp", "fsdp+tp"):
                 dp_axes = [a for a, r in enumerate(roles) if r is AxisRole.DP]
@@ -166,10 +239,11 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
     ``complete=True`` completes it here by ``autopar.passes.propagate`` (fewest bytes moved)."""
     fixed, zero = layout_placements(name, graph)
     roles = axis_roles(name, len(graph.mesh_shape))
-    keep = tuple(a for a, role in enumerate(roles) if role is AxisRole.TP)
+    tp = tuple(a for a, role in enumerate(roles) if role is AxisRole.TP)
+    keep = tuple(a for a, role in enumerate(roles) if role in (AxisRole.TP, AxisRole.EP))
     data = tuple(a for a, role in enumerate(roles) if role is AxisRole.DP and graph.mesh_shape[a] > 1)
     return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
-                everything_whole=name == "replicated")
+                batch_whole_axes=tp, everything_whole=name == "replicated")
 
 
 def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:

@@ -93,22 +93,37 @@ def batch_split(graph: StrategyGraph, choice: dict[fx.Node, int], batch: int,
         specs = [(node, i, spec) for i, spec in enumerate(strategy.outputs)]
         specs += [(u, 0, spec) for u, spec in zip(tensor_inputs(node), strategy.inputs) if spec is not None]
         for source, i, spec in specs:
-            held = dims.get(source)
-            if not held or i >= len(held) or not held[i]:
-                continue
-            shape = _values(source)[i].shape
-            for d in held[i]:
-                n = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d)
-                r = int(shape[d]) // batch if int(shape[d]) % batch == 0 else 1
-                need = math.lcm(need, n // math.gcd(n, r))
+            need = math.lcm(need, sequences_split(source, i, spec, dims, batch, mesh))
+    return need
+
+
+def sequences_split(source: fx.Node, i: int, spec, dims: dict[fx.Node, list[frozenset[int]]], batch: int,
+                    mesh: Sequence[int], axes: Sequence[int] | None = None) -> int:
+    """The number a micro-batch's sequence count must be a multiple of for output ``i`` of
+    ``source`` placed as ``spec`` (1: it splits no whole sequences): its batch dims' shards
+    over the mesh (or only over ``axes``), a dim of ``batch * r`` needing ``n / gcd(n, r)``."""
+    held = dims.get(source)
+    if spec is None or not held or i >= len(held) or not held[i]:
+        return 1
+    shape = _values(source)[i].shape
+    axes = range(len(mesh)) if axes is None else axes
+    need = 1
+    for d in held[i]:
+        n = math.prod(mesh[a] for a in axes if isinstance(spec[a], Shard) and spec[a].dim == d)
+        r = int(shape[d]) // batch if int(shape[d]) % batch == 0 else 1
+        need = math.lcm(need, n // math.gcd(n, r))
     return need
 
 
 def valid_counts(batch: int, split: int, limit: int = MAX_COUNTS) -> list[int]:
     """Micro-batch counts M (divisors of ``batch``) whose micro-batches are multiples of
     ``split`` sequences; at most ``limit`` of them, spread evenly on a log scale (1 and
-    the largest always in)."""
-    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % split == 0]
+    the largest always in). No micro-batch of one sequence out of several: the runtime
+    captures the model at micro-batch size, and torch.export specialises a dim of size 1
+    (an ``expand`` over the batch disappears), so that graph's nodes are not the ones the
+    plan names (the 70B plan with M=16 over 16 sequences failed its dry run so)."""
+    counts = [m for m in range(1, batch + 1)
+              if batch % m == 0 and (batch // m) % split == 0 and (batch // m > 1 or batch == 1)]
     if len(counts) <= limit:
         return counts
     picks = {counts[round(i * (len(counts) - 1) / (limit - 1))] for i in range(limit)}

@@ -56,13 +56,24 @@ class LayerNumbers:
     param_time: np.ndarray  # seconds once per step
     optimizer: np.ndarray  # the optimizer-step (compute) part of param_time
     static: np.ndarray  # bytes
-    kinds: np.ndarray  # [layers, 3]: parameters, gradients, optimizer bytes
+    kinds: np.ndarray  # [layers, 3]: parameters, gradients, optimizer bytes (``static`` = their sum)
     activation: np.ndarray  # bytes, whole batch
     boundary: np.ndarray  # bytes leaving each layer, whole batch
     layer_of_node: dict  # graph node -> layer number
     forward: np.ndarray  # the forward compute of the repeated layer's own nodes (what recomputing it runs again)
     recomputable: np.ndarray  # bytes, whole batch: the part of ``activation`` a repeated layer's own nodes keep
     inputs: np.ndarray  # bytes, whole batch: what a recomputed repeated layer keeps (its inputs)
+    # bytes, whole batch: alive only while a backward runs (the default loss's); None: none
+    temporary: np.ndarray | None = None
+    # bytes: the largest gradient of a layer, made whole before a backward adds it to the
+    # accumulated one; None: none
+    largest_gradient: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.temporary is None:
+            self.temporary = np.zeros(len(self.static))
+        if self.largest_gradient is None:
+            self.largest_gradient = np.zeros(len(self.static))
 
     def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
         """Seconds to send each layer's output (one micro-batch of it) to the next stage,
@@ -74,6 +85,16 @@ class LayerNumbers:
         """Seconds once per step outside the schedule: each stage syncs and steps its own
         share of the parameters (``param_time``, spread evenly over ``stages``)."""
         return float(self.param_time.sum()) / stages
+
+    @property
+    def gradients(self) -> np.ndarray:
+        """Bytes per layer of the gradients, accumulated whole over a step's micro-batches."""
+        return self.kinds[:, 1]
+
+    def held_once(self, micro_batches: int) -> np.ndarray:
+        """Bytes per layer a stage holds once, whatever is in flight: its state, and one
+        micro-batch's temporaries (the loss's backward on the last stage)."""
+        return self.static + self.temporary / micro_batches
 
     @property
     def recompute_saving(self) -> np.ndarray:
@@ -110,7 +131,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     act, compute, param, optimizer = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     forward = [0.0] * count
     static, activation, boundary = [0.0] * count, [0.0] * count, [0.0] * count
-    recomputable, inputs = [0.0] * count, [0.0] * count
+    recomputable, inputs, temporary, largest = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     choice, zero = costs.choice(assignment)
@@ -123,15 +144,16 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         if v in leads:
             param[layer] += float(node_time[v][s])
             optimizer[layer] += float(costs_compute[v][s])
-            static[layer] += float(state_memory[v][s])
             spec = graph.nodes[node].strategies[choice[node]].output
             numel = math.prod(local_shape(tuple(node.meta["val"].shape), spec, mesh))
             shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
-            held = state_breakdown(numel, zero[node], shards, costs.precision)
+            held = stage_state(numel, zero[node], shards, costs.precision)
+            static[layer] += sum(held.values())
             row = kinds[layer]
-            row[0] += held["parameters"] + held["activations"]  # ZeRO-2's copy gathered for the step
+            row[0] += held["parameters"] + held["activations"]
             row[1] += held["gradients"]
             row[2] += held["optimizer"]
+            largest[layer] = max(largest[layer], held["gradients"])
             continue
         act[layer] += float(node_time[v][s])
         compute[layer] += float(costs_compute[v][s])
@@ -139,6 +161,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         static[layer] += held
         kinds[layer][0] += held
         activation[layer] += float(activation_memory[v][s])
+        temporary[layer] += float(costs.temporary_memory[v][s])
         if node in repeated and node.op != "placeholder":  # what recomputing the repeated layer reruns
             forward[layer] += float(costs.forward[v][s])
             recomputable[layer] += float(activation_memory[v][s])
@@ -166,7 +189,15 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     array = np.array
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
                         array(activation), array(boundary, dtype=np.float64), where, array(forward),
-                        array(recomputable), array(inputs))
+                        array(recomputable), array(inputs), array(temporary), array(largest))
+
+
+def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:
+    """Bytes by kind a pipeline stage holds for a parameter at its peak: ZeRO-2 in a stage runs
+    as ZeRO-1 until the step (``autopar.runtime.pipeline``): the parameter whole as its ops use
+    it, its gradient accumulated whole over the micro-batches, reduce-scattered into the
+    optimizer's slice only after the last backward; the optimizer state split."""
+    return state_breakdown(numel, min(level, 1), shards, precision)
 
 
 def _output_bytes(graph, node, choice, mesh) -> float:
@@ -194,15 +225,35 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
 
     def layer_costs(p: int, m: int) -> LayerCosts:
         return LayerCosts(
-            time=num.act_time / m, static_memory=num.static, activation_memory=num.activation / m,
+            time=num.act_time / m, static_memory=num.held_once(m), activation_memory=num.activation / m,
             boundary_time=num.send_times(pp_profile, m) if count > 1 else None,
             step_overhead=num.step_overhead(p),
-            recompute_saving=saving / m, recompute_time=num.forward / m,
+            recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
+            accumulating=num.largest_gradient,
         )
 
     found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
                             schedules=schedules, chunks_per_rank=(2,), memory_limit=memory_limit)
     return None if found.best is None else (found.best, found)
+
+
+def rank_memory(num: LayerNumbers, option) -> list[dict[str, float]]:
+    """Bytes by kind each pipeline rank holds at its peak, from the stage search's own numbers
+    (``option.rank_memory``, which its memory limit checked): the state of its stages' layers,
+    the gradients where its stages' peaks hold them (``StageCut.gradients``), one micro-batch's
+    temporaries and a gradient being added to the accumulated ones, and the rest activations (micro-batches in flight, recomputed layers' inputs
+    and one layer's rebuild)."""
+    p, m, v = option.num_stages, option.num_microbatches, option.chunks_per_rank
+    out = []
+    for rank in range(p):
+        stages = range(rank, p * v, p)
+        layers = [layer for s in stages for layer in option.cut.layers(s)]
+        kinds = num.kinds[layers].sum(axis=0)
+        adding = sum(option.cut.accumulating[s] for s in stages)
+        held = {"parameters": float(kinds[0]), "gradients": sum(option.cut.gradients[s] for s in stages),
+                "optimizer": float(kinds[2]), "temporary": float(num.temporary[layers].sum()) / m + adding}
+        out.append({**held, "activations": option.rank_memory[rank] - sum(held.values())})
+    return out
 
 
 def recomputed_layers(num: LayerNumbers, cut) -> list[int]:
@@ -244,12 +295,13 @@ def pipeline_profile(request: PlanRequest, p: int, intra: tuple[int, ...]) -> co
 
 
 def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest, *, solver_time_s: float,
-                  graph=None):
+                  graph=None, schedules=tuple(costmodels.Schedule)):
     """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``.
 
     ``request``: the whole mesh's (its hardware priced for this split by ``pipeline_profile``,
     its memory limit per device, its manual layouts); ``solver_time_s``: the intra-op solve's
-    budget; ``graph``: the strategy graph on ``intra`` when the caller has it."""
+    budget; ``graph``: the strategy graph on ``intra`` when the caller has it; ``schedules``: those
+    the search may choose from."""
 
     full = pipeline_profile(request, p, tuple(intra))
     memory_limit = request.memory_bytes
@@ -272,15 +324,21 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
                    for h in hints]
     found = {}
     layers = node_layers(costs)
+    if shared := parameter_across_layers(graph.captured, layers[0]):  # tied weights: no cut may part them
+        return None, shared
     batch = batch_size(graph)
     dims = batch_dims(graph, batch) if batch else {}
+    searched: dict[tuple, tuple] = {}  # layouts that complete alike (tp+dp, tp+sp) are searched once
     for label, assignment in candidates:
-        num = layer_numbers(costs, assignment, layers)
-        if len(num.act_time) < p:
-            return None, f"{len(num.act_time)} layers for {p} stages"
-        split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1
-        counts = valid_counts(batch, split) if batch else [1]
-        r = search(num, full, p, counts, memory_limit=memory_limit) if counts else None
+        if (key := tuple(assignment)) not in searched:
+            num = layer_numbers(costs, assignment, layers)
+            if len(num.act_time) < p:
+                return None, f"{len(num.act_time)} layers for {p} stages"
+            split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1
+            counts = valid_counts(batch, split) if batch else [1]
+            r = search(num, full, p, counts, memory_limit=memory_limit, schedules=schedules) if counts else None
+            searched[key] = (r, num, split)
+        r, num, split = searched[key]
         if r is not None:
             found[label] = (r, num, assignment, (batch or 0, split))
     if not found:
@@ -295,6 +353,19 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
 
 
+def parameter_across_layers(captured, where: dict) -> str | None:
+    """Why no stage cut is safe, or None: a parameter read in two layers (tied weights, such as
+    an embedding that is also the output head) would be used by two stages, and a pipeline
+    keeps each parameter in one stage (``autopar.runtime.stages.stage_parts`` refuses it).
+    ``where``: graph node -> layer (``node_layers``)."""
+    for node in captured.nodes("placeholder"):
+        used = sorted({where[u] for u in node.users if u in where})
+        if node.name in captured.params and len(used) > 1:
+            return (f"parameter {captured.params[node.name]} is read in layers {used[0]} and {used[-1]} (tied): "
+                    "a pipeline keeps each parameter in one stage")
+    return None
+
+
 def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, names, batching: tuple[int, int]):
     option, _ = found
     graph = costs.graph
@@ -306,11 +377,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     m, v = option.num_microbatches, option.chunks_per_rank
     bubble = option.schedule.bubble_time(option.cut.stage_time, v)
     overhead = num.step_overhead(p)
-    rank = int(np.argmax(option.rank_memory))
-    layers = [l for s in range(rank, p * v, p) for l in option.cut.layers(s)]
-    kinds = num.kinds[layers].sum(axis=0)
-    # the stage search's own numbers: micro-batches in flight, recomputed layers' inputs and rebuild
-    activations = option.rank_memory[rank] - float(num.static[layers].sum())
+    by_rank = rank_memory(num, option)
     recomputed = recomputed_layers(num, option.cut)
     busy = option.step_time - bubble - overhead
     frac = float(num.compute.sum() / max(num.act_time.sum(), 1e-300))
@@ -318,8 +385,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     predicted = Prediction(
         step_time=option.step_time, compute=busy * frac + optimizer,
         communication=busy * (1 - frac) + overhead - optimizer, bubble=bubble,
-        memory={"parameters": float(kinds[0]), "gradients": float(kinds[1]), "optimizer": float(kinds[2]),
-                "activations": activations},
+        memory=by_rank[int(np.argmax(option.rank_memory))], memory_by_rank=by_rank,
     )
     plan = Plan(
         model=graph.captured.model_name, mesh_shape=(p,) + tuple(intra), axis_names=names,

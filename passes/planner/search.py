@@ -13,7 +13,9 @@ Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole 
 4. the pipeline search (``autopar.passes.planner.pipeline``) over device factorisations into a
    pipeline axis times intra-op axes (``pipeline_factorisations``: with a preset every
    split of the outermost axis, with a measured profile the whole outermost axis, the
-   only one it prices), stage cuts, micro-batches and schedules;
+   only one it prices), stage cuts, micro-batches and schedules; as many depths as
+   ``factorisation_budget`` counts (work, not seconds), stopped sooner only by ``SafetyNet``
+   (CPU seconds, and a runaway wall clock), which the plan reports (``solver["clock_cut"]``);
 5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
    broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from autopar.passes.explain import duration
@@ -133,6 +135,42 @@ def _no_slower_than_layouts(best: Plan, candidates: dict[str, float], graph, req
     return manual
 
 
+# The safety nets that stop the pipeline search before its deterministic budget (depths,
+# ``factorisation_budget``) runs out, and say so (``Plan.solver["clock_cut"]``): this
+# process's CPU seconds past CPU_SAFETY_FACTOR x the time limit, or wall seconds past
+# WALL_SAFETY_FACTOR x it. CPU time depends little on the machine's load (the 70B capture:
+# 16.7 s wall idle; 17.0-17.8 CPU s at load 13 on 2 cores, 25.7 at load 16, where it took
+# 62-337 s of wall clock), so the budget, not the load, decides the plan. The budget's own
+# CPU use is about 1.4 x the limit at most (the solvers' half of it on 2 threads, the rest
+# on one), 2 x with load's inflation; 3 x is a net, not the limit. The wall factor lets a starved process finish its budget: at load 19-25 on 2
+# cores a planning process got a tenth of a core (Megatron's 177B GPT on 288 x 8: 67.8 CPU s
+# in 762 s), and 10 x cut that search after 3 of its 5 depths.
+CPU_SAFETY_FACTOR = 3.0
+WALL_SAFETY_FACTOR = 30.0
+
+
+@dataclass(frozen=True)
+class SafetyNet:
+    """The search's safety nets from its start: ``cut()`` is why it must stop now, or ""."""
+
+    time_limit_s: float
+    wall_started: float
+    cpu_started: float
+
+    @classmethod
+    def start(cls, time_limit_s: float) -> SafetyNet:
+        return cls(time_limit_s, time.perf_counter(), time.process_time())
+
+    def cut(self) -> str:
+        cpu = time.process_time() - self.cpu_started
+        if cpu > CPU_SAFETY_FACTOR * self.time_limit_s:
+            return f"{cpu:.0f} CPU s used, over {CPU_SAFETY_FACTOR:g} x the {self.time_limit_s:g} s limit"
+        wall = time.perf_counter() - self.wall_started
+        if wall > WALL_SAFETY_FACTOR * self.time_limit_s:
+            return f"{wall:.0f} s of wall clock, over {WALL_SAFETY_FACTOR:g} x the {self.time_limit_s:g} s limit"
+        return ""
+
+
 def plan_captured(captured, request: PlanRequest) -> Plan:
     """Intra-op plan on ``request.mesh_shape``, and (``request.pipeline``) pipelined plans over
     factorisations; the fastest wins. ``request.progress(phase, done, total)``, if given, is
@@ -140,6 +178,7 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     only over the whole outermost axis (a plan for a given device mesh keeps its shape); none on
     a 1-D mesh."""
     started = time.perf_counter()
+    net = SafetyNet.start(request.time_limit_s)
     report = request.progress or (lambda phase, done, total: None)
     shape, limit, time_limit_s = request.mesh_shape, request.memory_bytes, request.time_limit_s
     options = pipeline_factorisations(request) if request.pipeline and request.layout is None else []
@@ -167,12 +206,11 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
         error, tried["no pipeline"] = exc, str(exc)
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
     outcome: dict[int, str] = {}
-    clock_cut = False
+    clock_cut = ""
     while len(results) < budget and (i := next_factorisation(options, results)) is not None:
         p, intra = options[i]
         report(where_of(p, intra), len(results) + 1, 1 + budget)
-        if time_limit_s - (time.perf_counter() - started) <= 0.02 * time_limit_s:
-            clock_cut = True  # the wall clock, a safety net: the deterministic budget did not run out
+        if clock_cut := net.cut():  # a safety net: the deterministic budget did not run out
             break
         candidate, outcome[i] = pipeline_plan(captured, p, intra, request, solver_time_s=solver_time,
                                               graph=build_strategy_graph(captured, intra, calls))
@@ -184,7 +222,7 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
             best = candidate
     for i, (p, intra) in enumerate(options):
         tried[where_of(p, intra)] = outcome.get(i) or (
-            "not tried: out of time" if clock_cut else
+            f"not tried: out of time ({clock_cut}: a safety net, not the budget)" if clock_cut else
             f"not tried: beyond the search budget of {budget} pipeline depths (next_factorisation's order)")
     for p, intra in too_deep:
         tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
@@ -193,9 +231,10 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     best = _no_slower_than_layouts(best, candidates, graph, request)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
     if clock_cut:
-        best.solver["clock_cut"] = True  # the wall clock, a safety net, left options out
+        best.solver["clock_cut"] = True  # a safety net, not the budget, left options out
     best.candidates = candidates
     best.solver["planning_seconds"] = time.perf_counter() - started
+    best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started  # this process's, solver threads included
     best.solver["memory_limit"] = limit
     report("done", 1 + budget, 1 + budget)
     return best

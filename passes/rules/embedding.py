@@ -4,6 +4,8 @@
 - table sharded on the hidden dim: each device looks up its slice of every row;
 - table sharded on the vocabulary (Megatron's vocab-parallel embedding): each device
   looks up the ids that fall in its rows, zeros elsewhere, and the output is a Partial.
+  A ``padding_idx`` (a row whose gradient stays zero) is the device's own row number of
+  it, or none where another device holds that row.
 """
 
 from __future__ import annotations
@@ -34,5 +36,10 @@ def vocab_parallel_embedding(info, strategy, args, kwargs, ctx):
     lo, hi = shard_offset(info.inputs[0].shape, strategy.inputs[0], ctx.mesh_shape, ctx.coord, 0)
     outside = (ids < lo) | (ids >= hi)
     local_ids = torch.where(outside, torch.zeros_like(ids), ids - lo)
-    out = torch.ops.aten.embedding.default(weight, local_ids, *args[2:], **kwargs)
+    rest = list(args[2:])
+    padding = rest[0] if rest else kwargs.get("padding_idx", -1)
+    if padding >= 0:  # aten's -1: no padding row
+        local_padding = padding - lo if lo <= padding < hi else -1
+        rest, kwargs = ([local_padding, *rest[1:]], kwargs) if rest else (rest, {**kwargs, "padding_idx": local_padding})
+    out = torch.ops.aten.embedding.default(weight, local_ids, *rest, **kwargs)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)

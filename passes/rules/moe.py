@@ -1,17 +1,25 @@
-"""Mixture-of-experts contractions.
+"""Mixture-of-experts contractions: the grouped matmuls of an MoE layer's experts.
 
-``transformers.grouped_mm_fallback(x[T, K], w[E, K, N], offsets[E])`` multiplies the rows
-of x, sorted by expert, with their expert's matrix (offsets are the cumulative row
-counts per expert). It is a contraction over K with the expert as a grouping index:
+``grouped_mm(x[T, K], w[E, K, N], offs[E])`` multiplies the rows of x, sorted by expert,
+with their expert's matrix (offs: the cumulative row counts per expert). Two ops compute
+it: ``aten._grouped_mm`` (what transformers calls for bf16 weights, and on the meta
+device) and ``transformers.grouped_mm_fallback`` (its float32 CPU path). Both are a
+contraction over K with the expert as a grouping index:
 
-- N split: each device computes its columns of every row (column parallel);
+- N split: each device computes its columns of every row (each expert's MLP column
+  parallel);
 - K split: each device holds a partial sum (row parallel);
 - E split (expert parallel): each device holds whole experts and computes only the rows
-  routed to them, zeros elsewhere; the output is a Partial whose parts are disjoint rows.
+  routed to them, zeros elsewhere (``local_experts``); the output is a Partial whose
+  parts are disjoint rows. The tokens reach every device of the axis (gathered before,
+  reduced after: Megatron-Core's "allgather" token dispatcher).
+
+A bias (``aten._grouped_mm``'s [E, N]) splits with N and no other way here.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.passes.placements import shard_offset
@@ -20,29 +28,41 @@ from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
 
-GROUPED_MM = "transformers.grouped_mm_fallback.default"
+EXPERT_KERNEL = "local_experts"  # named on strategies: plans and explain() read it
+GROUPED_MM_OPS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 
-@register(GROUPED_MM)
+@register(*GROUPED_MM_OPS)
 def grouped_mm(info: OpInfo) -> list[AxisOption]:
+    if len(info.inputs) > 3:  # x, w, offs, bias[E, N]
+        return [AxisOption((R, Shard(2), R, Shard(1)), (Shard(1),))]
     return [
         AxisOption((R, Shard(2), R), (Shard(1),)),
         AxisOption((Shard(1), Shard(1), R), (Partial(),)),
-        AxisOption((R, Shard(0), R), (Partial(),), kernel="local_experts"),
+        AxisOption((R, Shard(0), R), (Partial(),), kernel=EXPERT_KERNEL),
         AxisOption((Partial(), R, R), (Partial(),)),
     ]
 
 
-@kernel("local_experts")
+@kernel(EXPERT_KERNEL)
 def local_experts(info, strategy, args, kwargs, ctx):
-    """Rows of this device's experts through its expert matrices; other rows are zero."""
-    x, w, offsets = args[0], args[1], args[2]
+    """Rows of this device's experts through its expert matrices; other rows are zero.
+
+    Without reading the offsets on the host (a fake-tensor dry run has no values): the
+    rows are rotated so that this device's come first, run through the op with the local
+    experts' offsets, rows past them masked to zero (the op leaves them unwritten, in
+    forward and in its input gradient), and rotated back."""
+    x, w = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs["offs"]
+    rest = {k: v for k, v in kwargs.items() if k != "offs"}
     e0, e1 = shard_offset(info.inputs[1].shape, strategy.inputs[1], ctx.mesh_shape, ctx.coord, 0)
-    ends = offsets.tolist()
-    out = x.new_zeros(x.shape[0], w.shape[2])
-    start = ends[e0 - 1] if e0 > 0 else 0
-    for local_e, end in enumerate(ends[e0:e1]):
-        if end > start:
-            out[start:end] = x[start:end] @ w[local_e]
-        start = end
-    return out
+    rows = torch.arange(x.shape[0], device=x.device)
+    if x.shape[0] == 0:
+        return info.op(x, w, offs[e0:e1], **rest)
+    start = offs[e0 - 1] if e0 > 0 else offs.new_zeros(())
+    mine = rows < (offs[e1 - 1] - start)
+    rotated = x[(rows + start) % x.shape[0]]
+    rotated = torch.where(mine.unsqueeze(-1), rotated, torch.zeros((), dtype=x.dtype, device=x.device))
+    out = info.op(rotated, w, offs[e0:e1] - start, **rest)
+    out = torch.where(mine.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out[(rows - start) % x.shape[0]]

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from autopar.costmodels import Schedule
+from autopar.costmodels.memory import in_flight_with_gradients
 from autopar.passes.solve.stages import StageCut, cut_stages
 
 
@@ -38,6 +39,9 @@ class LayerCosts:
     # (None: no layer may be recomputed; ``stages.cut_stages`` picks the fewest per stage)
     recompute_saving: Sequence[float] | None = None
     recompute_time: Sequence[float] | None = None
+    # the gradients' part of static_memory, which a schedule's peak may come before (``stages``)
+    gradient_memory: Sequence[float] | None = None
+    accumulating: Sequence[float] | None = None  # per layer: the largest gradient a backward adds (``stages``)
 
 
 @dataclass
@@ -102,6 +106,8 @@ def evaluate_pipeline(
         costs.time, num_stages * v, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
         in_flight=in_flight, memory_limit=chunk_limit, boundary_time=costs.boundary_time,
         recompute_saving=costs.recompute_saving, recompute_time=costs.recompute_time,
+        gradient_memory=costs.gradient_memory, accumulating=costs.accumulating,
+        in_flight_with_gradients=in_flight_with_gradients(schedule, num_stages, num_microbatches, v),
     )
     if cut is None:
         option.rejected = "no cut fits in memory"

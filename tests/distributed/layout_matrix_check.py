@@ -98,7 +98,8 @@ def run_case(spec: str, mesh) -> dict:
     param_err = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     return {"loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
             "dtype": str(dtype_of(name)).removeprefix("torch."),
-            "losses": losses, "plan_kind": pm.plan.kind, "reasons": [r for r in pm.plan.reasons if "tied" in r]}
+            "losses": losses, "plan_kind": pm.plan.kind, "reasons": [r for r in pm.plan.reasons if "tied" in r],
+            "expert_parallel": sum("[local_experts]" in s for s in pm.plan.strategies.values())}
 
 
 def main(cases: list[str]) -> None:

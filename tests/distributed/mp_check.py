@@ -11,7 +11,10 @@ Cases: ``<mesh>:<model>:<layout>`` (policy: bf16 compute, float32 reduce and out
 micro-batches (``train_step(accumulate=2)``, against the whole-batch reference); ``bf16-reduce:`` reduce_dtype and
 output_dtype None (gradients reduced in bf16, as FSDP2 does then; bf16 outputs and loss);
 ``fsdp2:`` also FSDP2 ``fully_shard`` with the same policy on the same 1-D mesh (each block,
-then the root); ``errors``: the refused combinations.
+then the root); ``replay:`` the layout planned under the policy (``autopar.plan(..., mp_policy=)``),
+its JSON compiled without ``mp_policy`` (the plan's recorded policy runs); ``pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>`` a pipeline over mesh
+axis 0 (stages cut as ``tests.distributed.train_check.pipeline_plan`` cuts them; data parallel
+on the other axes) under the policy; ``errors``: the refused combinations.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.models import GPT, GPTConfig, WideMLP
 from autopar.passes.lowering.recompute import Recomputed
-from autopar.passes.plan import Pipeline
+from autopar.passes.plan import Plan
 from autopar.runtime.precision import MixedGather
-from tests.distributed.train_check import case_plan, planned
+from tests.distributed.train_check import case_plan, pipeline_plan, planned
 
 STEPS = 3
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
@@ -130,7 +133,7 @@ def mesh_of(text: str):
 
 def run_case(spec: str) -> dict:
     parts = spec.split(":")
-    mode = parts.pop(0) if parts[0] in ("recompute", "bf16-reduce", "fsdp2", "accum") else None
+    mode = parts.pop(0) if parts[0] in ("recompute", "bf16-reduce", "fsdp2", "accum", "replay") else None
     mesh_text, model_name, layout = parts
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mode == "bf16-reduce" else POLICY
     mesh = mesh_of(mesh_text)
@@ -142,8 +145,10 @@ def run_case(spec: str) -> dict:
     plan = planned(model, mesh, tokens, layout) if mode == "recompute" else case_plan(model, mesh, tokens, layout)
     if mode == "recompute":
         plan.recompute = ["layer 0"]
+    if mode == "replay":  # a plan priced under the policy, saved, compiled without mp_policy: runs under it
+        plan = policy_plan(model, mesh, tokens, layout, policy)
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, hardware="h100",
-                         mp_policy=policy)
+                         mp_policy=None if mode == "replay" else policy)
     with torch.no_grad():  # before any step: the same weights everywhere
         logits = pm(tokens)
         fp32_logits = reference(tokens)
@@ -159,11 +164,6 @@ def run_case(spec: str) -> dict:
     names = [n for n, _ in reference.named_parameters()]
     after = [full[n] for n in names]
     against_fsdp2 = {} if fsdp is None else fsdp.compare(batches, losses, before, after)
-    masters = [p.dtype for p in pm.shards]
-    grads = [p.grad.dtype for p in pm.shards if p.grad is not None]
-    state = [t.dtype for s in pm.optimizer.state.values() for t in s.values() if t.dim() > 0]
-    casts = sum(1 for n in pm.gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_compute")
-    gathers = [m for m in pm.gm.modules() if isinstance(m, MixedGather)]
     return {
         "case": spec, "losses": losses, "ref_losses": ref_losses,
         "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -171,11 +171,72 @@ def run_case(spec: str) -> dict:
         "param_err": max((a - b.detach()).abs().max().item() for a, b in zip(after, reference.parameters())),
         "logits_dtype": str(logits.dtype), "logit_err": (logits - bf16_logits).abs().max().item(),
         "fp32_logit_err": (fp32_logits - bf16_logits).abs().max().item(),
-        "masters": sorted({str(d) for d in masters}), "grads": sorted({str(d) for d in grads}),
-        "state": sorted({str(d) for d in state}), "casts": casts, "mixed_gathers": len(gathers),
-        "collectives": dict(seen.seen),
-        "recomputed": [m.layer for m in pm.gm.modules() if isinstance(m, Recomputed)],
-        **against_fsdp2,
+        **held_dtypes(pm), "collectives": dict(seen.seen),
+        "recomputed": [m.layer for gm in programs_of(pm) for m in gm.modules() if isinstance(m, Recomputed)],
+        "pipeline": pm.plan.pipeline is not None, **against_fsdp2,
+    }
+
+
+def policy_plan(model, mesh, tokens, layout: str, policy):
+    """``autopar.plan(..., layout=, mp_policy=)`` on rank 0, replayed from its JSON on every rank."""
+    text = [autopar.plan(model, mesh, (tokens,), hardware="h100", layout=layout, mp_policy=policy).to_json()
+            if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text)
+    return Plan.from_json(text[0])
+
+
+def programs_of(pm) -> list:
+    """The rank's graph modules: a ParallelModule's one, a PipelineModule's stages'."""
+    return [pm.gm] if hasattr(pm, "gm") else [program.gm for program in pm.programs]
+
+
+def held_dtypes(pm) -> dict:
+    """The dtypes of the masters, their gradients and AdamW's state; the casts and mixed gathers."""
+    params = list(pm.shards if hasattr(pm, "shards") else pm.params)
+    gms = programs_of(pm)
+    return {
+        "masters": sorted({str(p.dtype) for p in params}),
+        "grads": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
+        "state": sorted({str(t.dtype) for s in pm.optimizer.state.values() for t in s.values() if t.dim() > 0}),
+        "casts": sum(1 for gm in gms for n in gm.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "__name__", "") == "to_compute"),
+        "mixed_gathers": sum(1 for gm in gms for m in gm.modules() if isinstance(m, MixedGather)),
+    }
+
+
+def pipeline_case(spec: str) -> dict:
+    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>: the stages under POLICY against
+    one process under it; what the stages send on (forward outputs of all but the last)."""
+    _, mesh_text, model_name, schedule, m, v = spec.split(":")
+    mesh = mesh_of(mesh_text)
+    model, loss_fn, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = batches[0][0]
+    plan = pipeline_plan(model, tokens, tuple(mesh.shape), schedule, int(m), int(v))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, mp_policy=POLICY)
+    sent = Counter()
+    for stage in pm.stages:
+        if not stage.is_last:
+            stage.submod.register_forward_hook(
+                lambda module, args, out: sent.update(str(t.dtype) for t in out if t.is_floating_point()))
+    with torch.no_grad():
+        logits = pm(tokens)
+        bf16_logits = reference_forward(reference, tokens, POLICY)
+    losses = []
+    with Collectives() as seen:
+        losses.append(pm.train_step((tokens,), batches[0][1]).item())
+    for inputs, target in batches[1:]:
+        losses.append(pm.train_step((inputs,), target).item())
+    ref_losses = reference_run(reference, loss_fn, batches, POLICY)
+    full = pm.full_parameters()
+    after = [full[n] for n, _ in reference.named_parameters()]
+    return {
+        "case": spec, "losses": losses, "ref_losses": ref_losses,
+        "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "update_err": update_error(before, after, before, [p.detach() for p in reference.parameters()]),
+        "logits_dtype": str(logits.dtype), "logit_err": (logits - bf16_logits).abs().max().item(),
+        **held_dtypes(pm), "sent": dict(sent), "collectives": dict(seen.seen), "stages": len(pm.stages),
     }
 
 
@@ -232,10 +293,6 @@ def error_cases() -> dict:
     mixed.head.to(torch.float64)
     expect("mixed master dtypes", lambda: autopar.compile(mixed, mesh, (tokens,), loss_fn=lm_loss, optimizer=adamw,
                                                           plan=plan, mp_policy=POLICY))
-    piped = copy.deepcopy(plan)
-    piped.pipeline = Pipeline(axis=0, stages=dist.get_world_size(), micro_batches=2, schedule="GPipe")
-    expect("pipeline plan", lambda: autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, optimizer=adamw,
-                                                    plan=piped, mp_policy=POLICY))
     return {"case": "errors", "messages": messages}
 
 
@@ -246,6 +303,8 @@ def main(cases: list[str]) -> None:
         try:
             if spec == "errors":
                 result = error_cases()
+            elif spec.startswith("pp:"):
+                result = pipeline_case(spec)
             else:
                 result = run_case(spec)
         except Exception as exc:  # reported, then the launch ends: other ranks may be stuck

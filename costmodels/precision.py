@@ -1,0 +1,90 @@
+"""Mixed precision priced as the runtime runs it (FSDP2's ``MixedPrecisionPolicy``).
+
+A model planned under a policy is captured as it computes (parameters, activations and
+their gradients in the compute dtype), so compute, activations, activation moves and
+parameter gathers are priced in the compute dtype by the ordinary cost functions. What
+the graph does not show is here, per parameter element:
+
+- master copy: ``master`` bytes (float32: 4), stored as the plan says (ZeRO-2 and the
+  ZeRO-3 placements split it);
+- gradients: accumulated in the master dtype (4 B), split at ZeRO-2;
+- AdamW state: ``ADAMW_STATES`` (m and v) in the master dtype: 8 B per optimizer element,
+  split at ZeRO-1/2;
+- working copy: ``compute`` bytes (bf16: 2), the cast (ZeRO-0/1, tensor parallel) or the
+  whole gathered copy (ZeRO-2), alive from forward until backward is done with it; counted
+  with the activations (freed before the gradients are summed). A ZeRO-3 placement
+  regathers in backward and frees its copy: the graph's gather edges price it;
+- gradient reductions (all-reduce, reduce-scatter): ``reduce`` bytes; the all-gather of a
+  ZeRO-2 bucket: ``compute`` bytes; the all-gather of ZeRO-1's updated slices: ``master``
+  bytes; the AdamW step: on ``master`` elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+META_KEY = "autopar_precision"  # fx node meta of a parameter placeholder captured under a policy
+# fx node meta of the first user output under a policy's ``output_dtype``: the loss reads it cast
+OUTPUT_DTYPE_KEY = "autopar_output_dtype"
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq: each the size and dtype of the master parameter
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The cost model's short name of a floating dtype (``compute_time``'s rates are keyed by it)."""
+    return _NAMES.get(dtype, "fp32")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """A policy in the cost model's terms: the dtypes of the master copy, of compute and of
+    gradient reductions (FSDP2's rule: reduce None reduces in the compute dtype)."""
+
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+
+    @property
+    def master_bytes(self) -> int:
+        return self.master.itemsize
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.compute.itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.reduce.itemsize
+
+    def describe(self) -> str:
+        """E.g. "bf16 compute, fp32 master, fp32 reduce" (``explain()``)."""
+        return (f"{dtype_name(self.compute)} compute, {dtype_name(self.master)} master, "
+                f"{dtype_name(self.reduce)} reduce")
+
+    def state_breakdown(self, numel: float, level: int, shards: int) -> dict[str, float]:
+        """Bytes by kind of ``numel`` local parameter elements at a ZeRO level over ``shards``
+        ranks (the module docstring): the master and its gradient split at level 2, AdamW's
+        state at level 1 and 2, and the working copy in the compute dtype."""
+        n = max(shards, 1)
+        stored = n if level >= 2 else 1
+        return {
+            "parameters": numel * self.master_bytes / stored,
+            "gradients": numel * self.master_bytes / stored,
+            "optimizer": numel * ADAMW_STATES * self.master_bytes / (n if level >= 1 else 1),
+            "activations": numel * self.compute_bytes,
+        }
+
+    def zero_bytes(self, numel: float) -> dict[str, float]:
+        """Bytes one ZeRO collective of ``numel`` elements moves: ``"step_gather"`` (ZeRO-1's
+        updated master slices), ``"all_gather"`` (a ZeRO-2 bucket, in the compute dtype),
+        ``"reduce_scatter"`` and ``"all_reduce"`` (gradients, in the reduce dtype)."""
+        return {"step_gather": numel * self.master_bytes, "all_gather": numel * self.compute_bytes,
+                "reduce_scatter": numel * self.reduce_bytes, "all_reduce": numel * self.reduce_bytes}
+
+
+def plain_zero_bytes(numel: float, itemsize: int) -> dict[str, float]:
+    """``MixedPrecision.zero_bytes`` without a policy: every collective in the parameter's dtype."""
+    size = numel * itemsize
+    return {"step_gather": size, "all_gather": size, "reduce_scatter": size, "all_reduce": size}
