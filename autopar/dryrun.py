@@ -36,6 +36,7 @@ step); the memory measurement is ``autopar.dryrun_tracker``, the results and the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
@@ -326,7 +327,8 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
             target = torch.zeros(work.target[0], dtype=work.target[1], device=CPU)
             create_optimizer_state(module.optimizer)
             tracker = tracker_for(module)
-            with tracker, _AsOnDevice():
+            # only a graph that counts integers with histc pays a dispatch mode on every op
+            with tracker, (_AsOnDevice() if _AsOnDevice.needed(work.captured) else contextlib.nullcontext()):
                 if plan.pipeline is None:
                     module.train_step(inputs, target)
                 else:
@@ -348,6 +350,10 @@ class _AsOnDevice(TorchDispatchMode):
     path runs although the fake tensors live on the CPU: ``histc`` of integers (Hugging Face's
     grouped-matmul experts count tokens so on CUDA; the CPU kernel takes floats only, and the
     fake tensor's checks follow the CPU's) counts the same values as floats."""
+
+    @staticmethod
+    def needed(captured: Captured) -> bool:
+        return any(n.target is torch.ops.aten.histc.default for n in captured.nodes("call_function"))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

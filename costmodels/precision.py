@@ -25,17 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.costmodels.compute import dtype_name
+
 META_KEY = "autopar_precision"  # fx node meta of a parameter placeholder captured under a policy
 # fx node meta of the first user output under a policy's ``output_dtype``: the loss reads it cast
 OUTPUT_DTYPE_KEY = "autopar_output_dtype"
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq: each the size and dtype of the master parameter
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The cost model's short name of a floating dtype (``compute_time``'s rates are keyed by it)."""
-    return _NAMES.get(dtype, "fp32")
-
 
 @dataclass(frozen=True)
 class MixedPrecision:

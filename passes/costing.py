@@ -86,7 +86,8 @@ from torch.distributed.tensor import Replicate
 from autopar import costmodels
 from autopar.passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
 from autopar.costmodels.formulas import BYTES_PER_PARAM
-from autopar.costmodels.precision import META_KEY, MixedPrecision, dtype_name, plain_zero_bytes
+from autopar.costmodels.compute import dtype_name
+from autopar.costmodels.precision import META_KEY, MixedPrecision, plain_zero_bytes
 from autopar.passes.placements import gradient_spec
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
