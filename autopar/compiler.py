@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.precision import Precision, capture_cast, recorded_policy
+from autopar.runtime.precision import Precision, capture_cast, recorded_policy, warn_under_autocast
 from autopar.costmodels.profiler import profile_mesh
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
@@ -58,7 +58,8 @@ def compile(  # noqa: A001  (the public name users expect)
     reduced in ``reduce_dtype``; pipeline stages too (what crosses a stage boundary is in
     ``param_dtype``). A plan made here is priced as the policy runs (``autopar.plan(...,
     mp_policy=)``) and records it; a given plan that records one runs under it when
-    ``mp_policy`` is None.
+    ``mp_policy`` is None. ``torch.autocast`` around planning or running is not priced: an
+    ``autopar.runtime.precision.AutocastWarning`` says so and names the policy instead.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -68,6 +69,8 @@ def compile(  # noqa: A001  (the public name users expect)
     if optimizer is not None:
         optimizer = _checked_factory(optimizer)
     planned_here = plan is None
+    if not planned_here:  # (planning here warns itself)
+        warn_under_autocast("compiling a plan", stacklevel=3)
     if plan is None:
         # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}

@@ -10,6 +10,10 @@
    predicted one; then the best manual layouts train too, measured alike.
 3. Back in one process: a Llama-3-70B-shaped model (built on the meta device, no weights)
    planned for 64 H100s (8 nodes x 8), and that plan explained.
+
+Everything runs as large models train: mixed precision (``POLICY``: bf16 compute, fp32
+master weights, gradients and AdamW state, gradients reduced in fp32), planned, priced and
+run under ``mp_policy=``; the single-process model applies the same policy.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import autopar
 from autopar.compiler import plan_once
 from autopar.costmodels.profiler import Sweep, profile_mesh
 from autopar.models import MODELS
+from autopar.runtime.precision import POLICIES
 
 RANKS = 4
 STEPS = 6  # the first is warm-up (and builds the loss program); the rest are timed
 GPT_FAMILY, GPT_SIZE = MODELS["gpt"], "demo"  # the registry's small GPT, for the 4 ranks
 LLAMA_FAMILY, LLAMA_SIZE = MODELS["llama"], "70b"  # the Llama-3 shape planned for 64 H100s
+POLICY = POLICIES["bf16"]  # bf16 compute, fp32 master weights and AdamW state, fp32 gradient reductions
 
 
 def _small_gpt():
@@ -47,6 +53,14 @@ def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _reference_loss(model: torch.nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One process under ``POLICY``: bf16 copies of the fp32 parameters (autograd casts their
+    gradients back into the masters' .grad), the logits cast to ``output_dtype``."""
+    working = {name: p.to(POLICY.param_dtype) for name, p in model.named_parameters()}
+    logits = torch.func.functional_call(model, working, (tokens,)).to(POLICY.output_dtype)
+    return _loss_fn(logits, target)
 
 
 def _batches():
@@ -86,7 +100,7 @@ def worker() -> None:
     tokens = batches[0][0]
 
     started = time.perf_counter()
-    auto = plan_once(model, mesh, (tokens,), profile, time_limit_s=10)
+    auto = plan_once(model, mesh, (tokens,), profile, time_limit_s=10, mp_policy=POLICY)
     planned_in = time.perf_counter() - started
     n_params = sum(p.numel() for p in model.parameters())
     batch = "x".join(map(str, tokens.shape))
@@ -102,9 +116,10 @@ def worker() -> None:
     manual = [name for name, _ in sorted(auto.candidates.items(), key=lambda kv: kv[1])
               if name in ("dp", "fsdp", "tp+dp", "tp")][:3]
     plans = {"auto": auto}
-    plans.update({name: plan_once(_small_gpt(), mesh, (tokens,), profile, layout=name)
+    plans.update({name: plan_once(_small_gpt(), mesh, (tokens,), profile, layout=name, mp_policy=POLICY)
                   for name in manual})
-    modules = {name: autopar.compile(_small_gpt(), mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=p)
+    modules = {name: autopar.compile(_small_gpt(), mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=p,
+                                     mp_policy=POLICY)
                for name, p in plans.items()}
     reference = _small_gpt()
     ref_opt = _adamw(reference.parameters())
@@ -112,7 +127,8 @@ def worker() -> None:
 
     say(f"\n== Training {STEPS} AdamW steps on 4 ranks: the plan against one process "
         f"(and {', '.join(manual)} alongside) ==\n")
-    say(f"{'step':>4}  {'autopar loss':>13}  {'1-process loss':>14}  {'measured':>10}  {'predicted':>10}")
+    say(f"{'step':>4}  {'autopar loss':>13}  {'1-process loss':>14}  {'measured':>10}  {'predicted':>10}"
+        "   (both bf16 compute, fp32 master: equal within bf16 rounding)")
     for step, (x, y) in enumerate(batches):
         for name, pm in modules.items():
             dist.barrier()
@@ -124,7 +140,7 @@ def worker() -> None:
             if name == "auto":
                 auto_loss, auto_time = float(loss), elapsed
         ref_opt.zero_grad()
-        ref_loss = _loss_fn(reference(x), y)
+        ref_loss = _reference_loss(reference, x, y)
         ref_loss.backward()
         ref_opt.step()
         say(f"{step:>4}  {auto_loss:>13.6f}  {float(ref_loss.detach()):>14.6f}  {_ms(auto_time):>10}  "
@@ -145,14 +161,14 @@ def worker() -> None:
 # --- part 3 and the launcher ---------------------------------------------------------------
 def plan_70b() -> None:
     with torch.device("meta"):
-        model = LLAMA_FAMILY.build(LLAMA_SIZE)
+        model = LLAMA_FAMILY.build(LLAMA_SIZE).float()  # the fp32 master copy; the policy computes in bf16
         (tokens,), _ = LLAMA_FAMILY.inputs(LLAMA_SIZE)
-    print("\n== Llama-3-70B shape (80 layers, hidden 8192, 70.6 B parameters, bf16, meta device) on 64 H100s "
-          f"(8 nodes x 8 GPUs), global batch {'x'.join(map(str, tokens.shape))} ==\n")
+    print("\n== Llama-3-70B shape (80 layers, hidden 8192, 70.6 B parameters, bf16 compute, fp32 master, meta "
+          f"device) on 64 H100s (8 nodes x 8 GPUs), global batch {'x'.join(map(str, tokens.shape))} ==\n")
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (8, 8), (tokens,), hardware="h100", time_limit_s=20)
+        plan = autopar.plan(model, (8, 8), (tokens,), hardware="h100", time_limit_s=20, mp_policy=POLICY)
     print(f"planned in {time.perf_counter() - started:.1f} s on this {os.cpu_count()}-core machine\n")
     print(plan.explain())
 

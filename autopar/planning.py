@@ -18,7 +18,7 @@ from autopar import costmodels
 from autopar.passes.planner import layouts
 from autopar.costmodels.precision import META_KEY
 from autopar.runtime.loss import WithLoss
-from autopar.runtime.precision import Precision, capture_cast
+from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
 from autopar.passes.planner.request import PlanRequest
@@ -65,6 +65,7 @@ def plan(
     ``reduce_dtype``: ``autopar.costmodels.precision``); the plan records it (``mp_policy``).
     """
     precision = Precision.of(mp_policy)
+    warn_under_autocast("planning", stacklevel=3)
     shape, names = _mesh(mesh_or_shape, axis_names)
     if loss_fn is not None and target is None:
         raise ValueError("autopar: plan(loss_fn=...) expected a target= tensor for the loss; found none. "

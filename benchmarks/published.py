@@ -1,9 +1,12 @@
 """Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
 
     python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
+                                   [--bf16-throughout]
 
 For each published run, on the meta device with the preset of its machine (``Row.hardware``:
-``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W):
+``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W), under the run's
+mixed precision where autopar runs it as the run did (``Row.mp_policy``: float32 masters, bf16
+compute, float32 gradient reductions; ``--bf16-throughout`` prices every row without it):
 
 - published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published,
   with FLOPs per token = 6 * parameters + 12 * layers * hidden * sequence);
@@ -28,12 +31,12 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
-
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autopar
 from autopar import layouts
@@ -43,6 +46,7 @@ from autopar.planning import plan as plan_auto
 from autopar.passes.capture import capture
 from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, price_pinned
 from autopar.passes.strategy_graph import NoRuleWarning
+from autopar.runtime.precision import Precision, capture_cast
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet; FACTS.md)
 GB, GIB = 1e9, 2**30
@@ -52,6 +56,25 @@ GPUS_PER_NODE = 8
 # tensors deallocated early, "we could pretrain Llama 3 on sequences of 8K tokens without
 # activation checkpointing"
 LLAMA3_RECOMPUTE = "none"
+# Llama 3 paper, sec. 3.3.2 ("Pipeline parallelism"): interleaved schedule, 16 pipeline ranks,
+# and one Transformer layer fewer on the first and the last rank, so that "the first model chunk
+# on the first stage has only the embedding, and the last model chunk on the last stage has only
+# output projection and loss calculation". The depth is not stated; of the interleaved depths,
+# only 8 chunks per rank fill 16 x v chunks with 126 layers evenly around those two (16 * 8 - 2 =
+# 126 chunks of one layer; (16v - 2) divides 126 for no other v > 1). autopar's stage cut puts at
+# least one repeated layer in every chunk (the embedding and the head ride the first and last
+# layer), so at most 126 // 16 = 7 chunks per rank: priced at 7, whose chunks of one or two
+# layers leave a fill-and-drain bubble up to twice the paper's chunks of one
+LLAMA3_STAGES, LLAMA3_405B_LAYERS = 16, 126  # the paper's Table 4 PP, and the 405B's layers (its Table 3)
+LLAMA3_CHUNKS_IMPLIED = 8
+LLAMA3_CHUNKS = min(LLAMA3_CHUNKS_IMPLIED, LLAMA3_405B_LAYERS // LLAMA3_STAGES)
+# bf16 compute on float32 masters, gradients reduced in float32, as these runs trained:
+# torchtitan's defaults (torchtitan/config_manager.py, end of 2024: --training.mixed_precision_param
+# "bfloat16", --training.mixed_precision_reduce "float32", applied through FSDP2's
+# MixedPrecisionPolicy, exactly what autopar prices and runs); the Llama 3 paper, sec. 3.3.2
+# ("Numerical stability"): FP32 gradient accumulation over micro-batches and gradients
+# reduce-scattered in FP32 across data-parallel workers in FSDP.
+BF16_FP32_REDUCE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +94,9 @@ class Row:
     tflops_per_gpu: float | None = None  # ... or TFLOP/s/GPU
     memory_gib: float | None = None  # published peak memory per GPU
     hardware: str = "h100"  # the preset of the run's machine (autopar.costmodels.PRESETS)
+    # the run's mixed precision (float32 masters) where autopar runs it as the run did; None:
+    # the model trained in bf16 throughout (see ``published_rows`` for Megatron's rows)
+    mp_policy: MixedPrecisionPolicy | None = None
     note: str = ""
 
     @property
@@ -94,27 +120,37 @@ def published_rows() -> list[Row]:
     mlm = "NVIDIA/Megatron-LM README, H100 table (Megatron-Core r0.8.0)"
     herd = "The Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
     tp = _megatron_tp_layout()
+    # Megatron's bf16 runs also keep float32 masters and reduce gradients in float32
+    # (megatron/training/arguments.py: bf16 sets accumulate_allreduce_grads_in_fp32), but its
+    # distributed optimizer shards the masters and all-gathers bf16 parameters, where autopar's
+    # ZeRO-1 under a policy keeps whole float32 masters and gathers them: priced in bf16
+    # throughout, whose gather is as run and whose reduce-scatter is half the run's bytes
     mlm_note = ("README states no recomputation, micro-batch size or interleaving: micro-batches of one "
-                "sequence, 1F1B, layout " + tp)
+                "sequence, 1F1B, layout " + tp + "; bf16 throughout (float32 reduce-scatter, bf16 gather as run "
+                "not expressible)")
     l405 = lambda: llama3("405b", 8192)  # noqa: E731
     return [
         Row(key="tt-8b", source=tt, build=lambda: llama3("8b", 8192), gpus=8, batch=16, seq=8192, mesh=(8,),
             pinned=Pinned(layout="fsdp"), layout_text="FSDP 8, selective AC", tokens_per_gpu=5762,
-            memory_gib=82.4, hardware=GRAND_TETON,
-            note="selective AC (op-level, torchtitan's 8B config: every other matmul and every elementwise op "
-                 "recomputed in every layer) approximated by the fewest recomputed whole layers that fit 96 GB; "
-                 "predicted fast although its matmuls price at or under a measured H100 table "
-                 "(tests/test_costmodel_rates.py): not modelled are the 500 W cap's sustained clocks (the preset "
-                 "takes the bf16 peak midway between SXM and NVL), eager per-op overheads and that AC policy"),
+            memory_gib=82.4, hardware=GRAND_TETON, mp_policy=BF16_FP32_REDUCE,
+            note="selective AC (torchtitan's op-level policy of the time, torchtitan/parallelisms/"
+                 "parallelize_llama.py _save_list: per layer every mm output saved but every second one, and "
+                 "attention's; every other op recomputed) approximated by the fewest recomputed whole layers "
+                 "that fit 96 GB; that policy's own recompute, summed from the same per-op forward times, is "
+                 "about 0.27 s a step against 0.31 s for the whole layers (time only, its memory not modelled). "
+                 "Not modelled: eager overheads beyond 5 us a kernel (the same run under torch.compile: 6,667), "
+                 "the 500 W cap's sustained clocks, the float32 loss (not in the captured graph)"),
         Row(key="tt-405b-1f1b", source=tt, build=l405, gpus=512, batch=256, seq=8192, mesh=(64, 8),
             pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="1f1b", recompute="full"),
             layout_text="FSDP 8 x TP 8 x PP 8, 1F1B, M=32, full AC", tokens_per_gpu=100, memory_gib=82.5,
-            hardware=GRAND_TETON, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
+            hardware=GRAND_TETON, mp_policy=BF16_FP32_REDUCE,
+            note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="tt-405b-i1f1b", source=tt, build=l405, gpus=512, batch=256, seq=8192, mesh=(64, 8),
             pinned=Pinned(layout="fsdp+tp", stages=8, micro_batches=32, schedule="interleaved_1f1b",
                           recompute="full"),
             layout_text="FSDP 8 x TP 8 x PP 8, interleaved 1F1B, M=32, full AC", tokens_per_gpu=128,
-            memory_gib=72.7, hardware=GRAND_TETON, note="Float8 + compile + AsyncTP: an upper reference for bf16"),
+            memory_gib=72.7, hardware=GRAND_TETON, mp_policy=BF16_FP32_REDUCE,
+            note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="mlm-7.1b", source=mlm, build=lambda: megatron_gpt("7.1b"), gpus=96, batch=192, seq=4096,
             mesh=(48, 2), pinned=Pinned(layout=tp), layout_text="TP 2, PP 1, DP 48", tflops_per_gpu=465.9,
             note=mlm_note),
@@ -125,17 +161,20 @@ def published_rows() -> list[Row]:
             mesh=(768, 8), pinned=Pinned(layout=tp, stages=16, micro_batches=64, schedule="1f1b"),
             layout_text="TP 8, PP 16, DP 48 (M=64)", tflops_per_gpu=459.9, note=mlm_note),
         Row(key="llama3-8k", source=herd, build=l405, gpus=8192, batch=2048, seq=8192, mesh=(1024, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=32, schedule="interleaved_1f1b",
-                          recompute=LLAMA3_RECOMPUTE),
-            layout_text="TP 8, PP 16, DP 64, interleaved (M=32)", tflops_per_gpu=430,
-            note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank"),
+            pinned=Pinned(layout="fsdp+tp", stages=LLAMA3_STAGES, micro_batches=32, schedule="interleaved_1f1b",
+                          chunks=LLAMA3_CHUNKS, recompute=LLAMA3_RECOMPUTE),
+            layout_text="TP 8, PP 16, DP 64, interleaved (M=32)", tflops_per_gpu=430, mp_policy=BF16_FP32_REDUCE,
+            note="16M tokens per batch; FSDP-style DP; interleaved, 7 chunks per rank (depth not stated: 8, "
+                 "the only one the paper's first/last-rank balancing fills evenly, less the embedding-only and "
+                 "head-only chunks autopar cannot cut)"),
         Row(key="llama3-16k", source=herd, build=l405, gpus=16384, batch=2048, seq=8192, mesh=(2048, 8),
-            pinned=Pinned(layout="fsdp+tp", stages=16, micro_batches=16, schedule="interleaved_1f1b",
-                          recompute=LLAMA3_RECOMPUTE),
-            layout_text="TP 8, PP 16, DP 128, interleaved (M=16)", tflops_per_gpu=400,
-            note="16M tokens per batch; FSDP-style DP; interleaving depth not published: 2 chunks per rank, "
-                 "whose bubble (P-1)/(v M) (Megatron's and the paper's, sec. 3.3.2) at M=16 is 47% of the work; "
-                 "the paper's 400 vs 430 TFLOP/s on 8,192 GPUs (M=32) implies a smaller bubble, a deeper interleave"),
+            pinned=Pinned(layout="fsdp+tp", stages=LLAMA3_STAGES, micro_batches=16, schedule="interleaved_1f1b",
+                          chunks=LLAMA3_CHUNKS, recompute=LLAMA3_RECOMPUTE),
+            layout_text="TP 8, PP 16, DP 128, interleaved (M=16)", tflops_per_gpu=400, mp_policy=BF16_FP32_REDUCE,
+            note="16M tokens per batch; FSDP-style DP; interleaved, 7 chunks per rank (depth not stated: 8, "
+                 "the only one the paper's first/last-rank balancing fills evenly, less the embedding-only and "
+                 "head-only chunks autopar cannot cut); at the 2 chunks assumed before, (P-1)/(v M) = 47% of the "
+                 "work at M=16 sat in the bubble"),
     ]
 
 
@@ -191,20 +230,34 @@ def dry_run_verdict(plan, model, inputs) -> str:
     return f"ok: peak {result.peak / GIB:.1f} GiB, predicted / dry run {result.ratio:.2f} ({result.seconds:.0f} s)"
 
 
+def _model_and_inputs(row: Row) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    """The run's model on the meta device (float32 masters where the run kept them:
+    ``Row.mp_policy``) and a batch of token ids."""
+    with torch.device("meta"):
+        model = row.build()
+    if row.mp_policy is not None:
+        model = model.float()
+    return model, (torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta"),)
+
+
+def _capture(model: torch.nn.Module, inputs: tuple, mp_policy: MixedPrecisionPolicy | None):
+    """The graph as the model computes: under ``mp_policy`` as ``autopar.plan`` captures it."""
+    precision = Precision.of(mp_policy)
+    return capture(model, inputs) if precision is None else capture_cast(capture, model, precision)(inputs)
+
+
 def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
              auto_plan: bool = True) -> dict:
     """One table row's numbers (see the module docstring). ``cache``: kept between rows, so
     rows of the same model and batch share its capture, and of the same GPUs its auto plan.
     ``auto_plan`` False: the published layout only (the auto columns say "skipped")."""
     cache = {} if cache is None else cache
-    shared = (row.build, row.batch, row.seq)
+    shared = (row.build, row.batch, row.seq, row.mp_policy)
     if shared not in cache:
-        with torch.device("meta"):
-            model = row.build()
-        inputs = (torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta"),)
+        model, inputs = _model_and_inputs(row)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NoRuleWarning)
-            cache[shared] = (model, inputs, capture(model, inputs))
+            cache[shared] = (model, inputs, _capture(model, inputs, row.mp_policy))
     model, inputs, captured = cache[shared]
     params, layers, hidden = model_shape(model)
     per_token = flops_per_token(params, layers, hidden, row.seq)
@@ -230,7 +283,7 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = plan_auto(model, row.auto_mesh, inputs, hardware=row.hardware, time_limit_s=time_limit_s,
-                             memory_limit=row.device_memory)
+                             memory_limit=row.device_memory, mp_policy=row.mp_policy)
         auto["auto_seconds"] = time.perf_counter() - started
         auto["auto_line"] = one_line(plan)
         auto["auto_tokens"] = tokens_per_gpu(row, plan.predicted.step_time)
@@ -297,8 +350,12 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="the auto plan's search limit, seconds")
     parser.add_argument("--dry-run", action="store_true", help="dry-run every auto plan (autopar.dry_run)")
     parser.add_argument("--no-auto", action="store_true", help="price the published layouts only, no auto plan")
+    parser.add_argument("--bf16-throughout", action="store_true",
+                        help="price every row in bf16 throughout, without its run's mixed precision (Row.mp_policy)")
     parser.add_argument("--out", default="results/published.md")
     args = parser.parse_args()
+    if args.bf16_throughout:
+        rows = {k: replace(r, mp_policy=None) for k, r in rows.items()}
     results, cache = [], {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

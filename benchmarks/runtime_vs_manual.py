@@ -2,6 +2,7 @@
 
     python -m benchmarks.runtime_vs_manual                      # launches 4 gloo ranks itself
     python -m benchmarks.runtime_vs_manual --layouts dp tp+dp   # a subset
+    python -m benchmarks.runtime_vs_manual --mp bf16 --layouts dp zero3 --nproc 2  # mixed precision
 
 For one small GPT and one batch, each layout as autopar runs it (a plan that is the same
 layout op for op: ``plan_for``, ``pipeline_plan_for``) and as people write it by hand:
@@ -31,6 +32,12 @@ Each pair runs interleaved, step by step, in alternating order (ABBA), so that l
 this shared machine hits both alike; the table gives the median step time of each,
 compiled / by hand, and the median of the per-step ratios (robust to load that drifts
 between steps). Ratios, not absolute times, are the result.
+
+``--mp bf16`` (a policy of ``autopar.runtime.precision.POLICIES``): autopar compiles with
+``mp_policy=``; by hand, FSDP2 (``zero2``, ``zero3``) gets ``fully_shard(..., mp_policy=)``
+with the same policy, and every other layout runs its forward and loss under
+``torch.autocast(dtype=param_dtype)`` (DDP + autocast: float32 weights and gradients,
+so gradients are summed in float32, which is the policy's ``reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -60,6 +69,7 @@ from autopar.passes.layers import layer_path
 from autopar.passes.plan import Pipeline, plan_from_choice
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
+from autopar.runtime.precision import POLICIES
 
 STEPS, WARMUP = 60, 4  # timed steps per side (``--steps``), and untimed ones before them
 CFG = GPTConfig(vocab_size=512, max_seq_len=64, dim=128, n_heads=4, n_layers=2)
@@ -223,23 +233,36 @@ class Back(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def manual(model: GPT, layout: str, mesh, tokens, target) -> Callable[[], None]:
-    """The hand-written side: one training step on this rank's part of the batch."""
+def autocast(policy) -> contextlib.AbstractContextManager:
+    """The hand-written side's mixed precision where FSDP2 is not used: autocast to the
+    policy's compute dtype (none without a policy)."""
+    if policy is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=policy.param_dtype)
+
+
+def manual(model: GPT, layout: str, mesh, tokens, target, policy=None) -> Callable[[], None]:
+    """The hand-written side: one training step on this rank's part of the batch
+    (``policy``: FSDP2's ``mp_policy`` for zero2/zero3, autocast otherwise)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if layout.startswith("pp-"):
-        return manual_pipeline(model, layout, mesh, tokens, target)
+        return manual_pipeline(model, layout, mesh, tokens, target, policy)
     rank, n = dist.get_rank(), dist.get_world_size()
     x, y = tokens.chunk(n)[rank], target.chunk(n)[rank]  # the batch split over every rank
     if layout in ("dp", "zero1"):
         hand = DDP(model)
     elif layout in ("zero2", "zero3"):
+        sharding = {"mesh": mesh, "reshard_after_forward": layout == "zero3"}
+        # blocks hand param_dtype on; only the root's output is cast (output_dtype), as autopar casts it
+        inner = {} if policy is None else {"mp_policy": dataclasses.replace(policy, output_dtype=None)}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=layout == "zero3")
-        hand = fully_shard(model, mesh=mesh, reshard_after_forward=layout == "zero3")
+            fully_shard(block, **sharding, **inner)
+        hand = fully_shard(model, **sharding, **({} if policy is None else {"mp_policy": policy}))
+        policy = None  # FSDP2 applies it: no autocast besides
     else:
         tp_mesh = mesh["tp"] if layout == "tp+dp" else mesh
         tp_plan = {}
@@ -260,13 +283,15 @@ def manual(model: GPT, layout: str, mesh, tokens, target) -> Callable[[], None]:
 
     def step() -> None:
         opt.zero_grad()
-        loss_fn(hand(x), y).backward()
+        with autocast(policy):
+            loss = loss_fn(hand(x), y)
+        loss.backward()
         opt.step()
 
     return step
 
 
-def manual_pipeline(model: GPT, layout: str, mesh, tokens, target) -> Callable[[], None]:
+def manual_pipeline(model: GPT, layout: str, mesh, tokens, target, policy=None) -> Callable[[], None]:
     """Two hand-cut stages on the pp axis, each data parallel (DDP) over the dp axis."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -285,22 +310,24 @@ def manual_pipeline(model: GPT, layout: str, mesh, tokens, target) -> Callable[[
 
     def step() -> None:
         opt.zero_grad()
-        if first:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        with autocast(policy):  # the schedule runs forward, loss and backward inside
+            if first:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
         opt.step()
 
     return step
 
 
-def compiled(base: GPT, layout: str, mesh, tokens):
+def compiled(base: GPT, layout: str, mesh, tokens, policy=None):
     shape = tuple(mesh.shape)
     if layout.startswith("pp-"):
         plan = pipeline_plan_for(base, tokens, shape, {"pp-1f1b": "1F1B", "pp-gpipe": "GPipe"}[layout])
     else:
         plan = plan_for(base, tokens, layout, shape)
-    return autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    return autopar.compile(copy.deepcopy(base), mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan,
+                           mp_policy=policy)
 
 
 def measure(runs: dict[str, Callable[[], None]], steps: int) -> dict[str, list[float]]:
@@ -319,27 +346,29 @@ def measure(runs: dict[str, Callable[[], None]], steps: int) -> dict[str, list[f
     return times
 
 
-def main(layouts: list[str], steps: int) -> None:
+def main(layouts: list[str], steps: int, mp: str | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     warnings.filterwarnings("ignore")  # torch's notes on gloo, DDP with DTensors, pipelining's shapes
     rank, n = dist.get_rank(), dist.get_world_size()
     base, tokens, target = gpt_and_batch()
+    policy = POLICIES[mp] if mp else None
     rows = []
     for layout in layouts:
         shape, names = mesh_of(layout, n)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        pm = compiled(base, layout, mesh, tokens)
+        pm = compiled(base, layout, mesh, tokens, policy)
         runs = {"autopar": lambda pm=pm: pm.train_step((tokens,), target),
-                "manual": manual(copy.deepcopy(base), layout, mesh, tokens, target)}
+                "manual": manual(copy.deepcopy(base), layout, mesh, tokens, target, policy)}
         times = measure(runs, steps)
         a, m = statistics.median(times["autopar"]), statistics.median(times["manual"])
         paired = statistics.median(x / y for x, y in zip(times["autopar"], times["manual"]))
         rows.append((f"{layout} ({'x'.join(map(str, shape))})", a, m, paired))
     if rank == 0:
         print(f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
-              f"{n} gloo ranks, median of {steps} steps; pipelines: {MICRO_BATCHES} micro-batches")
+              f"{n} gloo ranks, median of {steps} steps; pipelines: {MICRO_BATCHES} micro-batches; "
+              f"mixed precision: {mp or 'none'}")
         print("| layout (mesh) | autopar (ms) | by hand (ms) | autopar / by hand | median of step ratios |")
         print("| --- | --- | --- | --- | --- |")
         for layout, a, m, paired in rows:
@@ -374,11 +403,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), metavar="LAYOUT",
                         help=f"which layouts to compare (default: all of {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per side (default {STEPS})")
+    parser.add_argument("--mp", choices=sorted(POLICIES), default=None,
+                        help="mixed precision: autopar under mp_policy=POLICIES[MP], by hand FSDP2's mp_policy or autocast")
+    parser.add_argument("--nproc", type=int, default=4, help="gloo ranks to launch (default 4)")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     options = parse(sys.argv[1:])
     if "RANK" in os.environ:
-        sys.exit(main(options.layouts, options.steps))
-    sys.exit(launch("benchmarks.runtime_vs_manual", ["--layouts", *options.layouts, "--steps", str(options.steps)]))
+        sys.exit(main(options.layouts, options.steps, options.mp))
+    mp = ["--mp", options.mp] if options.mp else []
+    sys.exit(launch("benchmarks.runtime_vs_manual", ["--layouts", *options.layouts, "--steps", str(options.steps), *mp],
+                    nproc=options.nproc))

@@ -44,7 +44,7 @@ ATTENTION_DIRECTIONS = ("forward", "backward")
 KINDS = ("matmul", "attention", "attention_backward", "view") + POINTWISE_KINDS
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "addmv", "mv", "dot",
-           "convolution", "_convolution", "conv1d", "conv2d", "conv3d"}
+           "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "_grouped_mm", "grouped_mm_fallback"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"}
@@ -67,8 +67,8 @@ _POINTWISE = {
 
 def base_name(name: str) -> str:
     """``"aten.mul_.Tensor"`` -> ``"mul"``: the op without namespace, overload or in-place mark."""
-    parts = name.split(".")
-    base = parts[1] if len(parts) >= 2 and parts[0] in ("aten", "prims") else parts[0]
+    parts = name.split(".")  # a custom op is namespace.op.overload too (transformers.grouped_mm_fallback.default)
+    base = parts[1] if len(parts) >= 2 and parts[0] in ("aten", "prims") or len(parts) >= 3 else parts[0]
     return base[:-1] if base.endswith("_") and not base.startswith("_") else base
 
 

@@ -13,10 +13,24 @@ the graph does not show is here, per parameter element:
 - working copy: ``compute`` bytes (bf16: 2), the cast (ZeRO-0/1, tensor parallel) or the
   whole gathered copy (ZeRO-2), alive from forward until backward is done with it; counted
   with the activations (freed before the gradients are summed). A ZeRO-3 placement
-  regathers in backward and frees its copy: the graph's gather edges price it;
+  regathers in backward and frees its copy: the graph's gather edges price it (its shard is
+  still charged a working copy, which the runtime casts into the gather and frees: a
+  parameter's memory cannot tell a ZeRO-3 placement, gathered by its consumers, from a
+  tensor-parallel one, used as it lies; the known over-prediction of
+  ``benchmarks/memory_vs_predicted.py --mp bf16``'s zero3);
 - gradient reductions (all-reduce, reduce-scatter): ``reduce`` bytes; the all-gather of a
   ZeRO-2 bucket: ``compute`` bytes; the all-gather of ZeRO-1's updated slices: ``master``
-  bytes; the AdamW step: on ``master`` elements.
+  bytes; the AdamW step: on ``master`` elements;
+- the casts (``MixedPrecision.cast_bytes``, priced by ``cast_time``: bytes at elementwise
+  bandwidth, each cast reading one dtype and writing the other; compute on the
+  parameter's placeholder, per placement, so a pipeline stage pays them per micro-batch, as
+  it casts once per call): the working copy made in forward and the gradient cast back to
+  the master dtype in backward, of the elements as placed (ZeRO-0/1, tensor parallel; a
+  ZeRO-3 placement moves the same bytes: its shard cast before the gather in forward and
+  again in backward). At ZeRO-2 the runtime casts the stored slice before the gather and the
+  gathered gradient to ``reduce`` before its reduce-scatter (and the summed slice back where
+  ``reduce`` is not ``master``): bytes of the same order, not the same count. Not priced: a
+  ZeRO-3 gradient's cast to ``reduce`` before its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -25,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.costmodels.compute import dtype_name
+from autopar.costmodels.compute import dtype_name, rates
+from autopar.costmodels.profile import HardwareProfile
 
 META_KEY = "autopar_precision"  # fx node meta of a parameter placeholder captured under a policy
 # fx node meta of the first user output under a policy's ``output_dtype``: the loss reads it cast
@@ -70,6 +85,20 @@ class MixedPrecision:
             "optimizer": numel * ADAMW_STATES * self.master_bytes / (n if level >= 1 else 1),
             "activations": numel * self.compute_bytes,
         }
+
+    def cast_bytes(self, numel: float) -> list[float]:
+        """Bytes each cast kernel of one step moves (read + write) for a parameter of ``numel``
+        elements as placed (the module docstring): the working copy, and its gradient cast back."""
+        m, c = self.master_bytes, self.compute_bytes
+        return [numel * (m + c), numel * (c + m)]
+
+    def cast_time(self, numel: float, profile: HardwareProfile) -> float:
+        """Seconds of one step's casts: their bytes (``cast_bytes``) at the profile's elementwise
+        bandwidth in the master dtype. Each kernel's launch latency is left out (the runtime
+        launches one per parameter, FSDP2 one per bucket): small parameters' casts are priced
+        below what they take."""
+        _, bandwidth = rates("", dtype_name(self.master), profile)
+        return sum(self.cast_bytes(numel)) / bandwidth.rate
 
     def zero_bytes(self, numel: float) -> dict[str, float]:
         """Bytes one ZeRO collective of ``numel`` elements moves: ``"step_gather"`` (ZeRO-1's

@@ -85,9 +85,12 @@ class Schedule(str, Enum):
     def micro_batch_problem(self, stages: int, micro_batches: int) -> str:
         """Why this schedule cannot run ``micro_batches`` on ``stages`` ranks ("" when it can):
         torch runs interleaving in rounds of P micro-batches (and refuses some other counts);
-        the step-time formula is exact only for whole rounds."""
+        the step-time formula is exact only for whole rounds; torch's ``Schedule1F1B`` refuses
+        fewer micro-batches than stages."""
         if self.interleaved and micro_batches % stages:
             return f"interleaved 1F1B needs micro-batches in multiples of {stages} stages"
+        if self is Schedule.ONE_F_ONE_B and micro_batches < stages:
+            return f"1F1B needs at least as many micro-batches as its {stages} stages"
         return ""
 
     def in_flight(self, stages: int, micro_batches: int, chunks: int = 1, rank: int = 0) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+import torch.fx.config
 from torch import fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
@@ -114,6 +115,18 @@ def _huggingface_quirks(model: torch.nn.Module):
             config.use_cache = old
 
 
+@contextlib.contextmanager
+def _without_stack_traces():
+    """torch.export without a Python stack trace per node: nothing here reads them, and
+    recording them is about a seventh of an export (12.1 -> 10.5 CPU s for 80 Llama layers)."""
+    old = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = old
+
+
 def capture(
     model: torch.nn.Module,
     example_inputs: tuple,
@@ -132,7 +145,7 @@ def capture(
     was_training = model.training
     model.train(train)
     try:
-        with _huggingface_quirks(model):
+        with _huggingface_quirks(model), _without_stack_traces():
             ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # turned into one clear error that points at the model's code
         raise CaptureError(_capture_message(model, exc)) from exc

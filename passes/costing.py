@@ -16,7 +16,12 @@ price. Per strategy of an op node, on local shapes:
               gelu, nothing for an add; 2x the forward for ops the table does not
               know, Kaplan et al. 2020), each at its own kind's measured rate;
               ``Costs.forward`` keeps the forward alone (what recomputation repeats)
-    memory  = bytes of the local outputs some backward keeps (``autopar.passes.saved``); in a
+    memory  = bytes of the local outputs some backward keeps (``autopar.passes.saved``): an
+              op's own output its backward keeps, on the op; an input a consumer's
+              backward saves, on the consumer, in the placement its strategy reads it
+              (a gathered copy where the value is moved for it), shared among the
+              readers that save it, plus what the op makes from it and saves
+              (attention's logsumexp, a boolean mask's converted copy); in a
               recomputed layer (activation checkpointing), its inputs whole (the
               checkpoint holds them), what leaves it as usual, and what stays inside
               divided by the number of recomputed layers: backward rebuilds one
@@ -84,7 +89,7 @@ from torch import fx
 from torch.distributed.tensor import Replicate
 
 from autopar import costmodels
-from autopar.passes.saved import VIEWS, keep_bases, kept_for_backward, saved_roles
+from autopar.passes.saved import VIEWS, keep_bases, saved_roles, saved_values
 from autopar.costmodels.formulas import BYTES_PER_PARAM
 from autopar.costmodels.compute import dtype_name
 from autopar.costmodels.precision import META_KEY, MixedPrecision, plain_zero_bytes
@@ -92,6 +97,7 @@ from autopar.passes.placements import gradient_spec
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from autopar.passes.placements import Spec, local_shape
+from autopar.passes.rules.moe import GROUPED_MM_OPS, rows_share
 from autopar.passes.solve import Follower, SolveProblem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
@@ -100,7 +106,7 @@ ZERO_LEVELS = (0, 1, 2)
 # Ops are priced by ``costmodels.backward_ops``; ``Costs.forward`` holds each op's forward
 # alone; ``BACKWARD_FACTOR`` (``costmodels.formulas``) is the uniform approximation.
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-           "aten.matmul.default", "aten.baddbmm.default"}
+           "aten.matmul.default", "aten.baddbmm.default", *GROUPED_MM_OPS}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
 LINEAR = "aten.linear.default"
 # Ops whose output aliases their input (no compute, nothing new saved): autopar.passes.saved.VIEWS
@@ -307,6 +313,7 @@ class _Pricer:
         self.node: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.state: dict[tuple, list] = {}
         self.follow: dict[tuple, object] = {}
+        self.read: dict[tuple, np.ndarray] = {}
         # what depends on the graph alone (layers, gradient path, kept values): the same in
         # every rebuild (``recompute_to_fit`` builds one per recomputed-layer count)
         self.graph = graph
@@ -317,6 +324,20 @@ class _Pricer:
         if key not in self.structure:
             self.structure[key] = make()
         return self.structure[key]
+
+    def casts(self, node: fx.Node, ns) -> np.ndarray | None:
+        """Seconds per placement of a parameter's casts under a mixed-precision policy (its
+        placeholder's ``META_KEY``: ``MixedPrecision.cast_time`` of the elements it holds as
+        placed); None without one."""
+        mixed = node.meta.get(META_KEY)
+        if mixed is None:
+            return None
+        shape = tuple(node.meta["val"].shape)
+        key = ("casts", shape, id(ns.strategies), mixed)
+        if key not in self.tables:
+            self.tables[key] = np.array([mixed.cast_time(math.prod(local_shape(shape, s.output, self.mesh)),
+                                                         self.profile) for s in ns.strategies])
+        return self.tables[key]
 
     def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares) -> list[tuple[float, float, float]]:
         key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares)
@@ -395,6 +416,20 @@ class _Pricer:
             self.node[key] = (np.array(times), np.array(forward), np.array(saved))
         return self.node[key]
 
+    def reads(self, ns, reads: tuple[tuple[int, fx.Node, float], ...]) -> np.ndarray | float:
+        """Bytes per strategy of the inputs an op's backward saves as it reads them
+        (``SavedValues.reads``: position, value, bytes per byte of it with its share)."""
+        if not reads:
+            return 0.0
+        metas = tuple((i, TensorMeta.of(src.meta["val"]), per_byte) for i, src, per_byte in reads)
+        key = (id(ns.strategies), tuple((i, m.shape, m.dtype, per_byte) for i, m, per_byte in metas))
+        if key not in self.read:
+            self.read[key] = np.array([
+                sum(_nbytes(m, s.inputs[i], self.mesh) * per_byte for i, m, per_byte in metas
+                    if i < len(s.inputs) and s.inputs[i] is not None)
+                for s in ns.strategies])
+        return self.read[key]
+
     def _op_strategy(self, info, strategy: ShardingStrategy, on_grad_path: bool) -> tuple[float, float, float]:
         name = info.name
         ins = [local_shape(m.shape, s, self.mesh) for m, s in zip(info.inputs, strategy.inputs) if s is not None]
@@ -406,7 +441,7 @@ class _Pricer:
         moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas)) + out_bytes
         flops = heads = 0.0
         if name in MATMULS and ins:
-            flops = 2.0 * math.prod(outs[0]) * ins[0][-1]
+            flops = 2.0 * math.prod(outs[0]) * ins[0][-1] * rows_share(info, strategy, self.mesh)
         elif name in ATTENTION and len(ins) >= 2:
             heads = float(math.prod(ins[0][:-2]))  # B H, each head priced by its size
             flops = 4.0 * math.prod(ins[0]) * ins[1][-2]  # QK^T and PV: 2 * 2 * B H Sq Sk D
@@ -508,10 +543,11 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
     layer_of, ties = pricer.once(("layers",), lambda: find_layers(graph, index, zero_node))
     recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
-    # outputs some backward reads, and what a checkpointed layer holds to run again: its inputs
-    kept = keep_bases(graph.captured.graph.nodes, pricer.once(
-        ("kept", grad_inputs), lambda: kept_for_backward(graph.captured.graph.nodes, grad_nodes))
-        | checkpoint_inputs(nodes, layer_of, recomputed))
+    # outputs some backward keeps where they are made, inputs saved as their consumers read
+    # them, and what a checkpointed layer holds to run again: its inputs
+    saved = pricer.once(("saved", grad_inputs), lambda: saved_values(graph.captured.graph.nodes, grad_nodes))
+    kept = keep_bases(graph.captured.graph.nodes, set(saved.held) | checkpoint_inputs(nodes, layer_of, recomputed))
+    read_memory: dict[int, np.ndarray | float] = {}
     followers: list[Follower] = []
     for node in nodes:
         ns = graph.nodes[node]
@@ -527,11 +563,13 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             is_state = node.name in params or node.name in graph.captured.buffers
             state.append(held if is_state and node.name not in params else zeros)
             activation.append(zeros if is_state else held)
-            compute.append(zeros); forward.append(zeros); comm.append(zeros)
+            casts = pricer.casts(node, ns) if node.name in params else None  # under a policy
+            compute.append(zeros if casts is None else casts); forward.append(zeros); comm.append(zeros)
         else:
-            t, t_forward, saved = pricer.op(ns, node in grad_nodes)
+            t, t_forward, own = pricer.op(ns, node in grad_nodes)
             compute.append(t); forward.append(t_forward); state.append(zeros); comm.append(zeros)
-            activation.append(saved if node in kept else zeros)
+            read_memory[index[node]] = pricer.reads(ns, saved.reads.get(node, ()))
+            activation.append((own if node in kept else zeros) + read_memory[index[node]])
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
             if leader is None and graph.in_place:  # on an in-place write's path a reader follows its value
                 first = next(iter(tensor_inputs(node)), None)
@@ -553,31 +591,15 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         activation.append(np.zeros(len(priced)))
         followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
                                                                     for _ in ZERO_LEVELS)))
-    edges, edge_inputs, edge_prices = [], [], []
-    alike = pricer.once(("alike",), lambda: _alike_consumers(graph, nodes, params))
-    for node in nodes:
-        ns = graph.nodes[node]
-        if node.op == "placeholder" or ns.follows is not None:
-            continue
-        for position, src in enumerate(tensor_inputs(node)):
-            if src not in graph.nodes:
-                continue
-            src_ns = graph.nodes[src]
-            out = src_ns.follows[1] if src_ns.follows is not None else 0
-            edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
-                             regather=src.name in params, shares=shares.get(src, UNPACKED),
-                             alike=alike.get((src, node, position), 1))
-            table = pricer.edge(edge)
-            if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved
-                table = table + graph.in_place_mask(src, node)
-            edges.append((index[src], index[node], table))
-            edge_inputs.append((src, node, position))
-            edge_prices.append(edge)
+    # the edges do not depend on recomputation: priced once per graph, every rebuild gets copies
+    edges, edge_inputs, edge_prices = (list(part) for part in pricer.once(
+        ("edges", grad_inputs), lambda: _edges(graph, nodes, index, grad_nodes, shares, pricer)))
     temporary = [np.zeros(len(a)) for a in activation]
     # the default loss of a graph planned without one (None: the graph holds its loss)
     loss = pricer.once(("loss",), lambda: loss_memory(graph.captured, graph.mesh_shape))
     if loss is not None:
-        _add_loss_memory(graph, index[output_node(graph.captured)], loss, activation, temporary)
+        v = index[output_node(graph.captured)]
+        _add_loss_memory(graph, v, loss, activation, temporary, read_memory.get(v, 0.0))
     all_nodes = nodes + list(zero_node)
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
@@ -602,13 +624,42 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices)
 
 
-def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list) -> None:
+def _edges(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int], grad_nodes: set[fx.Node],
+           shares: dict[fx.Node, Shares], pricer: "_Pricer") -> tuple[list, list, list]:
+    """(problem edges with their tables, (producer, consumer, position) of each, its ``EdgeInput``)."""
+    edges, edge_inputs, edge_prices = [], [], []
+    params = graph.captured.params
+    alike = pricer.once(("alike",), lambda: _alike_consumers(graph, nodes, params))
+    for node in nodes:
+        ns = graph.nodes[node]
+        if node.op == "placeholder" or ns.follows is not None:
+            continue
+        for position, src in enumerate(tensor_inputs(node)):
+            if src not in graph.nodes:
+                continue
+            src_ns = graph.nodes[src]
+            out = src_ns.follows[1] if src_ns.follows is not None else 0
+            edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
+                             regather=src.name in params, shares=shares.get(src, UNPACKED),
+                             alike=alike.get((src, node, position), 1))
+            table = pricer.edge(edge)
+            if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved
+                table = table + graph.in_place_mask(src, node)
+            edges.append((index[src], index[node], table))
+            edge_inputs.append((src, node, position))
+            edge_prices.append(edge)
+    return edges, edge_inputs, edge_prices
+
+
+def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list,
+                     reads: np.ndarray | float) -> None:
     """The default loss's memory, by the placement of the first output (problem node ``v``).
     An output the graph keeps only because it returns it lives as long as the loss holds it,
-    which the loss's memory counts: the graph's own count of it is dropped."""
+    which the loss's memory counts: the graph's own count of it is dropped (not the inputs
+    its op saves, ``reads``)."""
     node = list(graph.nodes)[v]
     priced = [loss.of(output_spec(graph, node, j)) for j in range(len(graph.nodes[node].strategies))]
-    own = 0.0 if _kept_only_as_output(node) else activation[v]
+    own = reads if _kept_only_as_output(node) else activation[v]
     activation[v] = own + np.array([p["activations"] for p in priced])
     temporary[v] = np.array([p["temporary"] for p in priced])
 

@@ -78,11 +78,15 @@ def expert_axes(plan) -> tuple[list[str], list[int]]:
     """(the strategies of the grouped matmuls that run only this rank's experts: the
     ``local_experts`` kernel of ``autopar.passes.rules.moe``, the mesh axes their experts
     are split over: where the expert weights, the matmul's second input, split dim 0)."""
-    chosen = [text for text in plan.strategies.values() if text.endswith(f"[{EXPERT_KERNEL}]")]
-    axes = set()
-    for text in chosen:
+    chosen, axes = [], set()
+    for text in plan.strategies.values():
+        if not text.endswith(f"[{EXPERT_KERNEL}]"):
+            continue
         weights = parse_spec(text[1:text.index(") ->")].split(", ")[1])
-        axes |= {a for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
+        by_expert = {a for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
+        if by_expert:  # the kernel also runs blocks of rows with every expert: not expert parallel
+            chosen.append(text)
+            axes |= by_expert
     return chosen, sorted(axes)
 
 

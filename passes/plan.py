@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import fx
 
+from autopar.costmodels.schedules import Schedule
 from autopar.passes.explain import diff as plan_diff, explain as explain_plan
 from autopar.passes.placements import spec_str
 from autopar.passes.strategy_graph import StrategyGraph
@@ -46,6 +47,9 @@ class Pipeline:
                 f"autopar: a pipeline expects positive stages, micro-batches, chunks per rank and batch split; "
                 f"found {self.stages}, {self.micro_batches}, {self.chunks_per_rank}, {self.batch_split}")
         self.check_micro_batches(self.micro_batches)
+        if problem := Schedule.parse(self.schedule).micro_batch_problem(self.stages, self.micro_batches):
+            raise ValueError(f"autopar: {problem}; found {self.micro_batches} micro-batches over {self.stages} "
+                             "stages. Re-plan, or pick another micro-batch count or schedule")
 
     def check_micro_batches(self, micro_batches: int) -> None:
         """Raise unless ``micro_batches`` splits the batch into micro-batches that each divide

@@ -99,6 +99,9 @@ def test_megatron_keeps_the_router_whole_and_splits_each_expert_like_an_mlp():
     costs = costs_of("mixtral")
     plan, _ = plan_layout(costs, {"tp+dp": layouts.hint("tp+dp", costs.graph)}, "tp+dp", None, ("dp", "tp"))
     assert not any("tied layers placed differently" in r for r in plan.reasons), plan.reasons  # layers alike
+    # the data axis splits the expert-sorted rows (the local_experts kernel on every expert): not expert parallel
+    assert any(s.startswith("(S(0)") and s.endswith("[local_experts]") for s in plan.strategies.values())
+    assert expert_axes(plan) == ([], []) and "expert parallel" not in plan.explain()
 
 
 @pytest.mark.parametrize("layout, attention", [("ep", "RR"), ("tp+ep", "RS(0)")])
@@ -111,15 +114,11 @@ def test_expert_parallel_layouts_split_experts_by_expert_and_run_them_locally(la
         "layers.0.self_attn.q_proj.weight"))
     assert spec_str(q) == attention
     plan, _ = plan_layout(costs, {layout: hint}, layout, None, ("dp", "tp"))
-    # the down projections run on local experts; an up projection's output feeds the gate's
-    # silu, which takes no pending sum: there the completion weighs reducing that output
-    # against gathering the weights (this tiny model gathers them)
-    params = costs.graph.captured.params
-    down = {node.name for node in costs.graph.nodes if str(node.target) in layouts.GROUPED_MM
-            and any(params[w.name].endswith("down_proj") for w in layouts.expert_weights(node, params))}
+    # every grouped matmul, up and down, runs on this rank's experts with the weight as it lies,
+    # though transformers hands it over transposed (a view): no expert weight is gathered
     experts = {n: s for n, s in plan.strategies.items() if "grouped_mm" in n}
-    assert len(down) == 2 and len(experts) == 4, experts
-    assert all(experts[n].endswith("[local_experts]") for n in down), experts
+    assert len(experts) == 4, experts
+    assert all(s.endswith("[local_experts]") and s.split(", ")[1] == "RS(0)" for s in experts.values()), experts
     assert "expert parallel: experts split by expert over tp (size 2)" in plan.explain()
     assert expert_axes(plan)[1] == [1]  # what the weight picture marks "by expert"
     assert pictures.weight_placement(plan, tmp_path / "weights.png").stat().st_size > 0

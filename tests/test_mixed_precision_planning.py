@@ -20,6 +20,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import autopar
 from autopar.cli import main
 from autopar.costmodels.precision import MixedPrecision
+from autopar.costmodels.presets import preset
+from autopar.passes.capture import capture
+from autopar.passes.costing import build_costs
+from autopar.passes.placements import spec_str
+from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.runtime.precision import Precision, capture_cast
 from autopar.models import GPT, GPTConfig
 from autopar.passes.plan import Plan
 
@@ -40,6 +46,37 @@ def test_state_bytes_per_element():
                                               "activations": 2000}
     assert mp.zero_bytes(10) == {"step_gather": 40, "all_gather": 20, "reduce_scatter": 40, "all_reduce": 40}
     assert mp.describe() == "bf16 compute, fp32 master, fp32 reduce"
+
+
+def test_cast_bytes_per_kernel():
+    """The working copy (4 B read, 2 B written per element) and the gradient cast back (2 + 4)."""
+    assert MixedPrecision(torch.float32, torch.bfloat16, torch.float32).cast_bytes(1000) == [6000, 6000]
+
+
+def test_casts_are_priced_on_the_parameters_placement():
+    """Under the policy a parameter's placeholder costs its casts (compute, at elementwise
+    bandwidth) for the elements of each placement: a quarter for a placement split over 4;
+    nothing without a policy."""
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=1))
+    tokens = torch.randint(0, 64, (4, 8))
+    profile = preset("h100", (4,))
+    mp = MixedPrecision(torch.float32, torch.bfloat16, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = build_strategy_graph(capture(model, (tokens,)), (4,))
+        cast = build_strategy_graph(capture_cast(capture, model, Precision.of(BF16))((tokens,)), (4,))
+    for graph, policy in ((plain, None), (cast, mp)):
+        costs = build_costs(graph, profile)
+        node = next(n for n in graph.nodes if graph.captured.params.get(n.name) == "head.weight")
+        by_spec = {spec_str(s.output): float(costs.compute[costs.index[node]][i])
+                   for i, s in enumerate(graph.nodes[node].strategies)}
+        if policy is None:
+            assert set(by_spec.values()) == {0.0}
+            continue
+        numel = model.head.weight.numel()
+        assert by_spec["R"] == pytest.approx(policy.cast_time(numel, profile), rel=1e-12) and by_spec["R"] > 0
+        assert by_spec["S(0)"] == pytest.approx(policy.cast_time(numel / 4, profile), rel=1e-12)
+        assert by_spec["S(0)"] < by_spec["R"]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +114,13 @@ def test_masters_and_adamw_state_are_priced_in_float32(dp_plans, gpt):
     assert mixed["activations"] == pytest.approx(fp32["activations"] / 2 + 2 * params + 2 * logits, rel=0.005)
 
 
-def test_time_is_bf16_compute_and_reduce_dtype_communication(dp_plans):
+def test_time_is_bf16_compute_and_reduce_dtype_communication(dp_plans, gpt):
     fp32, mixed, reduce16 = (dp_plans[k].predicted for k in ("fp32", "mixed", "bf16-reduce"))
-    assert mixed.compute < fp32.compute  # bf16 matmul rates
+    mp = MixedPrecision(torch.float32, torch.bfloat16, torch.float32)
+    profile = preset("h100", (4,))
+    casts = sum(mp.cast_time(p.numel(), profile) for p in gpt[0].parameters())  # dp: every one whole
+    assert mixed.compute - casts < fp32.compute  # bf16 matmul rates, the casts on top
+    assert dp_plans["pure-bf16"].predicted.compute < mixed.compute  # a bf16 model casts nothing
     assert reduce16.communication < mixed.communication  # gradients all-reduced in 2 bytes, not 4
     assert mixed.communication == pytest.approx(fp32.communication, rel=0.05)  # float32 reductions either way
 

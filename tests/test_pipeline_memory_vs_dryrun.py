@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar import layouts
-from autopar.models import GPT, GPTConfig
+from autopar.models import GPT, MODELS, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
@@ -41,3 +41,29 @@ def test_every_pipeline_rank_is_predicted_within_ten_percent(model_and_inputs, s
     for rank in result.ranks:
         predicted = sum(by_rank[rank.coordinate[0]].values())
         assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+
+
+def test_a_tensor_parallel_stage_is_charged_the_copies_its_matmuls_save():
+    """A Llama stage split over a tensor-parallel axis (a wide model: the search splits its
+    weights) keeps, per micro-batch in flight, what its matmuls save as they read it: a
+    value gathered for a column-parallel matmul is saved gathered, attention keeps its
+    boolean mask's converted copy and the grouped-query heads' repeated copies, and
+    ``mul(x, cos)`` keeps ``cos`` only. Every pipeline rank's activations within 5%."""
+    with torch.device("meta"):
+        model = MODELS["llama"].build(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                                           num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                                           use_cache=False), 256).to(torch.bfloat16)
+    inputs = (torch.zeros(8, 256, dtype=torch.long, device="meta"),)
+    request = PlanRequest(mesh_shape=(2, 4), hardware="h100", memory_limit=80e9, layouts=("tp+sp",),
+                          hint_fn=layouts.hints)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan, why = pipeline_plan(capture(model, inputs), 2, (4,), request, solver_time_s=2, schedules=("1f1b",))
+        assert plan is not None, why
+        # a column-parallel matmul: its input whole, its weight split
+        assert any(s.startswith("(R, S(") for s in plan.strategies.values()), plan.strategies
+        result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    for rank in result.ranks:
+        predicted = plan.predicted.memory_by_rank[rank.coordinate[0]]["activations"]
+        assert predicted / rank.memory["activations"] == pytest.approx(1.0, abs=0.05), (rank.where(), result.table())

@@ -144,6 +144,16 @@ def _pipeline(**kw):
     return Pipeline(**args)
 
 
+def test_plan_rejects_micro_batch_counts_its_schedule_cannot_run():
+    # torch's Schedule1F1B refuses fewer micro-batches than stages; interleaving runs whole rounds
+    with pytest.raises(ValueError, match="^autopar: 1F1B needs at least as many micro-batches as its 2 stages"):
+        _pipeline(micro_batches=1)
+    with pytest.raises(ValueError, match="^autopar: interleaved 1F1B needs micro-batches in multiples of 2"):
+        _pipeline(micro_batches=3, schedule="Interleaved1F1B", chunks_per_rank=2)
+    assert _pipeline(micro_batches=1, schedule="GPipe").micro_batches == 1  # GPipe runs any count
+    assert not costmodels.Schedule.ONE_F_ONE_B.micro_batch_problem(2, 2)
+
+
 def test_plan_rejects_micro_batches_the_batch_split_cannot_take(tmp_path):
     good = Plan(model="m", mesh_shape=(2, 4), axis_names=("pp", "x"), strategies={},
                 pipeline=_pipeline(micro_batches=4, batch_size=16, batch_split=4))

@@ -144,3 +144,29 @@ def test_a_run_that_states_its_recomputation_is_priced_with_it(captured, shape, 
     assert squeezed.fits and squeezed.step_time == none.step_time and "over the device" in squeezed.notes[-1]
     with pytest.raises(ValueError, match="autopar: no recomputation policy"):
         Pinned(layout="dp", recompute="selective")
+
+
+def test_a_pinned_interleave_depth_is_priced_as_given(captured):
+    def price(chunks: int):
+        pinned = Pinned(layout="tp+dp", stages=2, micro_batches=4, schedule="interleaved_1f1b", chunks=chunks)
+        return price_pinned(captured, (4, 2), "h100", lambda g: layouts.hint("tp+dp", g), pinned,
+                            memory_limit=80e9)
+
+    one, two = price(1), price(2)
+    assert Pinned(layout="dp").chunks == 2  # the planner's own depth where a run does not say
+    assert 0 < two.parts["bubble"] < one.parts["bubble"]  # (P - 1) / (v M) of the work idle
+    assert two.parts["p2p"] > one.parts["p2p"]  # every chunk boundary sends
+    with pytest.raises(ValueError, match="autopar: a pinned layout expects positive stages"):
+        Pinned(layout="tp+dp", stages=2, schedule="interleaved_1f1b", chunks=0)
+
+
+def test_a_row_is_priced_under_its_runs_mixed_precision():
+    row = published.Row(key="tiny", source="test", build=tiny_gpt, gpus=8, batch=16, seq=64, mesh=(8,),
+                        pinned=Pinned(layout="fsdp"), layout_text="FSDP 8", tflops_per_gpu=1.0,
+                        mp_policy=published.BF16_FP32_REDUCE)
+    mixed = published.evaluate(row, time_limit_s=3.0, dry_run=False, auto_plan=False)
+    float32 = published.evaluate(replace(row, mp_policy=None), time_limit_s=3.0, dry_run=False, auto_plan=False)
+    # bf16 compute on float32 masters: the model's ops at bf16 rates
+    assert mixed["pinned"].parts["compute"] < float32["pinned"].parts["compute"]
+    rows = {r.key: r for r in published.published_rows()}
+    assert rows["tt-8b"].mp_policy == published.BF16_FP32_REDUCE and rows["mlm-7.1b"].mp_policy is None

@@ -1,7 +1,8 @@
 """The grouped matmuls of MoE experts (``passes/rules/moe.py``), by SPMD simulation on
 random calls of both ops that compute them (``aten._grouped_mm``, transformers'
 ``grouped_mm_fallback``), the expert-parallel kernel under fake tensors (a dry run reads
-no offsets), and its gradients (rows of other experts give none)."""
+no offsets), and its gradients (rows of other experts give none); the same kernel on blocks
+of the expert-sorted rows (rows split), and the FLOPs costing prices."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.costmodels.opkinds import op_kind
 from autopar.passes import rules
+from autopar.passes.rules.moe import rows_share
 from autopar.passes.op_strategies import OpInfo
 from autopar.passes.rules.registry import LocalContext
 from autopar.passes.simulate import check_strategy
@@ -88,3 +91,75 @@ def test_expert_parallel_gradients_reach_only_this_devices_rows():
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]]), wr.grad)
     split = int(offs[1])  # device 0 holds experts 0-1: rows [0, split)
     assert grads[0][0][split:].abs().max() == 0 and grads[1][0][:split].abs().max() == 0
+
+
+def _rows_split(strategy) -> bool:
+    """x split by rows (a block of the expert-sorted rows per device) on some mesh axis."""
+    return any(getattr(p, "dim", None) == 0 and p.is_shard() for p in strategy.inputs[0])
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+def test_rows_split_strategies_reproduce_the_op(mesh):
+    """Blocks of rows that start and end inside experts' runs, alone and with the experts or
+    the columns split on the other axis: every one equals the whole op."""
+    rng = random.Random(f"rows{mesh}")
+    checked = set()
+    for counts in ([3, 0, 5, 4], [1, 6, 1, 4], [0, 0, 12, 0]):
+        gen = torch.Generator().manual_seed(len(checked))
+        x, w = torch.randn(sum(counts), 32, generator=gen), torch.randn(4, 32, 64, generator=gen)
+        offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+        info, strategies = _strategies(ATEN, (x, w, offs), mesh)
+        for strategy in (s for s in strategies if _rows_split(s)):
+            assert strategy.kernel == "local_experts", strategy
+            check_strategy(info, strategy, [x, w, offs], mesh, rng)
+            checked.add(str(strategy))
+    expected = {"(S(0), R, R) -> S(0) [local_experts]"} if mesh == (4,) else {
+        "(S(0)R, RS(0), RR) -> S(0)P [local_experts]", "(S(0)R, RS(2), RR) -> S(0)S(1) [local_experts]"}
+    assert expected <= checked, checked
+
+
+def test_rows_split_gradients_reach_only_this_devices_block():
+    rng = random.Random(2)
+    x, w, offs = _call(rng, ATEN, 4, empty_expert=False)
+    x = torch.cat([x, x])[: 2 * (x.shape[0] // 2)]  # an even number of rows
+    offs = torch.cumsum(torch.tensor([x.shape[0] // 4, x.shape[0] // 2, 0, x.shape[0] - 3 * (x.shape[0] // 4)]),
+                        0).to(torch.int32)
+    info, strategies = _strategies(ATEN, (x, w, offs), (2,))
+    rows = next(s for s in strategies if _rows_split(s))
+    weights = torch.randn(x.shape[0], w.shape[2], generator=torch.Generator().manual_seed(0))
+    half = x.shape[0] // 2
+    xg, wg = [], torch.zeros_like(w)
+    for device in range(2):
+        xs, ws = x[device * half:(device + 1) * half].clone().requires_grad_(), w.clone().requires_grad_()
+        out = rules.run_local(info, rows, [xs, ws, offs], LocalContext((2,), (device,)))
+        out.mul(weights[device * half:(device + 1) * half]).sum().backward()
+        xg.append(xs.grad)
+        wg += ws.grad
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ATEN(xr, wr, offs).mul(weights).sum().backward()
+    torch.testing.assert_close(torch.cat(xg), xr.grad)
+    torch.testing.assert_close(wg, wr.grad)
+
+
+def test_rows_split_kernel_runs_on_fake_tensors():
+    x, w = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(4, 32, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 3, 6, 8], dtype=torch.int32)
+    info, strategies = _strategies(ATEN, (x, w, offs), (2, 2))  # fake aten._grouped_mm takes bf16 only
+    both = next(s for s in strategies if _rows_split(s) and str(s).startswith("(S(0)R, RS(0)"))
+    shards = [x[4:], w[2:], offs]  # device (1, 1): the second block of rows, experts 2-3
+    with FakeTensorMode() as mode:
+        out = rules.run_local(info, both, [mode.from_tensor(t) for t in shards], LocalContext((2, 2), (1, 1)))
+    assert tuple(out.shape) == (4, 64)
+
+
+def test_grouped_matmuls_are_priced_as_matmuls_of_the_rows_computed():
+    """FLOPs at the matmul rate (they were priced as a memory-bound op); a device that runs its
+    experts only computes their share of the rows (its block of rows: the local shape's)."""
+    assert op_kind(str(ATEN)) == op_kind(str(FALLBACK)) == "matmul"
+    x, w, offs = torch.randn(8, 32), torch.randn(4, 32, 64), torch.tensor([2, 3, 6, 8], dtype=torch.int32)
+    info, strategies = _strategies(ATEN, (x, w, offs), (2, 2))
+    shares = {str(s): rows_share(info, s, (2, 2)) for s in strategies}
+    assert shares["(RR, RS(0), RR) -> RP [local_experts]"] == 0.5
+    assert shares["(RR, S(0)S(0), RR) -> PP [local_experts]"] == 0.25
+    assert shares["(S(0)R, RS(2), RR) -> S(0)S(1) [local_experts]"] == 1.0
+    assert shares["(RR, RS(2), RR) -> RS(1)"] == 1.0

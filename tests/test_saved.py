@@ -1,5 +1,6 @@
 """The values the cost model says backward keeps are the ones autograd keeps."""
 
+import math
 import warnings
 
 import torch
@@ -7,7 +8,7 @@ import torch
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.costing import requires_grad
-from autopar.passes.saved import VIEWS, kept_for_backward, saved_roles
+from autopar.passes.saved import VIEWS, is_view, kept_for_backward, saved_roles
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
@@ -53,5 +54,50 @@ def test_roles_of_common_ops():
     add.meta["val"] = linear.meta["val"]
     mul = graph.graph.create_node("call_function", torch.ops.aten.mul.Tensor, (linear, linear))
     mul.meta["val"] = linear.meta["val"]
-    assert saved_roles(add, cache) == (set(), False)
-    assert saved_roles(mul, cache) == ({0, 1}, False)
+    assert saved_roles(add, cache) == ({}, False)
+    assert saved_roles(mul, cache) == ({0: 1.0, 1: 1.0}, False)
+    # no gradient flows to the second operand: its backward keeps the first one only
+    assert saved_roles(mul, cache, grad=(True, False)) == ({1: 1.0}, False)
+
+
+def test_a_reshape_of_an_expanded_value_is_a_copy_and_of_a_contiguous_one_a_view():
+    class Repeat(torch.nn.Module):
+        def forward(self, x):  # the grouped-query attention's repeat_kv pattern
+            return x.unsqueeze(1).expand(4, 3, 8).reshape(12, 8), x.reshape(32)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(Repeat(), (torch.zeros(4, 8),))
+    views = {n.name: is_view(n) for n in cap.nodes("call_function")}
+    assert views == {"unsqueeze": True, "expand": True, "reshape": False, "reshape_1": True}
+
+
+def test_a_saved_input_is_charged_to_its_reader_in_the_placement_it_reads():
+    """A matmul that reads its input gathered (strategy input Replicate) keeps the gathered
+    copy for backward, four times the shard its producer holds on a 4-way axis."""
+    from autopar.costmodels.presets import h100
+    from autopar.passes.costing import build_costs
+    from autopar.passes.placements import local_shape
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(64))
+            self.proj = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            return self.proj(x * self.w).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(Scaled(), (torch.zeros(32, 64),))
+    graph = build_strategy_graph(cap, (4,))
+    costs = build_costs(graph, h100((4,)))
+    linear = next(n for n in graph.nodes if str(n.target) == "aten.linear.default")
+    scaled = linear.args[0]
+    val = scaled.meta["val"]
+    read = [math.prod(local_shape(tuple(val.shape), s.inputs[0], (4,))) * val.element_size()
+            for s in graph[linear].strategies]
+    assert max(read) == 4 * min(read)
+    assert list(costs.activation_memory[costs.index[linear]]) == read
+    assert not costs.activation_memory[costs.index[scaled]].any()  # only its reader keeps it

@@ -23,7 +23,9 @@ Pipelines (``pp:``, and the planner's own ``pp-planned:``): GPipe, 1F1B and inte
 alone, with data parallel stages, and 3D (``pp:2x2x2:...:tp+dp``: stages of Megatron TP inside data parallelism);
 stages at ZeRO-1/2 (``...:zero1``, ``...:zero2``, ``...:tp+zero1``, ``pp-zero2:``; with clipping and accumulation), whose
 optimizer state and gradients summed over the stages equal the plan's prediction (``pp-memory:``). Checkpoints: save mid-run, load into another layout or mesh, and the resumed losses equal
-the uninterrupted run's. Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
+the uninterrupted run's. ``mp:<case>``: mixed precision (``tests/distributed/mp_check.py``, checked as
+tests/test_mixed_precision_distributed.py checks it) batched into the 8-rank launch: FSDP over 8 and a
+2-stage pipeline of 2x2 data-parallel stages (about 14 s and 11 s wall, measured under a load average of ~50). Models run in float64 so the comparison can be tight; Hugging Face Llama computes its
 RMSNorm in float32 whatever the model dtype, so its bound is float32 rounding amplified
 by AdamW's division by small second moments (under tensor parallelism, where partial
 sums change the summation order, that noise reaches 1.7e-5 in the loss and 1.7e-2 in a
@@ -38,10 +40,12 @@ import sys
 
 import pytest
 
+from tests.distributed.mp_check import check_precision
+
 LAUNCHES = {
     2: ["freed:2:gpt", "recompute:2:gpt:fsdp", "2:gpt:auto", "2:gpt:tp", "2:mlp:tp", "pp:2:gpt:GPipe:2:1", "pp:2:mlp:Interleaved1F1B:2:2", "resume:2:dp:2:fsdp", "2:mlp:zero1", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
     4: ["local:4:gpt:fsdp", "local:2x2:gpt:tp+dp", "local:2x2:gpt:tp+sp", "local:2x2:mlp:auto", "local:2x2:gpt:pp", "hf-loss:4:dp", "clip:2x2:mlp:dp", "clip-inf:2x2:mlp:zero3", "clip-loop:2x2:mlp:zero1", "clip:2x2:gpt:tp+dp", "clip-3:2x2:mlp:tp+sp", "clip:pp:2x2:mlp:1F1B:2:1", "clip-loop:pp:2x2:mlp:1F1B:2:1", "clip:2x2:mlp:auto", "2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp-planned:2x2:gpt:recompute", "pp-planned:2x2:gpt:measured", "compile-pp:2x2:mlp", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "pp:2x2:gpt:1F1B:2:1:zero1", "pp:2x2:gpt:GPipe:2:1:zero2", "pp:2x2:mlp:Interleaved1F1B:4:2:zero2", "clip:pp:2x2:mlp:1F1B:2:1:zero2", "clip-loop:pp:2x2:mlp:1F1B:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero2", "pp-memory:2x2:gpt:1F1B:2", "errors", "moves", "resume:4:fsdp:2x2:random2", "resume:4:zero1:2x2:zero1", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp", "2x2:gpt:zero3", "freed:4:gpt", "recompute:2x2:gpt:tp+dp", "accum:2x2:gpt:dp", "accum:2x2:gpt:fsdp", "accum:2x2:gpt:tp+dp", "accum:2x2:gpt:auto", "accum:2x2:gpt:pp:GPipe:2:1", "eval:2x2:dp", "eval:2x2:fsdp", "eval:2x2:tp+dp", "eval:2x2:auto", "eval:2x2:pp:1F1B:2:1", "2x2:gpt2:tp+dp", "2x2:gpt2:tp+zero1"],
-    8: ["pp:2x2x2:gpt:1F1B:2:1", "pp:2x2x2:gpt:1F1B:2:1:tp+dp", "2x2x2:gpt:random1", "2x2x2:mlp:dp", "2x2x2:gpt:tp+dp", "pp:2x2x2:gpt:1F1B:2:1:zero2", "pp:2x2x2:gpt:1F1B:2:1:tp+zero1", "pp-zero2:2x2x2:gpt:1F1B:2:1:tp+zero1"],
+    8: ["pp:2x2x2:gpt:1F1B:2:1", "pp:2x2x2:gpt:1F1B:2:1:tp+dp", "2x2x2:gpt:random1", "2x2x2:mlp:dp", "2x2x2:gpt:tp+dp", "pp:2x2x2:gpt:1F1B:2:1:zero2", "pp:2x2x2:gpt:1F1B:2:1:tp+zero1", "pp-zero2:2x2x2:gpt:1F1B:2:1:tp+zero1", "mp:8:gpt:fsdp", "mp:pp:2x2x2:gpt:1F1B:2:1"],
 }
 
 TOLERANCE = {"llama": (1e-5, 2e-3)}  # (loss, parameters); float64 models: 1e-9 both
@@ -87,6 +91,9 @@ def test_compiled_training_matches_single_process(nproc):
     results = launch(nproc, LAUNCHES[nproc])
     for case, r in results.items():
         assert "error" not in r, f"{case}: {r['error']}"
+        if case.startswith("mp:"):  # mixed precision at 8 ranks: tests/test_mixed_precision_distributed.py's checks
+            check_precision(case.removeprefix("mp:"), r)
+            continue
         if case == "moves":  # axis-by-axis moves agree with DTensor's redistribute
             assert r["checked"] >= 100 and r["all_to_alls"] >= 8 and not r["mismatched"], r
             continue

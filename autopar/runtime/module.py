@@ -36,7 +36,8 @@ from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
 from autopar.runtime.meshes import mesh_device, whole
-from autopar.runtime.precision import Precision, apply_precision, capture_cast, captured_under_policy
+from autopar.runtime.precision import (Precision, apply_precision, capture_cast, captured_under_policy,
+                                       warn_under_autocast)
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, settings_key, settings_of,
                                       stored_layouts)
@@ -309,6 +310,7 @@ class ParallelModule(nn.Module):
         """This rank's shard of each input, from the whole batch or (``local``) from this
         rank's rows of it (``data_parallel``): any further split is cut here. Non-tensor
         inputs are passed as given (the variant running was captured with them)."""
+        warn_under_autocast("running the compiled model", stacklevel=4)
         flat = self._flat_inputs(inputs)
         names = self.captured.user_inputs
         if len(flat) != len(names):

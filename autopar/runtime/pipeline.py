@@ -22,7 +22,8 @@ Mixed precision (``mp_policy``, as ``autopar.runtime.precision`` applies it): th
 are cut from the model as it computes under the policy and run on the float32 masters,
 each stage casting its own parameters once per call; the activations a stage sends and
 the gradients it sends back are therefore in ``param_dtype``; the gradients accumulate in
-the masters' dtype and are summed over the intra-op mesh in ``reduce_dtype``; floating
+the masters' dtype and are summed over the intra-op mesh in ``reduce_dtype`` (all-reduced,
+or at ZeRO-2 reduce-scattered into the slices); floating
 inputs are cast as ``cast_forward_inputs`` says and outputs (the loss's inputs) to
 ``output_dtype``.
 """
@@ -49,7 +50,7 @@ from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, check_divisible, split_batch
 from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, whole
-from autopar.runtime.precision import Precision, capture_cast
+from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
 from autopar.runtime.variants import Variants, backward_order, stored_layouts
@@ -249,7 +250,7 @@ class PipelineModule(nn.Module):
                 "plan.predicted.memory); re-plan, or store them as used", stacklevel=4)
         order = [name for program in reversed(self.programs) for name in backward_order(program.gm)]
         used_specs = {name: self.state[name][1] for name in wholes}
-        slices = OptimizerSlices(wholes, used_specs, stored, self.intra, order, reduced)
+        slices = OptimizerSlices(wholes, used_specs, stored, self.intra, order, reduced, self._reduce_dtype)
         return slices, {name: stored[name] for name in wholes}
 
     def _shared_state(self, captured: Captured, name: str, spec: Any) -> torch.Tensor:
@@ -520,6 +521,7 @@ class PipelineModule(nn.Module):
     def _run_schedule(self, inputs: tuple, target: torch.Tensor | None) -> list[torch.Tensor]:
         """One run of the running stages' schedule over the batch ``inputs`` (forward only
         when ``target`` is None); this rank's micro-batch losses (the last stage's)."""
+        warn_under_autocast("running the compiled pipeline", stacklevel=4)
         flat = pytree.tree_leaves(inputs)
         if self.precision is not None:
             flat = [self.precision.input(x) for x in flat]

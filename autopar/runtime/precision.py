@@ -25,6 +25,7 @@ the working copies and the reductions as they run here.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -112,6 +113,36 @@ class Precision:
         if self.output_dtype is not None and _floating(x):
             return x.to(self.output_dtype)
         return x
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types whose torch.autocast state is looked at
+
+
+class AutocastWarning(UserWarning):
+    """The model is planned or run inside ``torch.autocast``, which autopar does not price."""
+
+
+def autocast_in_effect() -> dict[str, torch.dtype]:
+    """Device type -> compute dtype of each ``torch.autocast`` region active here."""
+    return {d: torch.get_autocast_dtype(d) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
+
+
+def warn_under_autocast(doing: str, stacklevel: int = 3) -> None:
+    """An ``AutocastWarning`` when ``doing`` ("planning", "running the compiled model") happens
+    inside ``torch.autocast``: the plan prices the dtypes the model was captured in, not the
+    casts autocast adds, so its predicted time and memory would be for another run. The
+    supported path is a policy (``mp_policy``), priced and run as ``autopar.runtime.precision`` says."""
+    active = autocast_in_effect()
+    if not active:
+        return
+    where = ", ".join(f"{d}: {str(dtype).removeprefix('torch.')}" for d, dtype in active.items())
+    warnings.warn(
+        f"autopar: {doing} inside torch.autocast ({where}); autopar plans and runs the dtypes the model is "
+        "captured in, so autocast's casts are neither priced nor laid out by the plan (its predicted time and "
+        "memory are for the model without autocast); expected mixed precision as a policy: leave autocast out "
+        "and pass mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32) to autopar.plan and autopar.compile (bf16 compute, fp32 master, priced as run)",
+        AutocastWarning, stacklevel=stacklevel)
 
 
 def recorded_policy(record: dict[str, Any] | None) -> MixedPrecisionPolicy | None:

@@ -40,13 +40,16 @@ class OptimizerSlices:
     further over data-parallel axes on which ``used`` is Replicate. ``order``: the
     placeholders in backward order (bucketed as the gradients are). ``reduced``: the
     ZeRO-2 ones among them, each with the slice axes on which its whole gradient is still
-    this rank's share (summed by the reduce-scatter of :meth:`take_gradients`)."""
+    this rank's share (summed by the reduce-scatter of :meth:`take_gradients`, in
+    ``reduce_dtype`` for floating gradients: a mixed-precision policy's; None: their own)."""
 
     def __init__(self, wholes: dict[str, nn.Parameter], used: dict[str, Spec], stored: dict[str, Spec],
-                 mesh: DeviceMesh, order: Sequence[str], reduced: Mapping[str, tuple[int, ...]] | None = None):
+                 mesh: DeviceMesh, order: Sequence[str], reduced: Mapping[str, tuple[int, ...]] | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.wholes = wholes
         self.slices: dict[str, nn.Parameter] = {}
         self.reduced = dict(reduced or {})
+        self.reduce_dtype = reduce_dtype
         # per bucket: its gather (slices as views, after-step gathers), its names, and (ZeRO-2)
         # the same bucket whose steps reduce-scatter the gradients over the axes they are shares on
         self._buckets: list[tuple[GatherBucket, list[str], GatherBucket | None]] = []
@@ -104,15 +107,23 @@ class OptimizerSlices:
     def _reduce(self, bucket: GatherBucket, names: list[str], grads: list[torch.Tensor | None]) -> None:
         if all(g is None for g in grads):  # taken already (the same on every rank of the bucket's axes)
             return
-        parts = bucket.scatter([g if g is not None else torch.zeros_like(self.wholes[n]) for n, g in zip(names, grads)])
+        wholes = [g if g is not None else torch.zeros_like(self.wholes[n]) for n, g in zip(names, grads)]
+        parts = bucket.scatter([self._to_reduce(g) for g in wholes])
         if not bucket.steps[0].reduce:  # the innermost step took views: own storage, so that the wholes can go
-            parts = [p.clone() for p in parts]
+            parts = [p.clone() if p.dtype == w.dtype else p for p, w in zip(parts, wholes)]  # (a cast copies)
+        parts = [p.to(w.dtype) for p, w in zip(parts, wholes)]  # summed, back in the gradients' own dtype
         for n, g, part in zip(names, grads, parts):
             if g is None:
                 continue
             piece = self.slices[n]
             piece.grad = part if piece.grad is None else piece.grad + part
             self.wholes[n].grad = None
+
+    def _to_reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        """A floating gradient in ``reduce_dtype`` (the policy's) for its reduce-scatter."""
+        if self.reduce_dtype is None or not grad.is_floating_point():
+            return grad
+        return grad.to(self.reduce_dtype)
 
     def all_reduced(self, grad_sync: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """``grad_sync`` (placeholder -> axes its gradient is summed over) without the axes

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
-
+import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
@@ -120,21 +120,26 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
             keep[allowed] = 0.0
             out.hard.append((costs.index[node], keep))
     if hint.keep_axes or hint.data_axes:  # how the layout computes with its weights
+        weights = _weights_as_laid(graph, hint, replicated)
         for src, dst, position in costs.edge_inputs:
-            if src.name not in graph.captured.params:
+            if src not in weights:
                 continue
-            want = hint.fixed.get(src, replicated)
+            want = weights[src]
+            # the work is split on the data axes where a weight is read, not where a view passes it on
+            data_axes = hint.data_axes if dst not in weights else ()
             strategies = graph.nodes[dst].strategies
-            key = ("uses", id(strategies), position, want)
+            key = ("uses", id(strategies), position, want, data_axes)
             if key not in tables:
                 tables[key] = np.array([0.0 if s.inputs[position] is None or (
                     all(_used_where_it_lies(s.inputs[position][a], want[a]) for a in hint.keep_axes)
                     and all(isinstance(s.inputs[position][a], Replicate)
-                            and not isinstance(s.outputs[0][a], Replicate) for a in hint.data_axes)) else np.inf
+                            and not isinstance(s.outputs[0][a], Replicate) for a in data_axes)) else np.inf
                     for s in strategies])
             out.soft.append((costs.index[dst], tables[key]))  # an op with no such strategy moves the weight
     if hint.batch_whole_axes:
-        out.soft += _batch_kept_whole(costs, hint.batch_whole_axes)
+        # the same for every layout on these costs' graph (and its rebuilds): worked out once
+        out.soft += costs.pricer.once(("batch kept whole", hint.batch_whole_axes),
+                                      lambda: _batch_kept_whole(costs, hint.batch_whole_axes))
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
@@ -167,7 +172,7 @@ def _batch_kept_whole(costs: Costs, axes: tuple[int, ...]) -> list[tuple[int, np
         inputs = tensor_inputs(node)
         if not dims.get(node) and not any(dims.get(u) for u in inputs):
             continue
-        key = (id(ns.strategies), *((tuple(dims.get(u, ())), str(u.meta.get("val"))) for u in (node, *inputs)))
+        key = (id(ns.strategies), *((tuple(dims.get(u, ())), _shapes(u)) for u in (node, *inputs)))
         if key not in tables:
             tables[key] = np.array([np.inf if any(cuts(node, i, spec) for i, spec in enumerate(s.outputs))
                                     or any(cuts(u, 0, spec) for u, spec in zip(inputs, s.inputs)) else 0.0
@@ -175,6 +180,14 @@ def _batch_kept_whole(costs: Costs, axes: tuple[int, ...]) -> list[tuple[int, np
         if np.isinf(tables[key]).any():
             out.append((costs.index[node], tables[key]))
     return out
+
+
+def _shapes(node: fx.Node) -> tuple:
+    """The shapes of ``node``'s tensor values (None for another value): what
+    ``sequences_split`` reads of them, a cheap key (a tensor's printout costs a millisecond)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
 
 
 def split_reasons(costs: Costs, hint: Hint, splits: list[list[list[int]]]) -> list[str]:
@@ -205,6 +218,25 @@ def _layer_ranges(costs: Costs, part: list[int]) -> str:
         else:
             runs.append([n])
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _weights_as_laid(graph: StrategyGraph, hint: Hint, replicated: tuple) -> dict[fx.Node, tuple]:
+    """Each parameter -> its placement under the layout, and each view of one (transformers
+    stores expert weights [E, N, K] and transposes them for the grouped matmul) -> the placement
+    that view gives it where it lies, when its strategies agree on one; so a layout's weights
+    are used where they lie through their views too."""
+    params = graph.captured.params
+    out: dict[fx.Node, tuple] = {}
+    for node, ns in graph.nodes.items():
+        if node.name in params:
+            out[node] = hint.fixed.get(node, replicated)
+        elif (node.op == "call_function" and getattr(node.target, "is_view", False)
+              and node.all_input_nodes and node.all_input_nodes[0] in out):
+            want = out[node.all_input_nodes[0]]
+            laid = {s.outputs[0] for s in ns.strategies if s.inputs and s.inputs[0] == want}
+            if len(laid) == 1:
+                out[node] = laid.pop()
+    return out
 
 
 def _used_where_it_lies(need, have) -> bool:
@@ -368,7 +400,7 @@ def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: floa
             built[k] = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=layers[:k],
                                    pricer=costs.pricer)
         if k not in memory:
-            memory[k] = float(plan_costs(built[k].problem, assignment).node_memory.sum())
+            memory[k] = _assignment_memory(built[k].problem, assignment)
         return memory[k]
 
     if at(0) <= limit:
@@ -382,6 +414,11 @@ def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: floa
     while k > 1 and at(k - 1) <= limit:
         k -= 1
     return built[k]
+
+
+def _assignment_memory(problem, assignment: Sequence[int]) -> float:
+    """``plan_costs(problem, assignment).node_memory.sum()``, the same float, without pricing its edges."""
+    return float(np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)]).sum())
 
 
 def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:

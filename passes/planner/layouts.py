@@ -25,7 +25,9 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
 - ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others;
 - ``ep``: expert parallel (mixture-of-experts models): ``dp`` with every expert's weights
   on one rank of the last axis (experts split by expert there, tokens gathered to them
-  and their outputs reduced: Megatron-Core's "allgather" dispatch);
+  and their outputs reduced: Megatron-Core's "allgather" dispatch); the data-parallel
+  axes split the expert-sorted rows (the routing is whole, so tokens are gathered there
+  too, and the outputs reduce-scattered back);
 - ``tp+ep``: ``tp+dp`` with the experts split by expert over the tp axis instead of
   within each expert.
 

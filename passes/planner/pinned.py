@@ -47,6 +47,9 @@ class Pinned:
     stages: int = 1  # pipeline stages over the mesh's outermost axis (1: no pipeline)
     micro_batches: int = 1
     schedule: costmodels.Schedule = costmodels.Schedule.ONE_F_ONE_B  # or its name, e.g. "interleaved_1f1b"
+    # chunks (virtual stages) per rank of an interleaved schedule; 2, the planner's own, where
+    # the run does not say
+    chunks: int = 2
     # activation checkpointing as the run states it (RECOMPUTE_POLICIES): "fit", the fewest
     # repeated layers that fit the memory limit (the planner's own rule, for a run that does
     # not say); "full", every repeated layer; "none", no layer. A run that fixed its
@@ -58,9 +61,10 @@ class Pinned:
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"autopar: no recomputation policy {self.recompute!r}; expected one of "
                              f"{RECOMPUTE_POLICIES}")
-        if self.stages < 1 or self.micro_batches < 1:
-            raise ValueError(f"autopar: a pinned layout expects positive stages and micro-batches; found "
-                             f"{self.stages} stages, {self.micro_batches} micro-batches")
+        if self.stages < 1 or self.micro_batches < 1 or self.chunks < 1:
+            raise ValueError(f"autopar: a pinned layout expects positive stages, micro-batches and chunks per "
+                             f"rank; found {self.stages} stages, {self.micro_batches} micro-batches, "
+                             f"{self.chunks} chunks")
         try:
             object.__setattr__(self, "schedule", costmodels.Schedule.parse(self.schedule))
         except ValueError:
@@ -184,7 +188,8 @@ def _pipelined(captured, shape, hardware: str, hint_of, pinned: Pinned, memory_l
     notes = _micro_batch_notes(graph, hint.choice, m)
     # a fixed policy: the stage search recomputes nothing more (no limit, so nothing to fit)
     limit = memory_limit if pinned.recompute == "fit" else math.inf
-    found = search(num, full, p, [m], memory_limit=limit, schedules=(pinned.schedule,))
+    found = search(num, full, p, [m], memory_limit=limit, schedules=(pinned.schedule,),
+                   chunks_per_rank=(pinned.chunks,))
     if found is None:
         return PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=layers, fits=False,
                           notes=notes + [f"no stage cut of {p} stages with {m} micro-batches fits"])

@@ -214,8 +214,9 @@ def _output_bytes(graph, node, choice, mesh) -> float:
 
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
-           memory_limit: float, schedules=tuple(costmodels.Schedule)):
+           memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank=(2,)):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
+    ``chunks_per_rank``: the interleaved schedule's depths to try (a pinned layout fixes one).
 
     A stage that does not fit recomputes the fewest of its layers that make it fit
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
@@ -233,7 +234,8 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
         )
 
     found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
-                            schedules=schedules, chunks_per_rank=(2,), memory_limit=memory_limit)
+                            schedules=schedules, chunks_per_rank=tuple(chunks_per_rank),
+                            memory_limit=memory_limit)
     return None if found.best is None else (found.best, found)
 
 

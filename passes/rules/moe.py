@@ -13,6 +13,10 @@ contraction over K with the expert as a grouping index:
   routed to them, zeros elsewhere (``local_experts``); the output is a Partial whose
   parts are disjoint rows. The tokens reach every device of the axis (gathered before,
   reduced after: Megatron-Core's "allgather" token dispatcher).
+- rows split: each device computes a block of the rows (sorted by expert) with every
+  expert's matrix, the experts its block spans (``local_experts`` too). The routing
+  (``sort``) is whole, so the tokens are gathered over such an axis, but the expert work
+  and its activations are split there instead of repeated.
 
 A bias (``aten._grouped_mm``'s [E, N]) splits with N and no other way here.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.passes.placements import shard_offset
+from autopar.passes.placements import local_shape, shard_offset
 from autopar.passes.rules.registry import kernel, register
 from autopar.passes.op_strategies import AxisOption, OpInfo
 
@@ -40,29 +44,44 @@ def grouped_mm(info: OpInfo) -> list[AxisOption]:
         AxisOption((R, Shard(2), R), (Shard(1),)),
         AxisOption((Shard(1), Shard(1), R), (Partial(),)),
         AxisOption((R, Shard(0), R), (Partial(),), kernel=EXPERT_KERNEL),
+        AxisOption((Shard(0), R, R), (Shard(0),), kernel=EXPERT_KERNEL),
         AxisOption((Partial(), R, R), (Partial(),)),
     ]
 
 
+def rows_share(info: OpInfo, strategy, mesh_shape) -> float:
+    """The share of a grouped matmul's rows that one device computes: under ``local_experts``
+    the rows routed to its experts (routing taken as balanced, what the router's load-balancing
+    loss aims at), else every row."""
+    if strategy.kernel != EXPERT_KERNEL:
+        return 1.0
+    experts = info.inputs[1].shape
+    return local_shape(experts, strategy.inputs[1], mesh_shape)[0] / experts[0]
+
+
 @kernel(EXPERT_KERNEL)
 def local_experts(info, strategy, args, kwargs, ctx):
-    """Rows of this device's experts through its expert matrices; other rows are zero.
+    """This device's block of rows (all rows, where x is not split by rows) through this
+    device's experts (all, where w is not split by expert); rows of other experts are zero.
 
-    Without reading the offsets on the host (a fake-tensor dry run has no values): the
-    rows are rotated so that this device's come first, run through the op with the local
-    experts' offsets, rows past them masked to zero (the op leaves them unwritten, in
-    forward and in its input gradient), and rotated back."""
+    Without reading the offsets on the host (a fake-tensor dry run has no values): the rows
+    are rotated so that the first of this device's experts in its block comes first, run
+    through the op with those experts' offsets in the block, rows past them masked to zero
+    (the op leaves them unwritten, in forward and in its input gradient), and rotated back."""
     x, w = args[0], args[1]
     offs = args[2] if len(args) > 2 else kwargs["offs"]
     rest = {k: v for k, v in kwargs.items() if k != "offs"}
     e0, e1 = shard_offset(info.inputs[1].shape, strategy.inputs[1], ctx.mesh_shape, ctx.coord, 0)
-    rows = torch.arange(x.shape[0], device=x.device)
-    if x.shape[0] == 0:
+    r0, _ = shard_offset(info.inputs[0].shape, strategy.inputs[0], ctx.mesh_shape, ctx.coord, 0)
+    n = x.shape[0]
+    if n == 0:
         return info.op(x, w, offs[e0:e1], **rest)
-    start = offs[e0 - 1] if e0 > 0 else offs.new_zeros(())
-    mine = rows < (offs[e1 - 1] - start)
-    rotated = x[(rows + start) % x.shape[0]]
-    rotated = torch.where(mine.unsqueeze(-1), rotated, torch.zeros((), dtype=x.dtype, device=x.device))
-    out = info.op(rotated, w, offs[e0:e1] - start, **rest)
-    out = torch.where(mine.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out[(rows - start) % x.shape[0]]
+    bounds = torch.cat([offs.new_zeros(1), offs])  # expert e's rows: [bounds[e], bounds[e + 1])
+    local = (bounds[e0:e1 + 1] - r0).clamp(0, n)  # this device's experts' rows, within its block
+    start = local[0]
+    rows = torch.arange(n, device=x.device)
+    mine = (rows < (local[-1] - start)).unsqueeze(-1)
+    rotated = torch.where(mine, x[(rows + start) % n], torch.zeros((), dtype=x.dtype, device=x.device))
+    out = info.op(rotated, w, local[1:] - start, **rest)
+    out = torch.where(mine, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out[(rows - start) % n]

@@ -12,18 +12,23 @@ micro-batches (``train_step(accumulate=2)``, against the whole-batch reference);
 output_dtype None (gradients reduced in bf16, as FSDP2 does then; bf16 outputs and loss);
 ``fsdp2:`` also FSDP2 ``fully_shard`` with the same policy on the same 1-D mesh (each block,
 then the root); ``replay:`` the layout planned under the policy (``autopar.plan(..., mp_policy=)``),
-its JSON compiled without ``mp_policy`` (the plan's recorded policy runs); ``pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>`` a pipeline over mesh
-axis 0 (stages cut as ``tests.distributed.train_check.pipeline_plan`` cuts them; data parallel
-on the other axes) under the policy; ``errors``: the refused combinations.
+its JSON compiled without ``mp_policy`` (the plan's recorded policy runs); ``pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>[:<intra-op layout>[:<reduce dtype>]]``
+a pipeline over mesh axis 0 (stages cut as ``tests.distributed.train_check.pipeline_plan`` cuts
+them; data parallel on the other axes, or the layout named, e.g. ``zero2``) under the policy,
+with gradients reduced in ``reduce dtype`` (e.g. ``bfloat16``; default float32); ``errors``:
+the refused combinations.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -192,7 +197,7 @@ def programs_of(pm) -> list:
 
 def held_dtypes(pm) -> dict:
     """The dtypes of the masters, their gradients and AdamW's state; the casts and mixed gathers."""
-    params = list(pm.shards if hasattr(pm, "shards") else pm.params)
+    params = [p for group in pm.optimizer.param_groups for p in group["params"]]  # what it steps (ZeRO: slices)
     gms = programs_of(pm)
     return {
         "masters": sorted({str(p.dtype) for p in params}),
@@ -205,16 +210,21 @@ def held_dtypes(pm) -> dict:
 
 
 def pipeline_case(spec: str) -> dict:
-    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>: the stages under POLICY against
-    one process under it; what the stages send on (forward outputs of all but the last)."""
-    _, mesh_text, model_name, schedule, m, v = spec.split(":")
+    """pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>[:<intra-op layout>[:<reduce dtype>]]:
+    the stages under POLICY (its reduce_dtype replaced when one is named) against one process
+    under it; what the stages send on (forward outputs of all but the last)."""
+    _, mesh_text, model_name, schedule, m, v, *rest = spec.split(":")
+    intra_layout = rest[0] if rest else None
+    policy = dataclasses.replace(POLICY, reduce_dtype=getattr(torch, rest[1])) if len(rest) > 1 else POLICY
     mesh = mesh_of(mesh_text)
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     before = [p.detach().clone() for p in model.parameters()]
     tokens = batches[0][0]
-    plan = pipeline_plan(model, tokens, tuple(mesh.shape), schedule, int(m), int(v))
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, mp_policy=POLICY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = pipeline_plan(model, tokens, tuple(mesh.shape), schedule, int(m), int(v), intra_layout)
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan, mp_policy=policy)
     sent = Counter()
     for stage in pm.stages:
         if not stage.is_last:
@@ -222,16 +232,16 @@ def pipeline_case(spec: str) -> dict:
                 lambda module, args, out: sent.update(str(t.dtype) for t in out if t.is_floating_point()))
     with torch.no_grad():
         logits = pm(tokens)
-        bf16_logits = reference_forward(reference, tokens, POLICY)
+        bf16_logits = reference_forward(reference, tokens, policy)
     losses = []
     with Collectives() as seen:
         losses.append(pm.train_step((tokens,), batches[0][1]).item())
     for inputs, target in batches[1:]:
         losses.append(pm.train_step((inputs,), target).item())
-    ref_losses = reference_run(reference, loss_fn, batches, POLICY)
+    ref_losses = reference_run(reference, loss_fn, batches, policy)
     full = pm.full_parameters()
     after = [full[n] for n, _ in reference.named_parameters()]
-    return {
+    return {"zero2_here": len(pm.optimizer_slices.reduced),
         "case": spec, "losses": losses, "ref_losses": ref_losses,
         "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "update_err": update_error(before, after, before, [p.detach() for p in reference.parameters()]),
@@ -296,17 +306,80 @@ def error_cases() -> dict:
     return {"case": "errors", "messages": messages}
 
 
+def run(spec: str) -> dict:
+    """One case's result (the ``errors`` case, a pipeline or a layout)."""
+    if spec == "errors":
+        return error_cases()
+    if spec.startswith("pp:"):
+        return pipeline_case(spec)
+    return run_case(spec)
+
+
+# --- the checks of a case's result (tests/test_mixed_precision_distributed.py, and the 8-rank
+# cases batched into tests/test_train_distributed.py's launch as ``mp:<case>``) ---------------
+LOSS_TOLERANCE = 2e-3  # float32 losses (output_dtype float32)
+BF16_LOSS_ULPS = 2  # a loss computed in bf16 (output_dtype None) rounds to bf16: within 2 units in its last place
+UPDATE_TOLERANCE = 0.15
+GATHERED = ("zero2", "fsdp", "zero3", "fsdp+tp")  # layouts that gather parameters from split storage
+
+
+def bf16_ulp(x: float) -> float:
+    """bf16's unit in the last place at ``x``: 2^-7 of its binade."""
+    return torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(abs(x)))
+
+
+def check_pipeline(case: str, r: dict) -> None:
+    """Stages under the policy: float32 masters, bf16 compute and boundary sends; data-parallel
+    stages (2x2) sum gradients in reduce_dtype; no reduction split: the first forward exact."""
+    assert r["loss_err"] <= LOSS_TOLERANCE, f"{case}: losses {r['losses']} vs one process {r['ref_losses']}"
+    assert r["update_err"] <= UPDATE_TOLERANCE, f"{case}: parameter updates differ by {r['update_err']:.3f}"
+    assert r["masters"] == r["grads"] == r["state"] == ["torch.float32"] and r["casts"] > 0, r
+    assert r["logits_dtype"] == "torch.float32" and r["logit_err"] == 0, r
+    assert set(r["sent"]) == {"torch.bfloat16"}, r  # what crosses a stage boundary
+    seen = r["collectives"]
+    fields = case.split(":")
+    if fields[6:7] == ["zero2"]:  # gradients reduce-scattered into the slices, once per step, in reduce_dtype
+        reduce = fields[7] if len(fields) > 7 else "float32"
+        assert r["zero2_here"] > 0 and seen.get(f"reduce_scatter_single:{reduce}", 0) >= 1, r
+        if reduce == "bfloat16":  # activations move in bf16 too: nothing is reduce-scattered in float32
+            assert "reduce_scatter_single:float32" not in seen, r
+    elif "x" in fields[1]:
+        assert seen.get("all_reduce:float32", 0) >= 1 and not any(k.startswith("all_reduce:bfloat16") for k in seen), r
+
+
+def check_precision(case: str, r: dict) -> None:
+    if case.startswith("pp:"):
+        return check_pipeline(case, r)
+    bf16_reduce = case.startswith("bf16-reduce:")
+    layout = case.split(":")[-1]
+    tolerance = bf16_ulp(max(r["ref_losses"])) * BF16_LOSS_ULPS if bf16_reduce else LOSS_TOLERANCE
+    assert r["loss_err"] <= tolerance, f"{case}: losses {r['losses']} vs one process {r['ref_losses']}"
+    assert r["update_err"] <= UPDATE_TOLERANCE, f"{case}: parameter updates differ by {r['update_err']:.3f}"
+    # the float32 master copy, its gradients and AdamW's state; compute in bf16, outputs as output_dtype
+    assert r["masters"] == r["grads"] == r["state"] == ["torch.float32"], r
+    assert r["logits_dtype"] == ("torch.bfloat16" if bf16_reduce else "torch.float32"), r
+    seen = r["collectives"]
+    if layout in ("dp", "zero3"):  # no reduction split: the first forward is the reference's, bit for bit
+        assert r["logit_err"] == 0 < r["fp32_logit_err"], r
+    if layout in GATHERED:  # buckets gathered in bf16, gradients reduce-scattered in reduce_dtype
+        assert r["mixed_gathers"] > 0 and seen.get("all_gather_single:bfloat16", 0) > 0, r
+        reduced = "reduce_scatter_single:" + ("bfloat16" if bf16_reduce else "float32")
+        assert seen.get(reduced, 0) >= r["mixed_gathers"], r
+    if layout in ("dp", "zero1"):  # data-parallel shares summed in reduce_dtype (float32)
+        assert seen.get("all_reduce:float32", 0) >= 1 and not any(k.startswith("all_reduce:bfloat16") for k in seen), r
+    if case.startswith("recompute:"):
+        assert r["recomputed"] == [0], r
+    if case.startswith("fsdp2:"):  # FSDP2 with the same policy: the same reductions in the same order
+        assert r["fsdp2_update_err"] == 0 and r["fsdp2_param_err"] == 0, r
+        assert r["fsdp2_loss_err"] <= 1e-5, r  # FSDP2's loss: the mean of the ranks' means, rounded otherwise
+
+
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
         start = time.perf_counter()
         try:
-            if spec == "errors":
-                result = error_cases()
-            elif spec.startswith("pp:"):
-                result = pipeline_case(spec)
-            else:
-                result = run_case(spec)
+            result = run(spec)
         except Exception as exc:  # reported, then the launch ends: other ranks may be stuck
             print("RESULT " + json.dumps({"case": spec, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             os._exit(1)

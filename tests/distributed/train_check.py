@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib
 import json
 import operator
 import os
@@ -15,12 +17,13 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.models import GPT, GPTConfig, WideMLP
@@ -136,10 +139,82 @@ def _size(mesh_shape):
     return out
 
 
+def request_key(value):
+    """What a plan made from these arguments depends on: a model's module tree (sizes,
+    dropout), parameter and buffer shapes and dtypes and mode (a launch's models that agree
+    on those run the same code); tensors' shapes and dtypes; a mesh's shape and axis names;
+    other values as they are."""
+    if isinstance(value, torch.nn.Module):
+        tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in [*value.named_parameters(), *value.named_buffers()])
+        return ("module", repr(value), value.training, tensors)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, DeviceMesh):
+        return ("mesh", tuple(value.shape), value.mesh_dim_names)
+    if isinstance(value, (tuple, list)):
+        return tuple(request_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, request_key(v)) for k, v in sorted(value.items()))
+    return value
+
+
+def made_once(make):
+    """``make`` run on rank 0 and given to every rank, once per launch for each
+    ``request_key`` of its arguments: a plan depends on nothing else, so cases of a launch
+    that ask for the same one share it (capture and planning take seconds, and ranks that
+    all plan share the cores; every rank asks in the same order). Kept as JSON: each caller
+    gets its own copy, as a saved plan replays. An error is raised on every rank."""
+    texts = {}
+
+    @functools.wraps(make)
+    def plan_for(*args, **kwargs):
+        key = request_key((args, kwargs))
+        if key not in texts:
+            texts[key] = on_rank0(lambda: _json_of(make(*args, **kwargs)))
+        return None if texts[key] is None else Plan.from_json(texts[key])
+
+    return plan_for
+
+
+def _json_of(plan):
+    return None if plan is None else plan.to_json()  # None: compile plans by itself
+
+
+def on_rank0(make):
+    """``make()`` on rank 0, its value (or the exception it raised) given to every rank;
+    without a process group (a benchmark's one process), ``make()`` here."""
+    if not dist.is_initialized():
+        return make()
+    sent = [None]
+    if dist.get_rank() == 0:
+        try:
+            sent[0] = ("value", make())
+        except Exception as exc:  # raised on every rank, rank 0's with its traceback
+            dist.broadcast_object_list([("error", exc)])
+            raise
+    dist.broadcast_object_list(sent)
+    kind, value = sent[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+_CAPTURED: dict[tuple, object] = {}  # request_key -> Captured, for the plans made here (they only read it)
+
+
+def captured_once(model, inputs, kwargs=None):
+    """``capture`` of a model and inputs, once per launch for each ``request_key``."""
+    key = request_key((model, inputs, kwargs))
+    if key not in _CAPTURED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _CAPTURED[key] = capture(model, inputs, kwargs)
+    return _CAPTURED[key]
+
+
+@made_once
 def layout_plan(model, inputs, layout: str, mesh_shape, kwargs=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        captured = capture(model, inputs, kwargs)
+    captured = captured_once(model, inputs, kwargs)
     graph = build_strategy_graph(captured, mesh_shape)
     plan = plan_from_choice(graph, layout_choice(graph, captured, layout, mesh_shape), kind=layout)
     if layout in ("fsdp", "zero3"):  # sharded storage, gathered at each use
@@ -177,23 +252,20 @@ def optimizer_numel(opt) -> int:
 PLANNED = ("auto", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "zero1")  # by autopar's planner and layouts
 
 
+@made_once
 def planned(model, mesh, tokens, layout: str):
     """The planner's own plan ("auto") or a manual layout from autopar.layouts, made on
     rank 0 with the H100 preset and given to every rank."""
     if layout == "auto":
         return None  # autopar.compile plans (on rank 0) by itself
-    text = [autopar.layouts.build(layout, model, mesh, (tokens,), hardware="h100").to_json()
-            if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text)
-    return Plan.from_json(text[0])
+    return autopar.layouts.build(layout, model, mesh, (tokens,), hardware="h100")
 
 
 def case_plan(model, mesh, tokens, layout: str):
     """The plan a case names: the planner's or autopar.layouts' (``PLANNED``), or one made here."""
     if layout in PLANNED:
         return planned(model, mesh, tokens, layout)
-    plan = layout_plan(model, (tokens,), layout, tuple(mesh.shape))
-    return type(plan).from_json(plan.to_json())  # what runs is what a saved plan replays
+    return layout_plan(model, (tokens,), layout, tuple(mesh.shape))  # as JSON: what a saved plan replays
 
 
 def run_case(spec: str) -> dict:
@@ -553,14 +625,13 @@ def freed_case(spec: str) -> dict:
             "param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()), "buckets": buckets}
 
 
+@made_once
 def pipeline_plan(model, batch, mesh_shape, schedule: str, micro_batches: int, chunks: int,
                   intra_layout: str | None = None):
     """Pipeline over mesh axis 0; stages cut evenly by node count; on the other axes, data
     parallel, or ``intra_layout`` as autopar.layouts builds it (e.g. "tp+dp": 3D)."""
     micro = batch.chunk(micro_batches)[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        captured = capture(model, (micro,))
+    captured = captured_once(model, (micro,))
     intra = mesh_shape[1:]
     if intra_layout is not None:
         with warnings.catch_warnings():
@@ -868,9 +939,16 @@ def eval_case(spec: str) -> dict:
             "train_mode_diff": train_mode_diff, "indivisible": indivisible}
 
 
+def mixed_precision_check():
+    """tests.distributed.mp_check, imported when a case needs it: it imports this module's
+    plans (case_plan, pipeline_plan), so importing it at the top would be a circle."""
+    return importlib.import_module("tests.distributed.mp_check")
+
+
 def main(cases: list[str]) -> None:
     dist.init_process_group("gloo")
     for spec in cases:
+        started = time.perf_counter()
         try:
             if spec == "errors":
                 result = error_cases(dist.get_world_size())
@@ -902,13 +980,15 @@ def main(cases: list[str]) -> None:
                 result = accumulate_case(spec)
             elif spec.startswith("eval:"):
                 result = eval_case(spec)
+            elif spec.startswith("mp:"):  # mixed precision, batched into this launch (tests/distributed/mp_check.py)
+                result = {**mixed_precision_check().run(spec.removeprefix("mp:")), "case": spec}
             else:
                 result = run_case(spec)
         except Exception as exc:  # reported, then the launch ends: other ranks may be stuck
             print("RESULT " + json.dumps({"case": spec, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             os._exit(1)
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+        if dist.get_rank() == 0:  # seconds: where a launch's time goes
+            print("RESULT " + json.dumps({**result, "seconds": time.perf_counter() - started}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
