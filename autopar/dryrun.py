@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import multiprocessing
 import os
@@ -272,12 +273,21 @@ def _run_ranks(work: _Work, results: list[RankResult], optimizer: Callable, work
     context = multiprocessing.get_context("fork")
     shares = [results[k::workers] for k in range(workers)]
     running = []
-    for share in shares:
-        receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=_worker, args=(work, share, optimizer, sender), daemon=True)
-        process.start()
-        sender.close()  # the worker's end: EOF here when it exits
-        running.append((share, process, receiver))
+    # A fork copies one thread. An object the workers inherit and collect could wait in its
+    # finaliser on threads left behind (a destroyed gloo process group in a reference cycle
+    # hung both workers so): garbage is collected here, and what is left is frozen, never
+    # collected by a worker.
+    gc.collect()
+    gc.freeze()
+    try:
+        for share in shares:
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_worker, args=(work, share, optimizer, sender), daemon=True)
+            process.start()
+            sender.close()  # the worker's end: EOF here when it exits
+            running.append((share, process, receiver))
+    finally:
+        gc.unfreeze()
     for share, process, receiver in running:
         try:
             done, stage_io = receiver.recv()
