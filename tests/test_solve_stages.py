@@ -122,10 +122,13 @@ def test_search_accepts_a_table_of_layer_costs():
         (p, m): LayerCosts(time=[1.0 / m] * 6, static_memory=[1.0] * 6, activation_memory=[0.1] * 6)
         for p in (1, 2, 3) for m in (1, 2)
     }
-    result = search_pipeline(table, stage_counts=[1, 2, 3], microbatch_counts=[1, 2], schedules=("1f1b",))
+    # GPipe: it runs any micro-batch count (torch's 1F1B refuses fewer micro-batches than stages)
+    result = search_pipeline(table, stage_counts=[1, 2, 3], microbatch_counts=[1, 2], schedules=("gpipe",))
     # (M + P - 1) * slowest: P=3, M=2 -> 4 * (2 layers * 0.5) = 4.0; P=1, M=2 -> 2 * 3 = 6.0.
     assert (result.best.num_stages, result.best.num_microbatches) == (3, 2)
     assert result.best.step_time == pytest.approx(4.0)
+    one_f_one_b = search_pipeline(table, stage_counts=[1, 2, 3], microbatch_counts=[1, 2], schedules=("1f1b",))
+    assert (one_f_one_b.best.num_stages, one_f_one_b.best.num_microbatches) == (2, 2)  # (3, 2) is not offered
 
 
 def test_interleaved_needs_whole_rounds_of_micro_batches():
