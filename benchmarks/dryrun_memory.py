@@ -116,7 +116,7 @@ def _planned(case: str, time_limit: float, with_loss: bool):
 
 def _row(label: str, plan, model, inputs, loss) -> str:
     import autopar
-    from autopar.passes.costing import at_peak
+    from autopar.passes.state_costs import at_peak
 
     pp = plan.pipeline
     shape = f"{plan.kind} {plan.mesh_shape}" + (f" PP{pp.stages} M={pp.micro_batches} {pp.schedule}" if pp else "")
@@ -135,7 +135,7 @@ def _row(label: str, plan, model, inputs, loss) -> str:
     # a kind's ratio where the dry run holds at least 1% of the peak in it ("–": less)
     by_kind = "/".join(f"{p / m:.2f}" if m >= worst.peak / 100 else "–" for p, m in zip(predicted, measured))
     # the sum of every kind's most is what the solver constrains; without a pipeline the step
-    # peaks at one of two instants (costing.at_peak), with a pipeline gradients and
+    # peaks at one of two instants (state_costs.at_peak), with a pipeline gradients and
     # activations meet and the sum is the prediction
     instant = sum(at_peak(plan.predicted.memory).values()) if pp is None else sum(predicted)
     return (f"| {label} {shape} | {_in(predicted, size)} (= {sum(predicted) / size:.2f} {unit}) | "

@@ -13,7 +13,9 @@ from autopar import costmodels
 from autopar.costmodels import comm
 from autopar.runtime import gradsync
 from autopar.passes.capture import capture
-from autopar.passes.costing import ZERO_LEVELS, EdgeInput, build_costs, zero_costs
+from autopar.passes.costing import ZERO_LEVELS, build_costs
+from autopar.passes.edge_costs import EdgeInput
+from autopar.passes.state_costs import zero_costs
 from autopar.passes.planner import layouts
 from autopar.passes.planner.reasons import axis_roles, layer_collectives
 from autopar.passes.solve.problem import plan_costs
@@ -74,7 +76,7 @@ def test_replicated_weight_of_batch_split_op_pays_gradient_all_reduce(gpt_costs)
 def test_bucketed_parameters_pay_each_call_latency_once(gpt_costs):
     """Over all parameters the latency shares add up to one alpha per bucket: per
     gradient bucket for all-reduces, per layer (or stretch between layers) for gathers."""
-    from autopar.passes.costing import parameter_shares
+    from autopar.passes.edge_costs import parameter_shares
 
     shares = parameter_shares(gpt_costs.graph, gpt_costs.layer_of)
     params = [n for n in gpt_costs.graph.nodes if n.name in gpt_costs.graph.captured.params]

@@ -75,7 +75,7 @@ def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():
 
 
 def test_the_peak_is_backward_start_or_the_gradient_sum_whichever_holds_more():
-    from autopar.passes.costing import at_peak
+    from autopar.passes.state_costs import at_peak
 
     held = {"parameters": 1.0, "gradients": 1.0, "optimizer": 2.0, "activations": 5.0, "temporary": 1.0}
     assert at_peak(held) == {**held, "gradients": 0.0}  # no gradient made yet at backward's start

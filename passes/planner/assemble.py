@@ -12,7 +12,8 @@ from torch import fx
 
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.passes.costing import Costs, state_breakdown
+from autopar.passes.costing import Costs
+from autopar.passes.state_costs import state_breakdown
 from autopar.passes.placements import fits, local_shape, spec_str
 from autopar.passes.plan import Plan, Prediction, plan_from_choice
 from autopar.passes.planner.reasons import planning_reasons
@@ -48,7 +49,7 @@ def chosen(costs: Costs, assignment: Sequence[int]) -> Chosen:
 def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
     """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
     parameters), temporary (alive only while backward runs); each kind at its most, as the
-    solver's memory constraint adds them (``costing.at_peak``: at the step's peak)."""
+    solver's memory constraint adds them (``state_costs.at_peak``: at the step's peak)."""
     mesh = costs.graph.mesh_shape
     out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "temporary": 0.0}
     choice, zero = picked.choice, picked.zero

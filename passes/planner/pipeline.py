@@ -34,7 +34,8 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 from autopar import costmodels
-from autopar.passes.costing import Costs, build_costs, state_breakdown
+from autopar.passes.costing import Costs, build_costs
+from autopar.passes.state_costs import state_breakdown
 from autopar.passes.plan import Pipeline, Plan, Prediction
 from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers, storage_specs, zero_levels
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op

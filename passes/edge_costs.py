@@ -1,0 +1,276 @@
+"""Edge tables: what moving a value from its producer's placement to what its consumer's
+strategy reads costs (``autopar.passes.costing`` puts them on the solver's edges).
+
+Per edge (producer u, consumer v, input position p): forward resharding of u's
+output placement to what v's strategy needs (``reshard_time``) plus, when u is on
+a gradient path, the backward collectives of the gradient, which arrives in
+``placements.gradient_spec(needed, v's outputs)`` (``backward_reshard_plan``): this is
+where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
+gradients are counted, exactly as codegen runs them. An activation's collectives are
+priced as a step meets them, right after compute (the profile's ``in_step`` fits); a
+parameter's (bucketed gathers, reduce-scatters and gradient all-reduces) as timed
+back to back. One function prices an edge (``_Pricer.price``): an ``EdgePrice``, its
+``Charge`` items (each collective, each bucket's packing copies) and their total, which
+is the table's entry; ``Costs.edge_price`` gives the items of a chosen edge, and
+``explain()`` (``autopar.passes.planner.reasons``) reads them rather than pricing again.
+
+A value moved to the same layout for several consumers is moved once (codegen shares
+the move, and its gradient's collective, among them). Consumers that are alike (the
+same strategy table at the same input position: q, k and v reading one normed
+activation) nearly always take the same strategy, so each of k alike consumers' edges
+pays 1/k of the move: exact where they agree, which the ties and the symmetric tables
+make the rule.
+
+A parameter's collectives (its gathers, its gradient's all-reduce or reduce-scatter)
+travel packed in buckets, so each pays its bytes' part of one call's latency
+(``Shares``, ``parameter_shares``), not a whole alpha: per-parameter latency would make
+data parallelism of a model with many small tensors look far slower than it runs.
+
+A parameter split where its consumer needs it whole (ZeRO-3) is priced as FSDP runs
+it: gathered in forward, the copy freed, gathered again in backward (that is what
+makes ZeRO-3 save memory), so its edge pays the forward gather twice. Each of a
+parameter's gathers and reduce-scatters also pays the copies that pack it into and out
+of its bucket's flat buffer (``costmodels.bucket_copy_bytes``), at the measured rate of
+a copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import fx
+
+from autopar import costmodels
+from autopar.passes.op_strategies import TensorMeta
+from autopar.passes.placements import Spec, gradient_spec, local_shape
+from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
+
+
+def local_bytes(meta: TensorMeta, spec: Spec, mesh: Sequence[int]) -> float:
+    return float(math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize)
+
+
+def dtype_kind(meta: TensorMeta) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(meta.dtype, "fp32")
+
+
+
+@dataclass(frozen=True)
+class Shares:
+    """The part of one call's latency a parameter's collectives pay: the runtime packs
+    parameters into buckets, so a bucket pays alpha once. ``gather``: all-gathers and
+    reduce-scatters, one call per segment of the graph (a layer, or a stretch between
+    layers: ``autopar.passes.lowering.codegen.plan_buckets``); ``all_reduce``: gradient all-reduces in
+    DDP-style buckets (``autopar.runtime.gradsync``). Activations travel alone (1, 1)."""
+
+    gather: float = 1.0
+    all_reduce: float = 1.0
+
+    def of(self, collective: str) -> float:
+        if collective in ("all_gather", "reduce_scatter"):
+            return self.gather
+        return self.all_reduce if collective == "all_reduce" else 1.0
+
+
+UNPACKED = Shares()
+
+
+class Charge(NamedTuple):
+    """One priced item of a resharding edge: a collective on a mesh axis, or (``copies``)
+    the copies that pack that collective's buffer into and out of its bucket."""
+
+    collective: str
+    axis: int
+    seconds: float
+    copies: bool = False
+
+
+@dataclass(frozen=True)
+class EdgePrice:
+    """What moving one value to one consumer costs, itemised: ``seconds`` is the number the
+    solver's edge table holds, and ``charges`` (collectives, then their bucket copies) are
+    what it is made of, for ``explain()`` (``autopar.passes.planner.reasons``)."""
+
+    charges: tuple[Charge, ...]
+    seconds: float
+
+    @staticmethod
+    def of(charges: tuple[Charge, ...]) -> "EdgePrice":
+        # collectives first, then the copies: the sum in the order the tables were always built
+        return EdgePrice(charges, sum(c.seconds for c in charges if not c.copies)
+                         + sum(c.seconds for c in charges if c.copies))
+
+    def __add__(self, other: "EdgePrice") -> "EdgePrice":
+        return EdgePrice(self.charges + other.charges, self.seconds + other.seconds)
+
+    def shared(self, consumers: int) -> "EdgePrice":
+        """The part one of ``consumers`` alike consumers pays of a move they share."""
+        if consumers == 1:
+            return self
+        return EdgePrice(tuple(c._replace(seconds=c.seconds / consumers) for c in self.charges),
+                         self.seconds / consumers)
+
+
+NO_MOVE = EdgePrice((), 0.0)
+
+
+@dataclass(frozen=True)
+class EdgeInput:
+    """What prices one problem edge (producer's value -> one consumer's input position):
+    the arguments of ``_Pricer.price``, kept so that ``Costs.edge_price`` itemises exactly
+    what the table holds."""
+
+    meta: TensorMeta
+    producer: object  # the producer's NodeStrategies
+    output: int  # which of the producer's outputs the value is
+    consumer: object  # the consumer's NodeStrategies
+    position: int
+    grad: bool  # the value is on a gradient path: its gradient's collectives count
+    regather: bool = False  # a parameter: bucketed, and gathered again in backward (FSDP)
+    shares: Shares = UNPACKED
+    alike: int = 1  # consumers alike that share the move
+
+
+def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict[fx.Node, Shares]:
+    """Each parameter's ``Shares``, from whole sizes (an upper bound on the calls: local
+    shards fill buckets more slowly only where they are split)."""
+    params = [n for n in graph.nodes if n.name in graph.captured.params]
+    size = {n: float(n.meta["val"].numel() * n.meta["val"].element_size()) for n in params}
+    total = sum(size.values())
+    order = {n: i for i, n in enumerate(graph.captured.graph.nodes)}
+    first_layered = min((order[n] for n in layer_of if n.op != "placeholder"), default=len(order))
+
+    def segment(p: fx.Node):  # a layer, or the stretch before the layers, or after them
+        if p in layer_of:
+            return layer_of[p]
+        first_use = min((order[u] for u in p.users), default=0)
+        return "before" if first_use < first_layered else "after"
+
+    per_segment: dict[object, float] = {}
+    for p in params:
+        per_segment[segment(p)] = per_segment.get(segment(p), 0.0) + size[p]
+    buckets = costmodels.gradient_buckets(total)
+    return {p: Shares(gather=size[p] / per_segment[segment(p)], all_reduce=min(1.0, buckets * size[p] / total))
+            for p in params if size[p] > 0}
+
+
+
+class EdgePricer:
+    """Caches of edge prices, by shapes and strategy tables: repeated layers repeat the same keys."""
+
+    def __init__(self, mesh: Sequence[int], profile: costmodels.HardwareProfile, reduce_itemsize: int | None = None):
+        self.mesh = tuple(mesh)
+        self.profile = profile
+        # under a mixed-precision policy a parameter's gradient is reduced in its reduce dtype
+        self.reduce_itemsize = reduce_itemsize
+        self.reshard: dict[tuple, EdgePrice] = {}
+        self.tables: dict[tuple, np.ndarray] = {}
+
+    def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
+             bucketed: bool = False) -> EdgePrice:
+        """A value's forward reshard and its gradient's backward one, itemised; ``bucketed``
+        (a parameter: ``autopar.passes.lowering.buckets`` gathers and reduce-scatters it packed in a flat
+        buffer) adds the packing copies (``costmodels.bucket_copy_bytes``) at the measured
+        copy rate."""
+        key = (meta.shape, meta.dtype, src, dst, grad, shares, bucketed)
+        if key not in self.reshard:
+            size = meta.dtype.itemsize
+            steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
+            if grad is not None:
+                grad_size = self.reduce_itemsize if bucketed and self.reduce_itemsize else size
+                steps += costmodels.backward_reshard_plan(meta.shape, grad_size, src, dst, self.mesh, grad)
+            # an activation's move waits right after compute; a parameter's travels bucketed
+            charges = tuple(Charge(s.collective, s.axis, costmodels.collective_time(
+                s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective), in_step=not bucketed))
+                for s in steps)
+            if bucketed:
+                charges += tuple(
+                    Charge(s.collective, s.axis, costmodels.compute_time(
+                        0.0, copied, dtype_kind(meta), self.profile, "aten.copy_.default"), copies=True)
+                    for s in steps if (copied := costmodels.bucket_copy_bytes(s.collective, s.bytes, self.mesh[s.axis])))
+            self.reshard[key] = EdgePrice.of(charges)
+        return self.reshard[key]
+
+    def price(self, edge: EdgeInput, i: int, j: int) -> EdgePrice:
+        """Moving the value from the producer's strategy ``i`` to what the consumer's strategy
+        ``j`` needs (nothing where it reads no input there)."""
+        strategy = edge.consumer.strategies[j]
+        need = strategy.inputs[edge.position]
+        if need is None:
+            return NO_MOVE
+        g = gradient_spec(need, strategy.outputs) if edge.grad else None
+        return self._price(edge, edge.producer.strategies[i].outputs[edge.output], need, g)
+
+    def _price(self, edge: EdgeInput, have: Spec, need: Spec, grad: Spec | None) -> EdgePrice:
+        """The forward reshard ``have`` -> ``need``, the gradient's (arriving as ``grad``), and
+        for a parameter gathered where its consumer needs it whole (FSDP frees the gathered
+        copy) the gather again in backward; ``alike`` consumers share it."""
+        price = self.move(edge.meta, have, need, grad, edge.shares, bucketed=edge.regather)
+        if edge.regather and have != need:
+            price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True)
+        return price.shared(edge.alike)
+
+    def edge(self, edge: EdgeInput) -> np.ndarray:
+        """The edge's table: ``price(edge, i, j).seconds`` for every pair of strategies."""
+        # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
+        key = (edge.meta.shape, edge.meta.dtype, id(edge.producer.strategies), edge.output,
+               id(edge.consumer.strategies), edge.position, edge.grad, edge.regather, edge.shares, edge.alike)
+        if key not in self.tables:
+            have = [s.outputs[edge.output] for s in edge.producer.strategies]
+            table = np.zeros((len(have), len(edge.consumer.strategies)))
+            for j, s in enumerate(edge.consumer.strategies):
+                need = s.inputs[edge.position]
+                if need is None:
+                    continue
+                g = gradient_spec(need, s.outputs) if edge.grad else None
+                for i, src in enumerate(have):
+                    table[i, j] = self._price(edge, src, need, g).seconds
+            self.tables[key] = table
+        return self.tables[key]
+
+
+def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int], grad_nodes: set[fx.Node],
+                shares: dict[fx.Node, Shares], alike: dict, pricer: EdgePricer) -> tuple[list, list, list]:
+    """(problem edges with their tables, (producer, consumer, position) of each, its ``EdgeInput``)."""
+    edges, edge_inputs, edge_prices = [], [], []
+    params = graph.captured.params
+    for node in nodes:
+        ns = graph.nodes[node]
+        if node.op == "placeholder" or ns.follows is not None:
+            continue
+        for position, src in enumerate(tensor_inputs(node)):
+            if src not in graph.nodes:
+                continue
+            src_ns = graph.nodes[src]
+            out = src_ns.follows[1] if src_ns.follows is not None else 0
+            edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
+                             regather=src.name in params, shares=shares.get(src, UNPACKED),
+                             alike=alike.get((src, node, position), 1))
+            table = pricer.edge(edge)
+            if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved
+                table = table + graph.in_place_mask(src, node)
+            edges.append((index[src], index[node], table))
+            edge_inputs.append((src, node, position))
+            edge_prices.append(edge)
+    return edges, edge_inputs, edge_prices
+
+
+
+def alike_consumers(graph: StrategyGraph, nodes, params) -> dict[tuple[fx.Node, fx.Node, int], int]:
+    """(producer, consumer, position) -> how many consumers of the producer's value are alike
+    (same strategy table, same input position), where more than one: they share one move.
+    Parameters are left out: their moves are bucketed (``Shares``)."""
+    groups: dict[tuple, list] = {}
+    for node in nodes:
+        ns = graph.nodes[node]
+        if node.op == "placeholder" or ns.follows is not None:
+            continue
+        for position, src in enumerate(tensor_inputs(node)):
+            if src in graph.nodes and src.name not in params:
+                groups.setdefault((src, id(ns.strategies), position), []).append((src, node, position))
+    return {edge: len(group) for group in groups.values() if len(group) > 1 for edge in group}
+
