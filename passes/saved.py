@@ -220,14 +220,6 @@ def root(node: fx.Node) -> fx.Node:
     return node
 
 
-def kept_for_backward(graph_nodes, on_grad_path: set[fx.Node], held: Iterable[fx.Node] = ()) -> set[fx.Node]:
-    """The nodes (of ``graph_nodes``) whose output some backward keeps, wherever it is
-    charged: the held values and the values read by a saving consumer (with their bases)."""
-    graph_nodes = list(graph_nodes)
-    saved = saved_values(graph_nodes, on_grad_path, held)
-    return keep_bases(graph_nodes, set(saved.held) | {src for r in saved.reads.values() for _, src, _ in r})
-
-
 def keep_bases(graph_nodes, kept: set[fx.Node]) -> set[fx.Node]:
     """``kept`` and what its views (and getitems) view: a kept view keeps its base, so walk
     back to what holds the memory (a new set)."""

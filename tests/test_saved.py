@@ -8,7 +8,7 @@ import torch
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.costing import requires_grad
-from autopar.passes.saved import VIEWS, is_view, kept_for_backward, saved_roles
+from autopar.passes.saved import VIEWS, is_view, keep_bases, saved_roles, saved_values
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
@@ -20,7 +20,10 @@ def test_kept_bytes_match_what_autograd_saves():
         warnings.simplefilter("ignore")
         cap = capture(model, (tokens,))
     graph = build_strategy_graph(cap, ())
-    kept = kept_for_backward(cap.graph.nodes, requires_grad(graph))
+    nodes = list(cap.graph.nodes)
+    saved = saved_values(nodes, requires_grad(graph))
+    # wherever it is charged: held where made, or read by a saving consumer (with its base)
+    kept = keep_bases(nodes, set(saved.held) | {src for r in saved.reads.values() for _, src, _ in r})
     predicted = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in kept
                     if n.op == "call_function" and str(n.target) not in VIEWS)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
