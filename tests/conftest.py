@@ -1,6 +1,9 @@
+import gc
 import warnings
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.models import MODELS
 
@@ -17,3 +20,19 @@ def captured_models():
             model, inputs = factory()
             out[name] = (model, inputs, capture(model, inputs))
     return out
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo process group in this process and its one-device mesh (axis "dp").
+    Afterwards the group is destroyed and collected here: a destroyed gloo group left for
+    later collection would be finalised in a forked dry-run worker, which does not have its
+    threads, and hang there (``autopar.dryrun``)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()
+        gc.collect()

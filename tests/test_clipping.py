@@ -11,8 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.runtime.clipping import clip_grad_norm_, norm_share, replicas
 from autopar.passes.placements import P, R, S, local_slice, parse_spec
@@ -62,15 +60,6 @@ def test_shares_of_all_ranks_add_up_to_torchs_norm(mesh_shape, norm_type):
     if norm_type not in (math.inf, -math.inf):
         recounted = _simulated_total(grads, specs, mesh_shape, norm_type, count=lambda spec, shape: 1)
         assert not torch.allclose(recounted, expected, rtol=1e-3)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

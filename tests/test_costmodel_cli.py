@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from autopar.cli import main
 from autopar.costmodels import HardwareProfile
@@ -32,21 +31,17 @@ TINY = Sweep(
 
 
 @pytest.fixture
-def one_rank(tmp_path):
+def one_thread_rank(one_rank):
     """One gloo rank with one intra-op thread, as torchrun runs each rank: on a shared
     2-core machine, intra-op threads left spinning after a parallel op take the core
     from the next timed op (milliseconds instead of microseconds) and break the fits."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-    dist.destroy_process_group()
 
 
-def test_profile_is_cached_reused_and_remeasured_when_bad(one_rank, tmp_path, capsys):
+def test_profile_is_cached_reused_and_remeasured_when_bad(one_thread_rank, tmp_path, capsys):
     cache = tmp_path / "cache"
     p1, path, measured = profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False)
     assert measured and path.is_file() and path.parent == cache
@@ -75,7 +70,7 @@ def test_profile_is_cached_reused_and_remeasured_when_bad(one_rank, tmp_path, ca
     assert profile_mesh((1,), ("dp",), cache_dir=cache, sweep=TINY, progress=False, force=True)[2]
 
 
-def test_profile_mesh_rejects_a_mesh_of_the_wrong_size(one_rank, tmp_path):
+def test_profile_mesh_rejects_a_mesh_of_the_wrong_size(one_thread_rank, tmp_path):
     with pytest.raises(ValueError, match="autopar: mesh \\(2, 2\\) has 4 ranks but 1 processes"):
         profile_mesh((2, 2), cache_dir=tmp_path, sweep=TINY)
 

@@ -7,9 +7,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import GPT, GPTConfig
@@ -50,15 +48,6 @@ def test_planning_under_autocast_warns_and_names_the_policy():
     with pytest.warns(AutocastWarning, match=MESSAGE.format("planning")):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autopar.plan(model, (2,), (tokens,), hardware="h100", layout="dp")
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
 
 
 def test_compiling_and_running_under_autocast_warn(one_rank):
