@@ -37,7 +37,7 @@ from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.precision import (Precision, apply_precision, capture_cast, captured_under_policy,
-                                       warn_under_autocast)
+                                       masters_reduce_dtype, output_under, warn_under_autocast)
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, settings_key, settings_of,
                                       stored_layouts)
@@ -87,7 +87,8 @@ class ParallelModule(nn.Module):
             local = value.detach() if spec is None else local_slice(value.detach(), spec, mesh.shape, self.coord)
             local = local.to(self.device, copy=True)
             self.local[name] = nn.Parameter(local, value.requires_grad) if name in captured.params else local
-        self._reduce_dtype = self._gradient_reduce_dtype()
+        self._reduce_dtype = masters_reduce_dtype(
+            self.precision, [t for t in self.local.values() if isinstance(t, nn.Parameter)])
         self._apply_precision(program, captured)
         order = backward_order(program.gm)
         self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
@@ -134,26 +135,9 @@ class ParallelModule(nn.Module):
                 "(a copy with model.to(param_dtype), on the meta device) and compile with that plan"
             )
 
-    def _gradient_reduce_dtype(self) -> torch.dtype | None:
-        """The dtype data-parallel gradient shares are summed in: the policy's for the masters' dtype."""
-        if self.precision is None:
-            return None
-        params = [t for t in self.local.values() if isinstance(t, nn.Parameter)]
-        masters = {p.dtype for p in params if p.is_floating_point()}
-        if len(masters) > 1:
-            raise ValueError(
-                f"autopar: mp_policy expects every floating parameter in one dtype (the master copy), found "
-                f"{sorted(str(d) for d in masters)}; convert the model first (model.float())"
-            )
-        return self.precision.gradient_reduce_dtype(masters.pop()) if masters else None
-
     def _apply_precision(self, program: RankProgram, captured: Captured) -> None:
         if self.precision is not None:
             apply_precision(program, captured, self.local, self.precision)
-
-    def _output(self, value: Any) -> Any:
-        """A model output as the caller (and the loss) gets it: ``output_dtype`` under the policy."""
-        return value if self.precision is None else self.precision.output(value)
 
     # --- programs per input shapes and mode -------------------------------------------
     # A call runs the program for its inputs' whole shapes in this module's mode (train, or
@@ -414,7 +398,7 @@ class ParallelModule(nn.Module):
         inputs = (inputs, kwargs) if kwargs else inputs
         with torch.no_grad() if not self.training else contextlib.nullcontext(), self._running(inputs, False):
             flat = self._run_model(inputs, local=False)
-            user = [self._output(flat[i]) for i in self.captured.user_outputs]
+            user = [output_under(self.precision, flat[i]) for i in self.captured.user_outputs]
             specs = [self.program.output_specs[i] for i in self.captured.user_outputs]
             wholes = [whole(t, s, self.mesh) if s is not None else t for t, s in zip(user, specs)]
             return pytree.tree_unflatten(wholes, self.captured.out_spec)
@@ -593,7 +577,7 @@ class ParallelModule(nn.Module):
                 "to compile, or give target None to train on the model's own loss (Hugging Face: labels= input)"
             )
         flat = self._run_model(inputs, local, observe)
-        user = [self._output(flat[i]) for i in self.captured.user_outputs]
+        user = [output_under(self.precision, flat[i]) for i in self.captured.user_outputs]
         program, loss_cap = self._loss_program_for(target, local)
         targets = [] if target is None else [self._local_target(program, loss_cap, target, local)]
         values = dict(zip(loss_cap.user_inputs, [*user, *targets]))
@@ -628,7 +612,7 @@ class ParallelModule(nn.Module):
     def _output_meta(self, index: int) -> torch.Tensor:
         output_node = next(iter(self.captured.nodes("output")))
         value = pytree.tree_leaves(output_node.args[0])[index].meta["val"]
-        dtype = self._output(torch.empty((), dtype=value.dtype, device="meta")).dtype
+        dtype = output_under(self.precision, torch.empty((), dtype=value.dtype, device="meta")).dtype
         return value if dtype == value.dtype else torch.empty(value.shape, dtype=dtype, device="meta")
 
     def _local_target(self, program: RankProgram, cap: Captured, target: torch.Tensor, local: bool) -> torch.Tensor:

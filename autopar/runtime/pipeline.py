@@ -50,7 +50,7 @@ from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, check_divisible, split_batch
 from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, whole
-from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
+from autopar.runtime.precision import Precision, capture_cast, masters_reduce_dtype, output_under, warn_under_autocast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
 from autopar.runtime.variants import Variants, backward_order, stored_layouts
@@ -122,7 +122,8 @@ class PipelineModule(nn.Module):
         self._place = StagePlace(self.intra, self.pp_rank, self.pp_group, self.device)
         self._compiled = lower_stages(captured, graph, choice, plan, self._place,
                                       functools.partial(self._take_state, values), self.precision)
-        self._reduce_dtype = self._gradient_reduce_dtype()
+        self._reduce_dtype = masters_reduce_dtype(
+            self.precision, [t for t, _ in self.state.values() if isinstance(t, nn.Parameter)])
         micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
         self._variants = Variants((micro, True), self._compiled)
         self._variant = self._compiled
@@ -201,24 +202,8 @@ class PipelineModule(nn.Module):
                 "with autopar.runtime.precision.capture_cast (autopar.compile does)"
             )
 
-    def _gradient_reduce_dtype(self) -> torch.dtype | None:
-        """The dtype the gradients' data-parallel shares are summed in: the policy's for the masters' dtype."""
-        if self.precision is None:
-            return None
-        masters = {t.dtype for t, _ in self.state.values() if isinstance(t, nn.Parameter) and t.is_floating_point()}
-        if len(masters) > 1:
-            raise ValueError(
-                f"autopar: mp_policy expects every floating parameter in one dtype (the master copy), found "
-                f"{sorted(str(d) for d in masters)}; convert the model first (model.float())"
-            )
-        return self.precision.gradient_reduce_dtype(masters.pop()) if masters else None
-
-    def _output(self, value: Any) -> Any:
-        """A model output as the caller and the loss get it: ``output_dtype`` under the policy."""
-        return value if self.precision is None else self.precision.output(value)
-
     def _output_meta(self, value: torch.Tensor) -> torch.Tensor:
-        """An output's traced value (the loss is captured from it) as ``_output`` makes it."""
+        """An output's traced value (the loss is captured from it) as ``output_under`` makes it."""
         dtype = self.precision.output_dtype if self.precision is not None and value.is_floating_point() else None
         return torch.empty(value.shape, dtype=dtype or value.dtype, device="meta")
 
@@ -324,7 +309,7 @@ class PipelineModule(nn.Module):
         """One micro-batch's loss: this rank's share of it where the loss is a pending sum."""
         program, cap = self._loss
         outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        values = dict(zip(cap.user_inputs, [*map(self._output, outs), target]))
+        values = dict(zip(cap.user_inputs, [*(output_under(self.precision, o) for o in outs), target]))
         flat = pytree.tree_leaves(program.gm(*[values[n] for n in cap.placeholders]))
         return flat[cap.user_outputs[0]] * self._loss_scale
 
@@ -568,7 +553,7 @@ class PipelineModule(nn.Module):
             pieces = [chunk[j] if isinstance(chunk, tuple) else chunk for chunk in chunks]
             if self.intra is not None and spec is not None:
                 pieces = [whole(p, spec, self.intra) for p in pieces]
-            wholes.append(self._output(torch.cat(pieces).cpu()))
+            wholes.append(output_under(self.precision, torch.cat(pieces).cpu()))
         return wholes
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import fx, nn
@@ -113,6 +113,25 @@ class Precision:
         if self.output_dtype is not None and _floating(x):
             return x.to(self.output_dtype)
         return x
+
+
+def output_under(precision: Precision | None, x: Any) -> Any:
+    """A model output as the caller (and the loss) gets it: ``output_dtype`` under a policy."""
+    return x if precision is None else precision.output(x)
+
+
+def masters_reduce_dtype(precision: Precision | None, params: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The dtype the data-parallel shares of gradients are summed in: the policy's for the
+    masters' dtype (None without a policy, or without floating parameters)."""
+    if precision is None:
+        return None
+    masters = {p.dtype for p in params if p.is_floating_point()}
+    if len(masters) > 1:
+        raise ValueError(
+            f"autopar: mp_policy expects every floating parameter in one dtype (the master copy), found "
+            f"{sorted(str(d) for d in masters)}; convert the model first (model.float())"
+        )
+    return precision.gradient_reduce_dtype(masters.pop()) if masters else None
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types whose torch.autocast state is looked at
