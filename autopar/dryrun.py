@@ -121,6 +121,8 @@ def dry_run(
         _run_ranks(work, results, optimizer or _adamw, processes)
         if plan.pipeline is not None:
             check_stage_boundaries(work.stage_io, results)
+    for r in results:
+        r.predicted = _predicted_for(plan, r.coordinate)
     result = DryRunResult(plan.kind, shape, results, dict(plan.predicted.memory), time.perf_counter() - started)
     if raise_on_failure:
         result.raise_if_failed()
@@ -138,6 +140,15 @@ def distinct_ranks(plan: Plan) -> list[int]:
     axis = plan.pipeline.axis
     firsts = [_rank(tuple(k if a == axis else 0 for a in range(len(shape))), shape) for k in range(shape[axis] - 1)]
     return firsts + [last]
+
+
+def _predicted_for(plan: Plan, coordinate: tuple[int, ...]) -> dict[str, float]:
+    """The plan's predicted memory by kind for the rank at ``coordinate``: its pipeline rank's
+    where the plan has one per pipeline rank, else the one every device shares."""
+    by_rank = plan.predicted.memory_by_rank
+    if plan.pipeline is not None and len(by_rank) == plan.mesh_shape[plan.pipeline.axis]:
+        return dict(by_rank[coordinate[plan.pipeline.axis]])
+    return dict(plan.predicted.memory)
 
 
 # --- preparation: one capture for every rank --------------------------------------------

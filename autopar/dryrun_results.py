@@ -23,6 +23,14 @@ class RankResult:
     memory: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     traceback: str = field(default="", repr=False)  # of the failure, for a planner bug report
+    # the plan's prediction for this rank by kind: its pipeline rank's (``Prediction.memory_by_rank``),
+    # else the plan's one per device
+    predicted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """This rank's predicted memory / its dry-run peak (nan: not measured or nothing predicted)."""
+        return sum(self.predicted.values()) / self.peak if self.peak and self.predicted else math.nan
 
     def where(self) -> str:
         plural = "s" if len(self.stages) > 1 else ""
@@ -58,6 +66,11 @@ class DryRunResult:
         return max((r.peak for r in self.ranks if r.ok), default=0)
 
     @property
+    def rank_ratios(self) -> list[float]:
+        """Every rank's own predicted / dry-run peak (``RankResult.ratio``), those measured."""
+        return [r.ratio for r in self.ranks if r.ok and not math.isnan(r.ratio)]
+
+    @property
     def predicted_total(self) -> float:
         return float(sum(self.predicted.values()))
 
@@ -86,6 +99,10 @@ class DryRunResult:
             if r.ok:
                 kinds = ", ".join(f"{k} {_gib(r.memory.get(k, 0))}" for k in KINDS)
                 lines.append(f"  {r.where()}: ok, peak {_gib(r.peak)} ({kinds}), {r.seconds:.1f} s")
+                if r.predicted:
+                    predicted = ", ".join(f"{k} {_gib(r.predicted.get(k, 0))}" for k in KINDS if k in r.predicted)
+                    lines.append(f"    predicted {_gib(sum(r.predicted.values()))} ({predicted}); "
+                                 f"predicted / dry run {r.ratio:.2f}")
             else:
                 lines.append(f"  {r.where()}: FAILED: {r.error}")
         if self.peak:

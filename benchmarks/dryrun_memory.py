@@ -13,7 +13,10 @@ Cases (``--cases``, comma-separated; ``all``: every one of ``CASES``):
 - ``llama70b-2l@64``: the Llama-70B shape with 2 layers (batch 16 x 4096) in the ``fsdp+tp``
   layout on (8, 8), as ``benchmarks/plan_llama.py`` shapes it;
 - ``mlm-7.1b@96``: Megatron's GPT 7.1B, batch 192 x 4096, auto plan on 96 GPUs (12 x 8), the
-  published row of ``benchmarks/published.py``.
+  published row of ``benchmarks/published.py``;
+- ``llama-zero3-pp2@8``: a 4-layer Llama (hidden 1024, bf16, batch 8 x 256) pipelined over 2
+  stages of (2, 2), 1F1B, with a device memory of 150 MB and the ``fsdp+tp`` layout as the
+  search's only manual candidate: its ZeRO-3 stages win.
 
 With ``--plan``, a saved plan of a built-in ``autopar plan`` model is dry-run instead (e.g. the
 70B demo plan). Prints one markdown row per plan: predicted and dry-run GiB by kind
@@ -35,7 +38,7 @@ import torch
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
 CASES = ("gpt@64", "gpt-pp2@16", "wide-mlp@8", "big-vocab@8", "gpt2@8", "big-vocab@64", "wide-mlp@64",
-         "llama70b-2l@64", "mlm-7.1b@96")
+         "llama70b-2l@64", "mlm-7.1b@96", "llama-zero3-pp2@8")
 GIB = 2**30
 
 
@@ -73,7 +76,7 @@ def _planned(case: str, time_limit: float, with_loss: bool):
     import autopar
     from autopar import layouts
     from autopar.bench.workloads import build
-    from autopar.models import GPT, GPTConfig, llama3, megatron_gpt
+    from autopar.models import GPT, MODELS, GPTConfig, llama3, megatron_gpt
     from autopar.passes.capture import capture
     from autopar.passes.planner.pipeline import pipeline_plan
     from autopar.passes.planner.request import PlanRequest
@@ -92,6 +95,18 @@ def _planned(case: str, time_limit: float, with_loss: bool):
         request = PlanRequest(mesh_shape=(2, 8), hardware="h100", memory_limit=80e9, layouts=layouts.LAYOUTS,
                               hint_fn=layouts.hints)
         plan, why = pipeline_plan(capture(model, inputs), 2, (8,), request, solver_time_s=2)
+        if plan is None:
+            raise SystemExit(f"autopar: the {case} pipeline plan was expected; the search found none: {why}")
+        return case, plan, model, inputs, {}
+    if case == "llama-zero3-pp2@8":
+        with torch.device("meta"):
+            model = MODELS["llama"].build(dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                                               num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                                               use_cache=False), 256).to(torch.bfloat16)
+        inputs = tokens(8, 256)
+        request = PlanRequest(mesh_shape=(2, 2, 2), hardware="h100", memory_limit=150e6, layouts=("fsdp+tp",),
+                              hint_fn=layouts.hints)
+        plan, why = pipeline_plan(capture(model, inputs), 2, (2, 2), request, solver_time_s=2, schedules=("1f1b",))
         if plan is None:
             raise SystemExit(f"autopar: the {case} pipeline plan was expected; the search found none: {why}")
         return case, plan, model, inputs, {}

@@ -1,7 +1,7 @@
 """Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
 
     python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
-                                   [--bf16-throughout]
+                                   [--bf16-throughout] [--plans DIR]
 
 For each published run, on the meta device with the preset of its machine (``Row.hardware``:
 ``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W), under the run's
@@ -224,10 +224,17 @@ def dry_run_verdict(plan, model, inputs) -> str:
         result = dry_run(plan, model, inputs)
     except Exception as exc:  # a crash of the dry run is a finding to report, not a crash of the table
         return f"crashed: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+    print(result.table(), file=sys.stderr, flush=True)  # every rank's peak by kind beside its prediction
     if not result.ok:
         first = result.failures[0]
         return f"FAILED on {first.where()}: {(first.error or '')[:120]}"
-    return f"ok: peak {result.peak / GIB:.1f} GiB, predicted / dry run {result.ratio:.2f} ({result.seconds:.0f} s)"
+    ratios = result.rank_ratios
+    per_rank = (f", per rank {min(ratios):.2f}–{max(ratios):.2f}"
+                if len(ratios) > 1 and max(ratios) - min(ratios) >= 0.005 else "")
+    limit = plan.solver.get("memory_limit")  # the device's bytes the plan was made for
+    over = f" (**over the device's {limit / GIB:.1f} GiB**)" if limit and result.peak > limit else ""
+    return (f"ok: peak {result.peak / GIB:.1f} GiB{over}, predicted / dry run {result.ratio:.2f}{per_rank} "
+            f"({result.seconds:.0f} s)")
 
 
 def _model_and_inputs(row: Row) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
@@ -247,10 +254,11 @@ def _capture(model: torch.nn.Module, inputs: tuple, mp_policy: MixedPrecisionPol
 
 
 def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
-             auto_plan: bool = True) -> dict:
+             auto_plan: bool = True, plans: Path | None = None) -> dict:
     """One table row's numbers (see the module docstring). ``cache``: kept between rows, so
     rows of the same model and batch share its capture, and of the same GPUs its auto plan.
-    ``auto_plan`` False: the published layout only (the auto columns say "skipped")."""
+    ``auto_plan`` False: the published layout only (the auto columns say "skipped").
+    ``plans``: a folder to save the auto plan in (``<row>.json``), to dry-run or inspect again."""
     cache = {} if cache is None else cache
     shared = (row.build, row.batch, row.seq, row.mp_policy)
     if shared not in cache:
@@ -285,6 +293,8 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
             plan = plan_auto(model, row.auto_mesh, inputs, hardware=row.hardware, time_limit_s=time_limit_s,
                              memory_limit=row.device_memory, mp_policy=row.mp_policy)
         auto["auto_seconds"] = time.perf_counter() - started
+        if plans is not None:
+            plan.save(plans / f"{row.key}.json")
         auto["auto_line"] = one_line(plan)
         auto["auto_tokens"] = tokens_per_gpu(row, plan.predicted.step_time)
         auto["auto_mfu"] = auto["auto_tokens"] * per_token / PEAK_BF16
@@ -353,16 +363,19 @@ def main() -> None:
     parser.add_argument("--bf16-throughout", action="store_true",
                         help="price every row in bf16 throughout, without its run's mixed precision (Row.mp_policy)")
     parser.add_argument("--out", default="results/published.md")
+    parser.add_argument("--plans", type=Path, default=None, help="save every auto plan here (<row>.json)")
     args = parser.parse_args()
     if args.bf16_throughout:
         rows = {k: replace(r, mp_policy=None) for k, r in rows.items()}
     results, cache = [], {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.plans is not None:
+        args.plans.mkdir(parents=True, exist_ok=True)
     for key in args.rows:
         started = time.perf_counter()
         results.append(evaluate(rows[key], time_limit_s=args.time_limit, dry_run=args.dry_run, cache=cache,
-                                auto_plan=not args.no_auto))
+                                auto_plan=not args.no_auto, plans=args.plans))
         print(f"{key}: {time.perf_counter() - started:.0f} s (published layout priced in "
               f"{results[-1]['pinned_seconds']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(table(results) + "\n")  # after every row: a long run keeps what it has

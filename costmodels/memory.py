@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import _ComputationType
+
 from autopar.costmodels.formulas import BYTES_PER_PARAM, compiled
 from autopar.costmodels.schedules import Schedule
 
@@ -63,6 +66,37 @@ def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batche
     if schedule is Schedule.GPIPE:
         return [n - 1 for n in peak]
     return [n if micro_batches > n else n - 1 for n in peak]
+
+
+class _StageShape:
+    """What torch's schedules read of a stage to list their action order (``pipeline_order``)."""
+
+    def __init__(self, index: int, stages: int, ranks: int):
+        self.stage_index, self.num_stages, self.group_rank, self.group_size = index, stages, 0, ranks
+        self.is_first, self.is_last = index == 0, index == stages - 1
+
+
+_TORCH_SCHEDULES = {Schedule.GPIPE: torch_schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: torch_schedules.Schedule1F1B,
+                    Schedule.INTERLEAVED_1F1B: torch_schedules.ScheduleInterleaved1F1B}
+
+
+@lru_cache(maxsize=64)
+def schedule_order(schedule: str | Schedule, stages: int, micro_batches: int,
+                   chunks: int = 1) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """Per pipeline rank, the (forward?, virtual stage) of each forward and backward it runs, in
+    the order torch's schedule runs them (its ``pipeline_order``: what the runtime and the dry
+    run execute); virtual stage ``c`` runs on rank ``c mod stages``."""
+    schedule = Schedule.parse(schedule)
+    v = schedule.chunks(chunks)
+    schedule.check(stages, micro_batches, v)
+    if schedule.interleaved:
+        torch_schedule = _TORCH_SCHEDULES[schedule]([_StageShape(c * stages, stages * v, stages) for c in range(v)],
+                                                    micro_batches)
+    else:
+        torch_schedule = _TORCH_SCHEDULES[schedule](_StageShape(0, stages, stages), micro_batches)
+    kinds = {_ComputationType.FORWARD: True, _ComputationType.FULL_BACKWARD: False}
+    return tuple(tuple((kinds[a.computation_type], a.stage_index) for a in torch_schedule.pipeline_order[rank]
+                       if a is not None and a.computation_type in kinds) for rank in range(stages))
 
 
 def activation_bytes(

@@ -10,19 +10,21 @@ the graph does not show is here, per parameter element:
 - gradients: accumulated in the master dtype (4 B), split at ZeRO-2;
 - AdamW state: ``ADAMW_STATES`` (m and v) in the master dtype: 8 B per optimizer element,
   split at ZeRO-1/2;
-- working copy: ``compute`` bytes (bf16: 2), the cast (ZeRO-0/1, tensor parallel) or the
-  whole gathered copy (ZeRO-2), alive from forward until backward is done with it; counted
-  with the activations (freed before the gradients are summed). A ZeRO-3 placement
-  regathers in backward and frees its copy: the graph's gather edges price it (its shard is
-  still charged a working copy, which the runtime casts into the gather and frees: a
-  parameter's memory cannot tell a ZeRO-3 placement, gathered by its consumers, from a
-  tensor-parallel one, used as it lies; the known over-prediction of
-  ``benchmarks/memory_vs_predicted.py --mp bf16``'s zero3);
+- working copy (``working_copy_bytes``): ``compute`` bytes (bf16: 2) of the parameter as a
+  consumer reads it where it lies and its backward saves it: the cast (ZeRO-0/1, tensor
+  parallel) or the whole gathered copy (ZeRO-2), alive from forward until backward is done
+  with it; counted with the activations (freed before the gradients are summed). A ZeRO-3
+  placement, split where its consumer reads it whole, keeps none: the runtime casts the
+  shard into the gather and frees the gathered copy, gathering again in backward; nor does
+  a read whose backward does not save it (a linear's bias, an embedding). So what stays
+  depends on the placement and on what the consumer reads: the edge between them holds it
+  (``autopar.passes.edge_costs``; ``SolveProblem.edge_memory``), not the parameter's state;
 - gradient reductions (all-reduce, reduce-scatter): ``reduce`` bytes; the all-gather of a
   ZeRO-2 bucket: ``compute`` bytes; the all-gather of ZeRO-1's updated slices: ``master``
   bytes; the AdamW step: on ``master`` elements;
-- the casts (``MixedPrecision.cast_bytes``, priced by ``cast_time``: bytes at elementwise
-  bandwidth, each cast reading one dtype and writing the other; compute on the
+- the casts (``MixedPrecision.cast_bytes``, priced by ``cast_time`` as the op the runtime
+  runs, ``CAST_OP``, through the op-kind table: its kind's byte rate, each cast reading one
+  dtype and writing the other; compute on the
   parameter's placeholder, per placement, so a pipeline stage pays them per micro-batch, as
   it casts once per call): the working copy made in forward and the gradient cast back to
   the master dtype in backward, of the elements as placed (ZeRO-0/1, tensor parallel; a
@@ -40,12 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from autopar.costmodels.compute import dtype_name, rates
+from autopar.costmodels.opkinds import Op, backward_ops
 from autopar.costmodels.profile import HardwareProfile
 
 META_KEY = "autopar_precision"  # fx node meta of a parameter placeholder captured under a policy
 # fx node meta of the first user output under a policy's ``output_dtype``: the loss reads it cast
 OUTPUT_DTYPE_KEY = "autopar_output_dtype"
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq: each the size and dtype of the master parameter
+# the working copy's cast, ``x.to(param_dtype)`` (``autopar.runtime.precision.to_compute``, and
+# ``MixedGather``'s shards); autograd's backward of it casts the gradient back: the same op
+CAST_OP = "aten._to_copy.default"
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -76,15 +82,20 @@ class MixedPrecision:
     def state_breakdown(self, numel: float, level: int, shards: int) -> dict[str, float]:
         """Bytes by kind of ``numel`` local parameter elements at a ZeRO level over ``shards``
         ranks (the module docstring): the master and its gradient split at level 2, AdamW's
-        state at level 1 and 2, and the working copy in the compute dtype."""
+        state at level 1 and 2; the kinds of ``state_costs.state_breakdown``."""
         n = max(shards, 1)
         stored = n if level >= 2 else 1
         return {
             "parameters": numel * self.master_bytes / stored,
             "gradients": numel * self.master_bytes / stored,
             "optimizer": numel * ADAMW_STATES * self.master_bytes / (n if level >= 1 else 1),
-            "activations": numel * self.compute_bytes,
+            "activations": 0.0,  # the working copy stays where it is read (``working_copy_bytes``)
         }
+
+    def working_copy_bytes(self, numel: float) -> float:
+        """Bytes of the working copy of ``numel`` elements a consumer reads where they lie (the
+        module docstring), kept from forward until backward is done with it."""
+        return numel * self.compute_bytes
 
     def cast_bytes(self, numel: float) -> list[float]:
         """Bytes each cast kernel of one step moves (read + write) for a parameter of ``numel``
@@ -93,12 +104,17 @@ class MixedPrecision:
         return [numel * (m + c), numel * (c + m)]
 
     def cast_time(self, numel: float, profile: HardwareProfile) -> float:
-        """Seconds of one step's casts: their bytes (``cast_bytes``) at the profile's elementwise
-        bandwidth in the master dtype. Each kernel's launch latency is left out (the runtime
-        launches one per parameter, FSDP2 one per bucket): small parameters' casts are priced
-        below what they take."""
-        _, bandwidth = rates("", dtype_name(self.master), profile)
-        return sum(self.cast_bytes(numel)) / bandwidth.rate
+        """Seconds of one step's casts of a parameter (``cast_bytes``): the working copy, a
+        ``CAST_OP`` kernel, and the gradient's cast back, the op autograd runs for its backward
+        (``costmodels.opkinds.backward_ops``), each at its kind's byte rate in the master dtype
+        (``rates``). Each kernel's launch latency is left out (the runtime launches two per
+        parameter, FSDP2 one per bucket): small parameters' casts are priced below what they
+        take. With it (2 x the profile's 5 us per parameter) a model as small as the tests'
+        GPT of dim 64 would compute slower in mixed precision than in float32 (37 parameters:
+        0.37 ms of casts against 0.16 ms saved by bf16 compute)."""
+        forward, _ = self.cast_bytes(numel)
+        cast = Op(0.0, forward, dtype_name(self.master), CAST_OP)
+        return sum(op.bytes / rates(op.name, op.dtype, profile)[1].rate for op in (cast, *backward_ops(cast)))
 
     def zero_bytes(self, numel: float) -> dict[str, float]:
         """Bytes one ZeRO collective of ``numel`` elements moves: ``"step_gather"`` (ZeRO-1's

@@ -10,7 +10,10 @@ stay whole, which is the level sharding rules are written for). Then:
 - ``_assert_tensor_metadata`` checks, which return nothing, are dropped;
 - a tied parameter (one tensor under two names) becomes one placeholder;
 - an in-place op whose mutated input nothing reads afterwards becomes its functional twin;
-- a mean cross-entropy becomes sum / count, so that both can be split across devices.
+- a mean cross-entropy becomes sum / count, so that both can be split across devices;
+- a mixture-of-experts region (transformers' grouped-matmul experts) becomes one
+  ``autopar::moe_experts`` op (``autopar.passes.moe_region``), which can split tokens and
+  experts on one axis (all-to-all dispatch).
 
 Works on meta-device models: nothing is allocated. Hugging Face models are taken as
 they are: the key-value cache is switched off while tracing, and ``ModelOutput``
@@ -31,6 +34,8 @@ import torch.fx.config
 from torch import fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
+
+from autopar.passes.moe_region import fuse_moe_experts
 
 
 @dataclass
@@ -210,6 +215,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     _drop_metadata_asserts(gm)
     _functionalize_inplace(gm)
     _mean_loss_as_sum_over_count(gm)
+    fuse_moe_experts(gm)  # mixture-of-experts regions as one op: expert parallelism can dispatch all-to-all
     return captured
 
 

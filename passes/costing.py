@@ -35,7 +35,9 @@ price. Per strategy of an op node, on local shapes:
 Per ZeRO node (i, z): the parameter's state at level z on placement i
 (``autopar.passes.state_costs``). Per edge (producer u, consumer v, input position p): the
 reshard of u's output to what v's strategy reads, and its gradient's collectives
-(``autopar.passes.edge_costs``).
+(``autopar.passes.edge_costs``); under a mixed-precision policy an edge from a parameter also
+holds the working copy its consumer keeps where it reads the parameter as it lies, none
+where it is gathered for it (ZeRO-3) (``SolveProblem.edge_memory``).
 
 Identical repeated layers share one set of variables: ``ties`` groups the same
 position of every layer whose op sequence and strategy tables are identical.
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -55,12 +57,15 @@ from autopar import costmodels
 from autopar.passes.saved import VIEWS, keep_bases, saved_roles, saved_values
 from autopar.costmodels.precision import META_KEY, MixedPrecision
 from autopar.passes.edge_costs import (UNPACKED, EdgeInput, EdgePrice, EdgePricer, Shares, alike_consumers,
-                                       dtype_kind, edge_tables, local_bytes, parameter_shares)
+                                       copy_readers, dtype_kind, edge_tables, local_bytes, parameter_shares,
+                                       working_copy_memory)
 from autopar.passes.state_costs import zero_costs
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from autopar.passes.placements import local_shape
 from autopar.passes.rules.moe import GROUPED_MM_OPS, rows_share
+from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
+from autopar.passes.rules.moe_experts import experts_time
 from autopar.passes.solve import Follower, SolveProblem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
@@ -99,6 +104,8 @@ class Costs:
     # zeros for placeholders and ZeRO nodes (the optimizer step is not a forward)
     forward: list[np.ndarray] = field(default_factory=list)
     edge_prices: list[EdgeInput] = field(default_factory=list)  # per problem edge: what prices it
+    # per graph node: the strategies priced (``build_costs``'s ``allowed``); None: all of them
+    allowed: Mapping[fx.Node, np.ndarray] | None = None
 
     def edge_price(self, edge: int, assignment: Sequence[int]) -> EdgePrice:
         """Problem edge ``edge`` under ``assignment``, itemised; its ``seconds`` is the table's entry."""
@@ -193,6 +200,16 @@ class _Pricer(EdgePricer):
                                                          self.profile) for s in ns.strategies])
         return self.tables[key]
 
+    def node_copy(self, node: fx.Node, ns) -> np.ndarray:
+        """Bytes per (placement, ZeRO level) of the working copy a parameter's ZeRO node holds
+        under its policy where its readers cannot (``edge_costs.copy_readers``): as it lies."""
+        shape = tuple(node.meta["val"].shape)
+        key = ("node copy", shape, id(ns.strategies), node.meta[META_KEY])
+        if key not in self.tables:
+            self.tables[key] = np.array([node.meta[META_KEY].working_copy_bytes(
+                math.prod(local_shape(shape, s.output, self.mesh))) for s in ns.strategies for _ in ZERO_LEVELS])
+        return self.tables[key]
+
     def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares) -> list[tuple[float, float, float]]:
         key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares)
         if key not in self.state:
@@ -207,6 +224,18 @@ class _Pricer(EdgePricer):
         if key not in self.node:
             times, forward, saved = zip(*(self._op_strategy(ns.info, s, on_grad_path) for s in ns.strategies))
             self.node[key] = (np.array(times), np.array(forward), np.array(saved))
+        return self.node[key]
+
+    def op_comm(self, ns, on_grad_path: bool) -> np.ndarray:
+        """Seconds per strategy of the collectives an op runs inside itself (the experts op's
+        dispatch, forward and backward); zeros for every other op."""
+        if ns.info.name != MOE_EXPERTS:
+            return np.zeros(len(ns.strategies))
+        key = ("op comm", id(ns.strategies), on_grad_path)
+        if key not in self.node:
+            dtype = dtype_kind(ns.info.outputs[0])
+            self.node[key] = np.array([experts_time(ns.info, s, self.mesh, self.profile, dtype, on_grad_path)[2]
+                                       for s in ns.strategies])
         return self.node[key]
 
     def reads(self, ns, reads: tuple[tuple[int, fx.Node, float], ...]) -> np.ndarray | float:
@@ -231,6 +260,10 @@ class _Pricer(EdgePricer):
         if name in VIEWS or not info.outputs:
             return 0.0, 0.0, 0.0
         out_bytes = float(sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs)))
+        if name == MOE_EXPERTS:  # its grouped matmuls; the dispatch's collectives are in ``op_comm``
+            t, t_forward, _ = experts_time(info, strategy, self.mesh, self.profile, dtype_kind(info.outputs[0]),
+                                           on_grad_path)
+            return t, t_forward, out_bytes if on_grad_path else 0.0
         moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas)) + out_bytes
         flops = heads = 0.0
         if name in MATMULS and ins:
@@ -250,13 +283,16 @@ class _Pricer(EdgePricer):
 
 def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, memory_limit: float | None = None,
                 tie_layers: bool = True, follow_operands: bool = True, recompute: bool | Iterable[int] = False,
-                pricer: "_Pricer | None" = None, grad_inputs: Iterable[str] = ()) -> Costs:
+                pricer: "_Pricer | None" = None, grad_inputs: Iterable[str] = (),
+                allowed: Mapping[fx.Node, np.ndarray] | None = None) -> Costs:
     """The SolveProblem of ``graph`` on ``profile`` (see the module docstring).
 
     ``recompute``: the repeated layers (True: all; or their numbers) run under activation
     checkpointing: they keep their inputs and what leaves them, run their forward again in
     backward, and together hold one layer's activations while they do. ``grad_inputs``: placeholders, by name, that carry a
-    gradient back (``requires_grad``).
+    gradient back (``requires_grad``). ``allowed``: a boolean mask per graph node of the strategies
+    it may take (a manual layout's, ``autopar.passes.planner.intra_op.layout_costs``): edge tables
+    and the default loss's memory are priced for those only, inf for the others (not a choice).
     """
     if tuple(profile.mesh_shape) != graph.mesh_shape:
         raise ValueError(
@@ -300,7 +336,8 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             compute.append(zeros if casts is None else casts); forward.append(zeros); comm.append(zeros)
         else:
             t, t_forward, own = pricer.op(ns, node in grad_nodes)
-            compute.append(t); forward.append(t_forward); state.append(zeros); comm.append(zeros)
+            compute.append(t); forward.append(t_forward); state.append(zeros)
+            comm.append(pricer.op_comm(ns, node in grad_nodes))
             read_memory[index[node]] = pricer.reads(ns, saved.reads.get(node, ()))
             activation.append((own if node in kept else zeros) + read_memory[index[node]])
             leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
@@ -311,6 +348,8 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
     shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
+    # under a policy: which reads of a parameter keep its working copy
+    readers = pricer.once(("copy readers", grad_inputs), lambda: copy_readers(graph, grad_nodes))
     for node in nodes:
         if node.name not in params:
             continue
@@ -321,19 +360,22 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         forward.append(np.zeros(len(priced)))
         comm.append(np.array([c[1] for c in priced]))
         state.append(np.array([c[2] for c in priced]))
-        activation.append(np.zeros(len(priced)))
+        activation.append(pricer.node_copy(node, ns) if node in readers and readers[node] is None
+                          else np.zeros(len(priced)))
         followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
                                                                     for _ in ZERO_LEVELS)))
     # the edges do not depend on recomputation: priced once per graph, every rebuild gets copies
+    masks = None if allowed is None else tuple(allowed[n].tobytes() for n in nodes)
     edges, edge_inputs, edge_prices = (list(part) for part in pricer.once(
-        ("edges", grad_inputs), lambda: edge_tables(graph, nodes, index, grad_nodes, shares, pricer.once(
-            ("alike",), lambda: alike_consumers(graph, nodes, params)), pricer)))
+        ("edges", grad_inputs, masks), lambda: edge_tables(graph, nodes, index, grad_nodes, shares, pricer.once(
+            ("alike",), lambda: alike_consumers(graph, nodes, params)), pricer, allowed)))
     temporary = [np.zeros(len(a)) for a in activation]
     # the default loss of a graph planned without one (None: the graph holds its loss)
     loss = pricer.once(("loss",), lambda: loss_memory(graph.captured, graph.mesh_shape))
     if loss is not None:
         v = index[output_node(graph.captured)]
-        _add_loss_memory(graph, v, loss, activation, temporary, read_memory.get(v, 0.0))
+        _add_loss_memory(graph, v, loss, activation, temporary, read_memory.get(v, 0.0),
+                         None if allowed is None else allowed[nodes[v]])
     all_nodes = nodes + list(zero_node)
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
@@ -353,19 +395,24 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         node_memory=[s + a + t for s, a, t in zip(state, activation, temporary)],
         edges=edges, memory_limit=memory_limit, ties=ties, followers=followers,
         node_names=[n.name for n in nodes] + [f"zero[{n.name}]" for n in zero_node],
+        edge_memory=pricer.once(("copies", grad_inputs), lambda: working_copy_memory(
+            edge_inputs, edge_prices, pricer, readers)),
     )
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
-                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices)
+                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed)
 
 
 def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list,
-                     reads: np.ndarray | float) -> None:
+                     reads: np.ndarray | float, allowed: np.ndarray | None = None) -> None:
     """The default loss's memory, by the placement of the first output (problem node ``v``).
     An output the graph keeps only because it returns it lives as long as the loss holds it,
     which the loss's memory counts: the graph's own count of it is dropped (not the inputs
-    its op saves, ``reads``)."""
+    its op saves, ``reads``). ``allowed``: the placements priced (``build_costs``); the others are
+    never taken (their edges are inf), their loss left out."""
     node = list(graph.nodes)[v]
-    priced = [loss.of(output_spec(graph, node, j)) for j in range(len(graph.nodes[node].strategies))]
+    unpriced = {"activations": 0.0, "temporary": 0.0}
+    priced = [loss.of(output_spec(graph, node, j)) if allowed is None or allowed[j] else unpriced
+              for j in range(len(graph.nodes[node].strategies))]
     own = reads if _kept_only_as_output(node) else activation[v]
     activation[v] = own + np.array([p["activations"] for p in priced])
     temporary[v] = np.array([p["temporary"] for p in priced])

@@ -32,21 +32,33 @@ makes ZeRO-3 save memory), so its edge pays the forward gather twice. Each of a
 parameter's gathers and reduce-scatters also pays the copies that pack it into and out
 of its bucket's flat buffer (``costmodels.bucket_copy_bytes``), at the measured rate of
 a copy.
+
+Under a mixed-precision policy an edge from a parameter also holds memory
+(``SolveProblem.edge_memory``): the working copy in the compute dtype
+(``MixedPrecision.working_copy_bytes``) that the consumer's backward keeps where it reads the
+parameter where it lies (ZeRO-0/1/2, tensor parallel) and saves it (``saved.saved_roles``: a
+linear saves its weight, not its bias; an embedding saves no weight); none where the
+parameter is moved for it (ZeRO-3: gathered, used and freed) or not saved. The runtime casts
+once for all of a parameter's readers, so each of its k saving reads holds 1/k (exact where
+they read it alike). A parameter read by a view that follows it, or by the graph's output,
+keeps its copy whatever its consumers read: its ZeRO node holds it (``copy_readers`` None).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch import fx
 
 from autopar import costmodels
+from autopar.costmodels.precision import META_KEY, MixedPrecision
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.placements import Spec, gradient_spec, local_shape
+from autopar.passes.saved import saved_roles
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 
@@ -169,6 +181,7 @@ class EdgePricer:
         self.reduce_itemsize = reduce_itemsize
         self.reshard: dict[tuple, EdgePrice] = {}
         self.tables: dict[tuple, np.ndarray] = {}
+        self.sides: dict[tuple, bool] = {}  # per edge table: whether one end's strategy alone sets it
 
     def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
              bucketed: bool = False) -> EdgePrice:
@@ -214,28 +227,69 @@ class EdgePricer:
             price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True)
         return price.shared(edge.alike)
 
-    def edge(self, edge: EdgeInput) -> np.ndarray:
-        """The edge's table: ``price(edge, i, j).seconds`` for every pair of strategies."""
-        # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
-        key = (edge.meta.shape, edge.meta.dtype, id(edge.producer.strategies), edge.output,
-               id(edge.consumer.strategies), edge.position, edge.grad, edge.regather, edge.shares, edge.alike)
+    def working_copy(self, edge: EdgeInput, mixed: MixedPrecision, readers: int) -> np.ndarray:
+        """Bytes per pair of strategies of a parameter's working copy that this reading edge
+        holds (the module docstring): its ``readers``' share of the copy where the consumer
+        reads the parameter as it lies, 0 where it is moved or not read."""
+        key = ("copy", edge.meta.shape, id(edge.producer.strategies), edge.output, id(edge.consumer.strategies),
+               edge.position, mixed, readers)
         if key not in self.tables:
             have = [s.outputs[edge.output] for s in edge.producer.strategies]
+            copy = [mixed.working_copy_bytes(math.prod(local_shape(edge.meta.shape, h, self.mesh))) / readers
+                    for h in have]
+            self.tables[key] = np.array([[c if s.inputs[edge.position] == h else 0.0
+                                          for s in edge.consumer.strategies] for h, c in zip(have, copy)])
+        return self.tables[key]
+
+    def edge(self, edge: EdgeInput, rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
+        """The edge's table: ``price(edge, i, j).seconds`` for every pair of strategies, or,
+        given ``rows`` and ``cols`` (boolean masks of the producer's and the consumer's
+        strategies that may be taken), for those pairs only, inf for the others (no choice). A
+        table that depends on one end alone is priced whole all the same (a few moves): so it
+        stays separable, and the solver's shrinking folds it as it folds the whole table."""
+        # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
+        whole = (edge.meta.shape, edge.meta.dtype, id(edge.producer.strategies), edge.output,
+                 id(edge.consumer.strategies), edge.position, edge.grad, edge.regather, edge.shares, edge.alike)
+        if rows is not None and self._one_sided(whole, edge):
+            rows = cols = None
+        key = (*whole, None if rows is None else rows.tobytes(), None if cols is None else cols.tobytes())
+        if key not in self.tables:
+            have = [s.outputs[edge.output] for s in edge.producer.strategies]
+            priced_rows = range(len(have)) if rows is None else np.flatnonzero(rows)
             table = np.zeros((len(have), len(edge.consumer.strategies)))
+            if rows is not None:
+                table[~rows, :] = np.inf
             for j, s in enumerate(edge.consumer.strategies):
+                if cols is not None and not cols[j]:
+                    table[:, j] = np.inf
+                    continue
                 need = s.inputs[edge.position]
                 if need is None:
                     continue
                 g = gradient_spec(need, s.outputs) if edge.grad else None
-                for i, src in enumerate(have):
-                    table[i, j] = self._price(edge, src, need, g).seconds
+                for i in priced_rows:
+                    table[i, j] = self._price(edge, have[i], need, g).seconds
             self.tables[key] = table
         return self.tables[key]
 
+    def _one_sided(self, key: tuple, edge: EdgeInput) -> bool:
+        """Whether the edge's table is a function of one end's strategy: every producer strategy
+        gives the value one placement, or every consumer strategy reads it (and sends its
+        gradient back) one way."""
+        if key not in self.sides:
+            have = {s.outputs[edge.output] for s in edge.producer.strategies}
+            reads = {(s.inputs[edge.position], gradient_spec(s.inputs[edge.position], s.outputs)
+                      if edge.grad and s.inputs[edge.position] is not None else None)
+                     for s in edge.consumer.strategies}
+            self.sides[key] = len(have) == 1 or len(reads) == 1
+        return self.sides[key]
+
 
 def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int], grad_nodes: set[fx.Node],
-                shares: dict[fx.Node, Shares], alike: dict, pricer: EdgePricer) -> tuple[list, list, list]:
-    """(problem edges with their tables, (producer, consumer, position) of each, its ``EdgeInput``)."""
+                shares: dict[fx.Node, Shares], alike: dict, pricer: EdgePricer,
+                allowed: Mapping[fx.Node, np.ndarray] | None = None) -> tuple[list, list, list]:
+    """(problem edges with their tables, (producer, consumer, position) of each, its ``EdgeInput``);
+    ``allowed``: the strategies each node may take (``EdgePricer.edge``'s masks), None: all."""
     edges, edge_inputs, edge_prices = [], [], []
     params = graph.captured.params
     for node in nodes:
@@ -250,7 +304,7 @@ def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node,
             edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
                              regather=src.name in params, shares=shares.get(src, UNPACKED),
                              alike=alike.get((src, node, position), 1))
-            table = pricer.edge(edge)
+            table = pricer.edge(edge) if allowed is None else pricer.edge(edge, allowed[src], allowed[node])
             if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved
                 table = table + graph.in_place_mask(src, node)
             edges.append((index[src], index[node], table))
@@ -274,3 +328,38 @@ def alike_consumers(graph: StrategyGraph, nodes, params) -> dict[tuple[fx.Node, 
                 groups.setdefault((src, id(ns.strategies), position), []).append((src, node, position))
     return {edge: len(group) for group in groups.values() if len(group) > 1 for edge in group}
 
+
+
+def copy_readers(graph: StrategyGraph, on_grad_path: set[fx.Node]) -> dict[fx.Node, frozenset | None]:
+    """Per parameter placeholder captured under a mixed-precision policy: the reads (consumer,
+    input position) whose backward saves it, each holding its share of the working copy
+    (``EdgePricer.working_copy``); None where a reader is no problem edge (a view that follows
+    it, the graph's output): then its ZeRO node holds the copy (the module docstring)."""
+    out: dict[fx.Node, frozenset | None] = {}
+    cache: dict = {}
+    for node in graph.nodes:
+        if node.name not in graph.captured.params or META_KEY not in node.meta:
+            continue
+        saving: set | None = set()
+        for user in node.users:
+            if user not in graph.nodes or graph.nodes[user].follows is not None or user.op == "placeholder":
+                saving = None
+                break
+            sources = tensor_inputs(user)
+            roles = saved_roles(user, cache, tuple(s in on_grad_path for s in sources))
+            # an op meta tensors cannot run is assumed to save what it reads (saved_values: the worst)
+            saving.update((user, i) for i, s in enumerate(sources)
+                          if s is node and (roles is None or roles.inputs.get(i)))
+        out[node] = None if saving is None else frozenset(saving)
+    return out
+
+
+def working_copy_memory(edge_inputs: list, edge_prices: list, pricer: EdgePricer,
+                        readers: dict[fx.Node, frozenset | None]) -> dict[int, np.ndarray]:
+    """``SolveProblem.edge_memory``: problem edge -> its table of working-copy bytes, for the
+    reads of a parameter whose backward saves it (``copy_readers``)."""
+    out = {}
+    for e, ((src, dst, position), edge) in enumerate(zip(edge_inputs, edge_prices)):
+        if readers.get(src) and (dst, position) in readers[src]:
+            out[e] = pricer.working_copy(edge, src.meta[META_KEY], len(readers[src]))
+    return out

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from itertools import groupby
+from typing import NamedTuple
 
 from torch.distributed.tensor import Shard
 
 from autopar.passes.placements import parse_spec
 from autopar.passes.rules.moe import EXPERT_KERNEL
+from autopar.passes.rules.moe_experts import KERNEL as EXPERTS_OP_KERNEL
+from autopar.passes.rules.moe_experts import W_GATE_UP, axis_kinds
 
 MS = 1e3
 GB = 1e9
@@ -74,30 +77,73 @@ def _kinds(memory: dict) -> list[str]:
     return [k for k in order if k in memory] + sorted(k for k in memory if k not in order)
 
 
+# the expert weights' input position in the strategies that run only this rank's experts:
+# a grouped matmul's (``autopar.passes.rules.moe``) and the experts op's w_gate_up
+# (``autopar.passes.rules.moe_experts``)
+_EXPERT_WEIGHT = {EXPERT_KERNEL: 1, EXPERTS_OP_KERNEL: W_GATE_UP}
+
+
+def _inputs(text: str) -> list:
+    return [parse_spec(s) for s in text[1:text.index(") ->")].split(", ")]
+
+
 def expert_axes(plan) -> tuple[list[str], list[int]]:
-    """(the strategies of the grouped matmuls that run only this rank's experts: the
-    ``local_experts`` kernel of ``autopar.passes.rules.moe``, the mesh axes their experts
-    are split over: where the expert weights, the matmul's second input, split dim 0)."""
+    """(the strategies that run only this rank's experts — grouped matmuls under the
+    ``local_experts`` kernel, experts ops under ``moe_experts`` — and the mesh axes their
+    experts are split over: where the expert weights split dim 0)."""
     chosen, axes = [], set()
     for text in plan.strategies.values():
-        if not text.endswith(f"[{EXPERT_KERNEL}]"):
+        kernel = text[text.rindex("[") + 1:-1] if text.endswith("]") else None
+        if kernel not in _EXPERT_WEIGHT:
             continue
-        weights = parse_spec(text[1:text.index(") ->")].split(", ")[1])
-        by_expert = {a for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
-        if by_expert:  # the kernel also runs blocks of rows with every expert: not expert parallel
+        weights = _inputs(text)[_EXPERT_WEIGHT[kernel]]
+        by_expert = {_mesh_axis(plan, a) for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
+        if by_expert:  # the grouped matmul's kernel also runs blocks of rows with every expert: not expert parallel
             chosen.append(text)
             axes |= by_expert
     return chosen, sorted(axes)
 
 
 def expert_parallel(plan) -> str | None:
-    """'expert parallel: ...' for a plan that splits experts by expert, else None."""
+    """'expert parallel: ...' for a plan that splits experts by expert, naming how tokens
+    reach them (all-to-all or allgather dispatch), else None."""
     chosen, axes = expert_axes(plan)
     if not chosen:
         return None
     where = ", ".join(f"{plan.axis_names[a]} (size {plan.mesh_shape[a]})" for a in axes)
-    return (f"expert parallel: experts split by expert over {where}; {len(chosen)} grouped matmuls run "
-            "only the tokens routed to this rank's experts (tokens gathered before, outputs reduced after)")
+    lines = [f"expert parallel: experts split by expert over {where}"]
+    grouped = [t for t in chosen if t.endswith(f"[{EXPERT_KERNEL}]")]
+    if grouped:
+        lines.append(f"{len(grouped)} grouped matmuls run only the tokens routed to this rank's experts "
+                     "(allgather dispatch: tokens gathered before, outputs reduced after)")
+    dispatch: dict[tuple[str, int], int] = {}
+    for text in chosen:
+        if text.endswith(f"[{EXPERTS_OP_KERNEL}]"):
+            ins = _inputs(text)
+            for kind, kind_axes in axis_kinds(_Strategy(tuple(ins))).items():
+                for a in kind_axes if kind != "tp" else ():
+                    key = (kind, _mesh_axis(plan, a))
+                    dispatch[key] = dispatch.get(key, 0) + 1
+    words = {"all_to_all": "all-to-all dispatch (each rank sends its tokens' rows to the ranks of their experts "
+                           "and gets the results back)",
+             "allgather": "allgather dispatch (tokens whole, outputs reduced after)"}
+    for (kind, a), n in sorted(dispatch.items(), key=lambda kv: kv[0][1]):
+        lines.append(f"{n} expert layers: {words[kind]} over {plan.axis_names[a]}")
+    return "; ".join(lines)
+
+
+def _mesh_axis(plan, a: int) -> int:
+    """The plan's mesh axis of a strategy's axis ``a``: a pipeline plan's strategies live on
+    the mesh without its pipeline axis."""
+    if plan.pipeline is None:
+        return a
+    return [i for i in range(len(plan.mesh_shape)) if i != plan.pipeline.axis][a]
+
+
+class _Strategy(NamedTuple):
+    """A strategy's input placements, read back from its printed form."""
+
+    inputs: tuple
 
 
 def explain(plan) -> str:

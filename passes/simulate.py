@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import operator
 import random
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +23,8 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.passes import rules
+from autopar.passes.exchange import VirtualExchange
+from autopar.passes.rules import registry
 from autopar.passes.placements import Spec
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import OpInfo, ShardingStrategy
@@ -143,16 +146,47 @@ def run_strategy(
 def run_on_devices(
     info: OpInfo, strategy: ShardingStrategy, local_inputs: list[Pieces], mesh_shape: Sequence[int]
 ) -> dict[Coord, list[torch.Tensor]]:
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    if registry.communicates(strategy.kernel):  # the devices trade data: run them side by side
+        return _run_threaded(info, strategy, local_inputs, tuple(mesh_shape), coords)
     results = {}
-    for c in itertools.product(*(range(n) for n in mesh_shape)):
+    for c in coords:
         ctx = rules.LocalContext(tuple(mesh_shape), c)
+        results[c] = _run_device(info, strategy, local_inputs, ctx)
+    return results
+
+
+def _run_device(info: OpInfo, strategy: ShardingStrategy, local_inputs: list[Pieces], ctx) -> list[torch.Tensor]:
+    try:
+        out = rules.run_local(info, strategy, [pieces[ctx.coord] for pieces in local_inputs], ctx)
+    except Exception as exc:  # a strategy whose local op cannot even run is wrong too
+        raise SimulationMismatch(
+            f"{info.name} {strategy}: the local op failed on device {ctx.coord}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _run_threaded(info, strategy, local_inputs, mesh_shape, coords) -> dict[Coord, list[torch.Tensor]]:
+    """One thread per virtual device, trading through a ``VirtualExchange``; the first failure is raised."""
+    exchange = VirtualExchange(mesh_shape)
+    results: dict[Coord, list[torch.Tensor]] = {}
+    failures: list[BaseException] = []
+
+    def device(c: Coord) -> None:
         try:
-            out = rules.run_local(info, strategy, [pieces[c] for pieces in local_inputs], ctx)
-        except Exception as exc:  # a strategy whose local op cannot even run is wrong too
-            raise SimulationMismatch(
-                f"{info.name} {strategy}: the local op failed on device {c}: {type(exc).__name__}: {exc}"
-            ) from exc
-        results[c] = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+            results[c] = _run_device(info, strategy, local_inputs,
+                                     rules.LocalContext(mesh_shape, c, exchange.bind(c)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            failures.append(exc)
+            exchange.abort()
+
+    threads = [threading.Thread(target=device, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise next((f for f in failures if "BrokenBarrierError" not in str(f)), failures[0])
     return results
 
 

@@ -127,6 +127,7 @@ def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
     assert row["status"] == "ok" and not row["over_memory"], row
     assert row["peak"] > 0 and row["seconds"] > 0 and row["ranks"] == 2  # the first rank and the last
     assert row["ratio"] == pytest.approx(sum(plan.predicted.memory.values()) / row["peak"])
+    assert row["rank_ratios"][0] <= row["rank_ratios"][1] and min(row["rank_ratios"]) <= row["ratio"]
     assert row["plan"].startswith("mesh 2x4, ZeRO ")
 
 
@@ -150,7 +151,7 @@ def test_a_failing_dry_run_is_a_row_with_its_autopar_message(tiny_h100, tmp_path
         dist.destroy_process_group()
     assert refused["status"] == "failed" and refused["error"].startswith("autopar: dry_run starts"), refused
     over = {"status": "ok", "peak": 77 * 2**30, "ratio": 0.76, "seconds": 1.0, "plan": "mesh 2x4, ZeRO 0",
-            "over_memory": True, "memory_limit": 80e9}  # a plan whose peak the device cannot hold
+            "over_memory": True, "memory_limit": 80e9, "rank_ratios": [0.76, 0.9]}  # a plan whose peak the device cannot hold
     rows = [{"mesh": "h100-8", "model": "gpt", "layout": "auto", "label": "tiny GPT", "dry_run": row},
             {"mesh": "h100-8", "model": "big", "layout": "auto", "label": "big GPT", "dry_run": over}]
     text = report.markdown(rows, {"date": "today", "seconds": 1.0, "meshes": ["h100-8"], "time_limit_s": 2.0,
@@ -158,5 +159,5 @@ def test_a_failing_dry_run_is_a_row_with_its_autopar_message(tiny_h100, tmp_path
                                   "models": ["gpt"], "mesh_shapes": {"h100-8": (2, 4)}}, [])
     dry = [line for line in text.splitlines() if line.startswith("| h100-8 | gpt |")]
     assert dry and "**failed**: rank 0 (coordinate (0, 0)): autopar:" in dry[0]
-    assert "| ok, **peak over the device's 74.5 GiB** | 77 GiB | 0.76 |" in text
+    assert "| ok, **peak over the device's 74.5 GiB** | 77 GiB | 0.76 (per rank 0.76–0.90) |" in text
     assert _header(text.splitlines(), "mesh") == list(report.DRY_RUN_COLUMNS)

@@ -117,6 +117,10 @@ def test_a_pipeline_plan_dry_runs_every_stage(staged):
     assert stages == list(range(pp.stages * pp.chunks_per_rank))
     assert all(r.peak > 0 and r.memory["activations"] > 0 for r in result.ranks)
     assert distinct_ranks(plan) == [r.rank for r in result.ranks]
+    # each rank is set beside its own pipeline rank's prediction, not the fullest rank's
+    assert [r.predicted for r in result.ranks] == plan.predicted.memory_by_rank
+    assert result.rank_ratios == [sum(p.values()) / r.peak for r, p in zip(result.ranks, plan.predicted.memory_by_rank)]
+    assert "predicted / dry run" in result.table().splitlines()[2]
 
 
 def test_dry_run_refuses_to_replace_a_live_process_group(planned):

@@ -22,10 +22,10 @@ SUBSET = {
     "bart": ("tp", "auto"),
 }
 # Mixture-of-experts layouts (issue #18, item 2), in the same launch: experts split by expert
-# over the tp axis (with the batch, or with Megatron attention), each matmul of the experts on
-# this rank's experts only (the local_experts kernel; tests/test_layouts_apply.py: which); the
-# data-parallel axis splits the expert-sorted rows there (and in mixtral:tp+dp, zero1)
-MOE = ("mixtral:ep", "mixtral:tp+ep")
+# over the tp axis, each layer's experts op (autopar.passes.moe_region) on this rank's experts
+# only; ep's axis splits the batch too, so tokens travel to their experts all-to-all, tp+ep's
+# keeps it whole for Megatron's attention (allgather dispatch); tests/test_layouts_apply.py: which
+MOE = {"mixtral:ep": "all-to-all", "mixtral:tp+ep": "allgather"}
 # (loss, parameters) after 3 steps. float64 models: rounding only. Hugging Face's losses
 # (labels=) run cross-entropy on logits.float(): float32 loss values. Mixtral runs in float32
 # (its grouped matmul takes no float64), which AdamW's division by small second moments
@@ -52,5 +52,6 @@ def test_the_subset_trains_like_one_process():
     # Megatron keeps the router whole, so both MoE layers are laid out alike: no tie split
     # (tests/test_layouts_apply.py splits one on a model whose layers Megatron lays out apart)
     assert not results["mixtral:tp+dp"]["reasons"], results["mixtral:tp+dp"]["reasons"]
-    for case in MOE:  # up and down projections of both layers, the weights used where they lie
-        assert results[case]["expert_parallel"] == 4, (case, results[case])
+    for case, dispatch in MOE.items():  # both layers' experts, the weights used where they lie
+        assert results[case]["expert_parallel"] == 2, (case, results[case])
+        assert f"2 expert layers: {dispatch} dispatch over tp" in results[case]["dispatch"], (case, results[case])

@@ -2,7 +2,8 @@
 differently, the tie is split for it and the plan says so; every layout of ``LAYOUTS``
 gives a Plan on Mixtral, a ViT, CLIP, Whisper and BART (``tests.layout_models``: two of
 every repeated layer) on a (2, 2) mesh. Mixtral's layouts (item 2): Megatron keeps the
-router whole and splits each expert's MLP; ``ep`` and ``tp+ep`` split experts by expert."""
+router whole and splits each expert's MLP; ``ep`` and ``tp+ep`` split experts by expert, ``ep``
+sending tokens to them all-to-all, ``tp+ep`` (whole tokens on its tp axis) by allgather."""
 
 from __future__ import annotations
 
@@ -99,9 +100,17 @@ def test_megatron_keeps_the_router_whole_and_splits_each_expert_like_an_mlp():
     costs = costs_of("mixtral")
     plan, _ = plan_layout(costs, {"tp+dp": layouts.hint("tp+dp", costs.graph)}, "tp+dp", None, ("dp", "tp"))
     assert not any("tied layers placed differently" in r for r in plan.reasons), plan.reasons  # layers alike
-    # the data axis splits the expert-sorted rows (the local_experts kernel on every expert): not expert parallel
-    assert any(s.startswith("(S(0)") and s.endswith("[local_experts]") for s in plan.strategies.values())
+    # each layer's experts op: tokens split by the data axis, each expert's MLP by the tp axis
+    # (gate and up columns gathered inside the op): not expert parallel
+    experts = [s for n, s in plan.strategies.items() if n.startswith("moe_experts")]
+    assert experts == ["(S(0)R, S(0)R, S(0)R, RS(2), RS(1)) -> S(0)P [moe_experts]"] * 2, experts
     assert expert_axes(plan) == ([], []) and "expert parallel" not in plan.explain()
+
+
+# ep's last axis splits the batch too: tokens go to their experts all-to-all; tp+ep's keeps the
+# batch whole for Megatron's attention: every rank has every token, and runs its experts' rows
+DISPATCH = {"ep": ("(S(0)S(0), S(0)S(0), S(0)S(0), RS(0), RS(0)) -> S(0)S(0) [moe_experts]", "all-to-all"),
+            "tp+ep": ("(S(0)R, S(0)R, S(0)R, RS(0), RS(0)) -> S(0)P [moe_experts]", "allgather")}
 
 
 @pytest.mark.parametrize("layout, attention", [("ep", "RR"), ("tp+ep", "RS(0)")])
@@ -114,12 +123,13 @@ def test_expert_parallel_layouts_split_experts_by_expert_and_run_them_locally(la
         "layers.0.self_attn.q_proj.weight"))
     assert spec_str(q) == attention
     plan, _ = plan_layout(costs, {layout: hint}, layout, None, ("dp", "tp"))
-    # every grouped matmul, up and down, runs on this rank's experts with the weight as it lies,
-    # though transformers hands it over transposed (a view): no expert weight is gathered
-    experts = {n: s for n, s in plan.strategies.items() if "grouped_mm" in n}
-    assert len(experts) == 4, experts
-    assert all(s.endswith("[local_experts]") and s.split(", ")[1] == "RS(0)" for s in experts.values()), experts
+    # each layer's experts op runs this rank's experts with the weights as they lie, though
+    # transformers hands them over transposed (views): no expert weight is gathered
+    experts = [s for n, s in plan.strategies.items() if n.startswith("moe_experts")]
+    strategy, dispatch = DISPATCH[layout]
+    assert experts == [strategy] * 2, experts
     assert "expert parallel: experts split by expert over tp (size 2)" in plan.explain()
+    assert f"2 expert layers: {dispatch} dispatch" in plan.explain()
     assert expert_axes(plan)[1] == [1]  # what the weight picture marks "by expert"
     assert pictures.weight_placement(plan, tmp_path / "weights.png").stat().st_size > 0
     tokens = next(n for n in hint.fixed if n.name in costs.graph.captured.user_inputs)

@@ -19,7 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autopar
 from autopar.cli import main
-from autopar.costmodels.precision import MixedPrecision
+from autopar.costmodels.compute import rates
+from autopar.costmodels.opkinds import Op, backward_ops
+from autopar.costmodels.precision import CAST_OP, MixedPrecision
 from autopar.costmodels.presets import preset
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
@@ -36,14 +38,16 @@ STATE = ("parameters", "gradients", "optimizer")
 
 def test_state_bytes_per_element():
     """fp32 master 4 B (split at ZeRO-2), fp32 gradient 4 B (split at 2), AdamW 8 B (split at
-    1 and 2), the bf16 working copy 2 B (the cast, or ZeRO-2's gathered copy)."""
+    1 and 2); the bf16 working copy 2 B (the cast, or ZeRO-2's gathered copy) is not state:
+    the edges that read the parameter where it lies hold it."""
     mp = MixedPrecision(torch.float32, torch.bfloat16, torch.float32)
     assert mp.state_breakdown(1000, 0, 4) == {"parameters": 4000, "gradients": 4000, "optimizer": 8000,
-                                              "activations": 2000}
+                                              "activations": 0}
     assert mp.state_breakdown(1000, 1, 4) == {"parameters": 4000, "gradients": 4000, "optimizer": 2000,
-                                              "activations": 2000}
+                                              "activations": 0}
     assert mp.state_breakdown(1000, 2, 4) == {"parameters": 1000, "gradients": 1000, "optimizer": 2000,
-                                              "activations": 2000}
+                                              "activations": 0}
+    assert mp.working_copy_bytes(1000) == 2000
     assert mp.zero_bytes(10) == {"step_gather": 40, "all_gather": 20, "reduce_scatter": 40, "all_reduce": 40}
     assert mp.describe() == "bf16 compute, fp32 master, fp32 reduce"
 
@@ -51,6 +55,21 @@ def test_state_bytes_per_element():
 def test_cast_bytes_per_kernel():
     """The working copy (4 B read, 2 B written per element) and the gradient cast back (2 + 4)."""
     assert MixedPrecision(torch.float32, torch.bfloat16, torch.float32).cast_bytes(1000) == [6000, 6000]
+
+
+def test_casts_are_priced_as_the_op_the_runtime_runs():
+    """``x.to(bf16)`` runs ``aten._to_copy.default``: priced by the op-kind table as that op (its
+    kind's byte rate), its backward (the gradient's cast back) as the table says autograd runs
+    it: one bandwidth-bound kernel moving the same bytes."""
+    mp = MixedPrecision(torch.float32, torch.bfloat16, torch.float32)
+    profile = preset("h100", (4,))
+    assert CAST_OP == "aten._to_copy.default"
+    backward = backward_ops(Op(0.0, 6000.0, "fp32", CAST_OP))
+    assert [(op.name, op.bytes) for op in backward] == [("memory", 6000.0)]
+    _, forward_rate = rates(CAST_OP, "fp32", profile)
+    _, backward_rate = rates("memory", "fp32", profile)
+    assert mp.cast_time(1000, profile) == pytest.approx(6000 / forward_rate.rate + 6000 / backward_rate.rate,
+                                                        rel=1e-12)
 
 
 def test_casts_are_priced_on_the_parameters_placement():
@@ -101,28 +120,55 @@ def dp_plans(gpt):
             "pure-bf16": planned((bf16_model, gpt[1]), "dp")}
 
 
+def saved_elements(model: torch.nn.Module) -> int:
+    """Elements of the parameters whose working copies backward keeps: what a linear's backward
+    saves (its weight, not its bias) and a layer norm's (weight and bias); an embedding's
+    backward saves no weight."""
+    return sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight]) + sum(
+        p.numel() for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters())
+
+
 def test_masters_and_adamw_state_are_priced_in_float32(dp_plans, gpt):
     """The master copy, its gradients and AdamW's moments are float32 as without a policy (a
     pure bf16 model holds half of each), and the bf16 working copies come on top."""
     fp32, mixed, pure = (dp_plans[k].predicted.memory for k in ("fp32", "mixed", "pure-bf16"))
     assert all(mixed[k] == fp32[k] for k in STATE), (mixed, fp32)
     assert all(pure[k] == fp32[k] / 2 for k in STATE), (pure, fp32)
-    params = fp32["parameters"] / 4  # elements per rank (dp: whole)
     logits = gpt[1].numel() // 4 * gpt[0].head.out_features  # this rank's rows of the logits
-    # activations in bf16 (half of float32's) plus a 2-byte working copy of every parameter;
-    # the loss reads the logits cast to output_dtype float32: its log-softmax kept in 4 bytes, not 2
-    assert mixed["activations"] == pytest.approx(fp32["activations"] / 2 + 2 * params + 2 * logits, rel=0.005)
+    # activations in bf16 (half of float32's) plus a 2-byte working copy of every parameter
+    # backward keeps (dp: whole); the loss reads the logits cast to output_dtype float32: its
+    # log-softmax kept in 4 bytes, not 2
+    copies = 2 * saved_elements(gpt[0])
+    assert mixed["activations"] == pytest.approx(fp32["activations"] / 2 + copies + 2 * logits, rel=0.005)
 
 
 def test_time_is_bf16_compute_and_reduce_dtype_communication(dp_plans, gpt):
+    """bf16 matmul rates with the casts priced on top (at their kind's byte rate; their launch
+    latency is not priced: ``MixedPrecision.cast_time``) still compute faster than float32."""
     fp32, mixed, reduce16 = (dp_plans[k].predicted for k in ("fp32", "mixed", "bf16-reduce"))
     mp = MixedPrecision(torch.float32, torch.bfloat16, torch.float32)
     profile = preset("h100", (4,))
     casts = sum(mp.cast_time(p.numel(), profile) for p in gpt[0].parameters())  # dp: every one whole
-    assert mixed.compute - casts < fp32.compute  # bf16 matmul rates, the casts on top
+    assert casts > 0
+    assert mixed.compute < fp32.compute
     assert dp_plans["pure-bf16"].predicted.compute < mixed.compute  # a bf16 model casts nothing
     assert reduce16.communication < mixed.communication  # gradients all-reduced in 2 bytes, not 4
     assert mixed.communication == pytest.approx(fp32.communication, rel=0.05)  # float32 reductions either way
+
+
+def test_zero3_keeps_no_working_copy(gpt, dp_plans):
+    """FSDP runs dp's ops on parameters stored split, gathered in bf16 and freed after use
+    (ZeRO-3): no working copy stays, where dp keeps a whole 2-byte copy of every parameter
+    backward saves, so their activations differ by exactly those copies. Tensor parallelism
+    reads its shards where they lie and keeps their copies (a quarter of the column- and
+    row-parallel weights, the layer norms whole) on top of fp32's halved activations."""
+    dp = dp_plans["mixed"].predicted.memory
+    fsdp = planned(gpt, "fsdp", mp_policy=BF16).predicted.memory
+    assert dp["activations"] - fsdp["activations"] == pytest.approx(2 * saved_elements(gpt[0]), rel=1e-9)
+    tp = planned(gpt, "tp").predicted.memory
+    tp_mixed = planned(gpt, "tp", mp_policy=BF16).predicted.memory
+    linears = sum(m.weight.numel() for m in gpt[0].modules() if isinstance(m, torch.nn.Linear))
+    assert tp_mixed["activations"] - tp["activations"] / 2 >= 2 * linears / 4
 
 
 def test_zero3_gathers_in_bf16(gpt):

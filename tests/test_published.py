@@ -14,6 +14,7 @@ from benchmarks import published
 from autopar import layouts
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
 from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, price_pinned
 
 
@@ -84,6 +85,22 @@ def test_scaled_down_row_numbers():
     assert math.prod(int(n) for n in mesh.split("x")) == 8 and r["dry_run"] == "not run"
     text = published.table([r])
     assert text.splitlines()[0] == published.HEADER and "| tiny | 8 | TP 2, PP 2, DP 2 |" in text
+
+
+def test_a_dry_run_row_saves_its_plan_and_sets_each_rank_beside_its_prediction(tmp_path, capsys):
+    """``--dry-run --plans DIR``: the auto plan saved as <row>.json (the plan the table's line
+    describes), and the verdict: ok with the peak against the prediction, every rank's table
+    printed (each distinct rank's own predicted / dry run)."""
+    row = published.Row(key="tiny", source="test", build=tiny_gpt, gpus=8, batch=16, seq=64, mesh=(4, 2),
+                        pinned=Pinned(layout="tp+dp", stages=2, micro_batches=4), layout_text="TP 2, PP 2, DP 2",
+                        tflops_per_gpu=1.0)
+    r = published.evaluate(row, time_limit_s=3.0, dry_run=True, plans=tmp_path)
+    saved = Plan.load(tmp_path / "tiny.json")
+    assert published.one_line(saved) == r["auto_line"]
+    assert r["dry_run"].startswith("ok: peak ") and "predicted / dry run" in r["dry_run"], r["dry_run"]
+    assert "over the device" not in r["dry_run"]  # a tiny GPT on an 80 GB card
+    printed = capsys.readouterr().err
+    assert printed.count("predicted / dry run") >= 2  # a line per rank, and the whole plan's
 
 
 @pytest.mark.parametrize("shape, pinned", [

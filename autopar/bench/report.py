@@ -183,8 +183,14 @@ def _dry_run_line(row: dict) -> list[str]:
     dry = row["dry_run"]
     verdict = _dry_verdict(dry) if dry["status"] == "ok" else f"**failed**: {dry['error']}".replace("|", "/")
     peak = _mem(dry["peak"]) if dry.get("peak") else "–"
-    return [row["mesh"], row["model"], dry.get("plan", ""), verdict, peak, _ratio(dry.get("ratio")),
+    return [row["mesh"], row["model"], dry.get("plan", ""), verdict, peak, _ratio(dry.get("ratio")) + _per_rank(dry),
             f"{dry['seconds']:.0f}"]
+
+
+def _per_rank(dry: dict) -> str:
+    """The least and most of every rank's own predicted ÷ peak, where they differ (pipeline ranks)."""
+    low, high = dry.get("rank_ratios") or (0.0, 0.0)
+    return f" (per rank {low:.2f}–{high:.2f})" if high - low >= 0.005 else ""
 
 
 def _best_cell(rows: list[dict], auto: dict, key: str, best_key: str) -> str:

@@ -90,9 +90,10 @@ def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> 
         return sorted(values, key=order.get)
 
     parts = []
+    is_state = set(state)  # looked up for every input of every node: a list cost seconds per 405B stage build
     for s in range(n_stages):
         nodes = {n for n, st in stage.items() if st == s}
-        own_state = sorted({src for n in nodes for src in n.all_input_nodes if src in state}, key=order.get)
+        own_state = sorted({src for n in nodes for src in n.all_input_nodes if src in is_state}, key=order.get)
         received = user_inputs if s == 0 else crossing(s - 1)
         sends = outputs if s == n_stages - 1 else crossing(s)
         parts.append(Part(nodes=nodes, inputs=own_state + received, outputs=sends))
@@ -152,9 +153,12 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
     layer_of = plan_layers(plan)
     state_names = {*captured.params, *captured.buffers, *captured.constant_values}
     variant = Stages(captured, parts, [], [], [])
+    # ZeRO-3 parameters are gathered per use and freed, gathered again in backward: a stage
+    # does not keep a gathered copy for each micro-batch in flight
+    per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     for index in range(place.pp_rank, n_stages, pp.stages):
         part = parts[index]
-        program = lower(graph, choice, place.intra, part=part)
+        program = lower(graph, choice, place.intra, per_use, part=part)
         mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
         program.gm = recompute_layers(program.gm, layer_of, mine)
         named = {n.name: take(captured, n.name, program.input_specs.get(n.name))

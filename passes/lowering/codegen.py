@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.passes import rules
+from autopar.passes.exchange import MeshExchange
 from autopar.passes.lowering import buckets
 from autopar.passes.lowering.buckets import Gather, GatherBucket
 from autopar.passes.lowering.collectives import Axis, AxisMove, grad_side
@@ -193,7 +194,8 @@ def lower(
             f"autopar: the strategies were listed for a mesh of shape {graph.mesh_shape}, "
             f"found a device mesh of shape {mesh_shape}; build the strategy graph for this mesh"
         )
-    ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()) if mesh is not None else ())
+    ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()) if mesh is not None else (),
+                             MeshExchange(mesh) if mesh is not None else None)
     flow = Flow(graph, choice, part, storage or {}, reduce_outputs)
     shared = gradient_shares(flow, batch_grad_sync)
     grad_sync = {

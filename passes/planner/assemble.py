@@ -17,7 +17,7 @@ from autopar.passes.state_costs import state_breakdown
 from autopar.passes.placements import fits, local_shape, spec_str
 from autopar.passes.plan import Plan, Prediction, plan_from_choice
 from autopar.passes.planner.reasons import planning_reasons
-from autopar.passes.solve import SolveResult, plan_costs
+from autopar.passes.solve import SolveResult, edge_bytes, plan_costs
 from autopar.passes.strategy_graph import tensor_inputs
 
 
@@ -48,8 +48,10 @@ def chosen(costs: Costs, assignment: Sequence[int]) -> Chosen:
 
 def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
     """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
-    parameters), temporary (alive only while backward runs); each kind at its most, as the
-    solver's memory constraint adds them (``state_costs.at_peak``: at the step's peak)."""
+    parameters; the working copies of parameters that edges hold under a policy,
+    ``SolveProblem.edge_memory``, as activations), temporary (alive only while backward runs);
+    each kind at its most, as the solver's memory constraint adds them (``state_costs.at_peak``:
+    at the step's peak)."""
     mesh = costs.graph.mesh_shape
     out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "temporary": 0.0}
     choice, zero = picked.choice, picked.zero
@@ -65,6 +67,7 @@ def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
         out["temporary"] += float(costs.temporary_memory[v][s])
         if v < len(costs.index):
             out["parameters"] += float(costs.state_memory[v][s])  # buffers; parameters sit on ZeRO nodes
+    out["activations"] += float(edge_bytes(costs.problem, picked.assignment).sum())
     return out
 
 
@@ -108,8 +111,9 @@ def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[st
         row["memory"] += float(pc.node_memory[v])
         if node in costs.layer_of:
             row["layer"] = costs.layer_of[node]
-    for (src, dst, _), t in zip(costs.edge_inputs, pc.edge_time):
+    for (src, dst, _), t, held in zip(costs.edge_inputs, pc.edge_time, pc.edge_memory):
         out[dst.name]["comm"] += float(t)
+        out[dst.name]["memory"] += float(held)
     return out
 
 

@@ -30,7 +30,9 @@ from autopar.passes.planner.microbatch import batch_dims, batch_size, sequences_
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
 from autopar.passes.placements import spec_str
-from autopar.passes.solve import SolveOptions, plan_costs, solve
+from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
+from autopar.passes.rules.moe_experts import all_to_all_restriction
+from autopar.passes.solve import SolveOptions, evaluate_memory, plan_costs, solve
 from autopar.passes.solve.heuristics import chain_relaxation_plan
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
@@ -54,6 +56,8 @@ class Hint:
     # replicated across TP ranks, the batch split over the data-parallel axes only)
     batch_whole_axes: tuple[int, ...] = ()
     everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
+    # mesh axes over which the experts ops dispatch tokens all-to-all (Megatron-Core's alltoall dispatcher)
+    all_to_all_axes: tuple[int, ...] = ()
     untied: list[str] = field(default_factory=list)  # what completing it gave up (tied layers split), for explain()
 
 
@@ -140,6 +144,10 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
         # the same for every layout on these costs' graph (and its rebuilds): worked out once
         out.soft += costs.pricer.once(("batch kept whole", hint.batch_whole_axes),
                                       lambda: _batch_kept_whole(costs, hint.batch_whole_axes))
+    if hint.all_to_all_axes:
+        for node, ns in graph.nodes.items():
+            if str(node.target) == MOE_EXPERTS and node in costs.index:
+                out.soft.append((costs.index[node], all_to_all_restriction(ns.strategies, hint.all_to_all_axes)))
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
@@ -259,7 +267,7 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
     hint_times = {}
     for h, a in zip(hints, assignments):
         pc = plan_costs(costs.problem, a)
-        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+        hint_times[h.name] = (pc.total_time, pc.memory)
     options = SolveOptions(time_limit_s=max(time_limit_s, 0.5), relative_gap_limit=1e-3)
     return Solved(costs, solve(costs.problem, options, shrunk=shrunk), hint_times, list(hints))
 
@@ -287,8 +295,11 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
                             "part: PlanRequest.on_mesh)")
     hints, limit, names = request.hints(graph), request.memory_bytes, request.names
     if request.layout is not None:
-        costs = build_costs(graph, request.profile, memory_limit=limit)
-        return plan_layout(costs, {h.name: h for h in hints}, request.layout, limit, names)
+        by_name = {h.name: h for h in hints}
+        if request.layout not in by_name:
+            raise unknown_layout(request.layout, by_name)
+        costs = layout_costs(graph, request.profile, by_name[request.layout], limit)
+        return plan_layout(costs, by_name, request.layout, limit, names)
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
     solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s)
@@ -318,7 +329,7 @@ def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: f
     (``layout_plan``); a PlanningError when it does not apply on this mesh or contradicts the
     model's structure. ``autopar.plan(..., layout=name)`` and the benchmarks' layout rows."""
     if name not in hints:
-        raise PlanningError(f"autopar: layout {name!r} does not apply here; expected one of {list(hints)}")
+        raise unknown_layout(name, hints)
     hint = completed(costs, [hints[name]])[0]
     if hint.choice is None:
         raise PlanningError(f"autopar: layout {name!r} has no completion on mesh {costs.graph.mesh_shape}: "
@@ -326,6 +337,48 @@ def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: f
                             "(an op that reads a placeholder in place, or one of a single strategy); "
                             "pick another layout")
     return layout_plan(costs, hint, memory_limit, axis_names)
+
+
+def unknown_layout(name: str, hints: dict[str, Hint]) -> PlanningError:
+    return PlanningError(f"autopar: layout {name!r} does not apply here; expected one of {list(hints)}")
+
+
+def layout_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, hint: Hint,
+                 memory_limit: float | None) -> Costs:
+    """``build_costs`` for planning ``hint`` alone: its edge tables priced only between the
+    strategies the layout leaves each node (``layout_allowed``), the only ones its completion
+    can take, so its plan is the one full costs give, for a fraction of the pricing (most
+    of it: resharding between strategies the layout forbids)."""
+    bare = build_costs(graph, profile, memory_limit=memory_limit,
+                       allowed={node: np.zeros(len(ns.strategies), dtype=bool) for node, ns in graph.nodes.items()})
+    return build_costs(graph, profile, memory_limit=memory_limit, pricer=bare.pricer,
+                       allowed=layout_allowed(bare, hint))
+
+
+def layout_allowed(costs: Costs, hint: Hint) -> dict[fx.Node, np.ndarray]:
+    """Per graph node, a mask of the strategies ``complete`` may give it under ``hint``: what
+    ``restrict`` leaves finite. Its decisions (which soft restrictions it keeps, which ties it
+    splits) read only which costs are finite, so they are made here on ``costs.problem`` with
+    every edge table replaced by its finite pattern (0, inf where an in-place write forbids a
+    move: the only inf a priced table holds), needing no edge priced. All False where the
+    layout has no completion (as ``complete`` finds too)."""
+    graph, problem = costs.graph, costs.problem
+    pattern = []
+    for (u, v, _), (src, dst, position) in zip(problem.edges, costs.edge_inputs):
+        in_place = position == 0 and (src, dst) in graph.in_place
+        pattern.append((u, v, np.where(np.isfinite(graph.in_place_mask(src, dst)), 0.0, np.inf) if in_place
+                        else np.zeros((len(problem.node_time[u]), len(problem.node_time[v])))))
+    finite = replace(problem, edges=pattern, hints=[])
+    restricted = restrict(finite, shrink_problem(finite), layout_restrictions(costs, hint))
+    out = {node: np.zeros(len(ns.strategies), dtype=bool) for node, ns in graph.nodes.items()}
+    if restricted is None:
+        return out
+    shrunk = restricted.shrunk
+    for node, v in costs.index.items():
+        d = int(shrunk.node_class[v])
+        taken = shrunk.index_maps[v][np.isfinite(shrunk.node_time[d])] if d >= 0 else shrunk.index_maps[v][:1]
+        out[node][taken] = True
+    return out
 
 
 def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
@@ -360,7 +413,7 @@ def cost_layout(costs: Costs, hint: Hint, memory_limit: float | None, built: dic
     fitted = recompute_to_fit(costs, assignment, memory_limit, built)
     used = fitted if fitted is not None else costs
     pc = plan_costs(used.problem, assignment)
-    return Laid(hint.name, used, assignment, pc.total_time, float(pc.node_memory.sum()), fitted is not None)
+    return Laid(hint.name, used, assignment, pc.total_time, pc.memory, fitted is not None)
 
 
 def fastest_of(solved: Solved, manual: Sequence[Laid]) -> Solved:
@@ -398,7 +451,7 @@ def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: floa
         """The assignment's bytes with the first k layers recomputed."""
         if k not in built:
             built[k] = build_costs(costs.graph, costs.profile, memory_limit=memory_limit, recompute=layers[:k],
-                                   pricer=costs.pricer)
+                                   pricer=costs.pricer, allowed=costs.allowed)
         if k not in memory:
             memory[k] = _assignment_memory(built[k].problem, assignment)
         return memory[k]
@@ -417,8 +470,8 @@ def recompute_to_fit(costs: Costs, assignment: Sequence[int], memory_limit: floa
 
 
 def _assignment_memory(problem, assignment: Sequence[int]) -> float:
-    """``plan_costs(problem, assignment).node_memory.sum()``, the same float, without pricing its edges."""
-    return float(np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)]).sum())
+    """``plan_costs(problem, assignment).memory``, the same float, without pricing its edges' times."""
+    return evaluate_memory(problem, assignment)
 
 
 def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:
@@ -452,7 +505,7 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     hint_times = {}
     for h, a in zip(solved.hints, hints):
         pc = plan_costs(fewer.problem, a)
-        hint_times[h.name] = (pc.total_time, float(pc.node_memory.sum()))
+        hint_times[h.name] = (pc.total_time, pc.memory)
     return Solved(fewer, result, hint_times, solved.hints)
 
 

@@ -24,12 +24,12 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
 - ``tp+sp``: ``tp+dp`` plus sequence parallelism (inputs split by sequence on tp);
 - ``fsdp+tp``: Megatron on the last axis, ``fsdp`` on the others;
 - ``ep``: expert parallel (mixture-of-experts models): ``dp`` with every expert's weights
-  on one rank of the last axis (experts split by expert there, tokens gathered to them
-  and their outputs reduced: Megatron-Core's "allgather" dispatch); the data-parallel
-  axes split the expert-sorted rows (the routing is whole, so tokens are gathered there
-  too, and the outputs reduce-scattered back);
+  on one rank of the last axis (experts split by expert there); each rank's tokens go to
+  the ranks of their experts and back all-to-all (Megatron-Core's "alltoall" dispatcher:
+  the experts op, ``autopar.passes.rules.moe_experts``, kept to its all-to-all strategies);
 - ``tp+ep``: ``tp+dp`` with the experts split by expert over the tp axis instead of
-  within each expert.
+  within each expert (tokens whole there, for Megatron's attention: the dispatch the
+  cost model picks, allgather where it is cheaper).
 
 On an MoE layer Megatron leaves the router whole (its scores pick the experts on every
 rank) and splits each expert's MLP like a dense one: the grouped matmul reading the
@@ -53,6 +53,7 @@ from autopar.passes.placements import Spec, fits
 from autopar.passes.planner.intra_op import Hint
 from autopar.passes.roles import AxisRole
 from autopar.passes.rules.moe import GROUPED_MM_OPS
+from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import StrategyGraph
 
@@ -108,7 +109,12 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
         weighted = _weighted(node, target, params)
         if node in routers:
             continue
-        if target in GROUPED_MM and node.args[0] not in split:  # column: output features (w's dim 2)
+        if target == MOE_EXPERTS:  # the experts region as one op: gate_up by output features, down by input
+            for w, dim in expert_weights(node, params, 3).items():
+                dims.setdefault(w, dim[2])
+            for w, dim in expert_weights(node, params, 4).items():
+                dims.setdefault(w, dim[1])
+        elif target in GROUPED_MM and node.args[0] not in split:  # column: output features (w's dim 2)
             for w, dim in expert_weights(node, params).items():
                 dims.setdefault(w, dim[2])
             split.add(node)
@@ -151,10 +157,11 @@ def router_linears(graph: StrategyGraph) -> set[fx.Node]:
     return routers
 
 
-def expert_weights(node: fx.Node, params) -> dict[fx.Node, tuple[int, int, int]]:
-    """The expert parameter a grouped matmul multiplies by (directly, or transposed as
-    transformers stores it: [E, N, K]) -> its dims for the matmul's (expert, K, N)."""
-    w = node.args[1]
+def expert_weights(node: fx.Node, params, arg: int = 1) -> dict[fx.Node, tuple[int, int, int]]:
+    """The expert parameter a grouped matmul multiplies by (argument ``arg``; of the
+    ``moe_experts`` op: 3 and 4), directly or transposed as transformers stores it
+    ([E, N, K]) -> its dims for the matmul's (expert, K, N)."""
+    w = node.args[arg]
     if isinstance(w, fx.Node) and w.name in params:
         return {w: (0, 1, 2)}
     if isinstance(w, fx.Node) and str(w.target) == TRANSPOSE and isinstance(w.args[0], fx.Node) \
@@ -164,6 +171,12 @@ def expert_weights(node: fx.Node, params) -> dict[fx.Node, tuple[int, int, int]]
         order[a], order[b] = order[b], order[a]
         return {w.args[0]: tuple(order)}
     return {}
+
+
+def _expert_args(node: fx.Node) -> tuple[int, ...]:
+    """The arguments of ``node`` that are expert weights [E, K, N]."""
+    target = str(node.target)
+    return (3, 4) if target == MOE_EXPERTS else (1,) if target in GROUPED_MM else ()
 
 
 def _weighted(node: fx.Node, target: str, params) -> tuple | None:
@@ -185,8 +198,8 @@ def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Sp
     captured = graph.captured
     tp_dims = megatron_dims(graph) if AxisRole.TP in roles else {}
     by_expert = expert_axes(name, len(mesh))
-    experts = {w for node in captured.nodes("call_function") if str(node.target) in GROUPED_MM
-               for w in expert_weights(node, captured.params)}
+    experts = {w for node in captured.nodes("call_function") for arg in _expert_args(node)
+               for w in expert_weights(node, captured.params, arg)}
     fixed: dict[fx.Node, Spec] = {}
     zero: dict[fx.Node, int] = {}
     for node in captured.nodes("placeholder"):
@@ -245,7 +258,8 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
     keep = tuple(a for a, role in enumerate(roles) if role in (AxisRole.TP, AxisRole.EP))
     data = tuple(a for a, role in enumerate(roles) if role is AxisRole.DP and graph.mesh_shape[a] > 1)
     return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
-                batch_whole_axes=tp, everything_whole=name == "replicated")
+                batch_whole_axes=tp, everything_whole=name == "replicated",
+                all_to_all_axes=expert_axes(name, len(graph.mesh_shape)) if name == "ep" else ())
 
 
 def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:

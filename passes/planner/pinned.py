@@ -165,7 +165,7 @@ def _intra_op(graph: StrategyGraph, profile, hint_of, pinned: Pinned, memory_lim
         used = _with_policy(costs, pinned)
         assignment = used.assignment(hint.choice, hint.zero)
         priced = plan_costs(used.problem, assignment)
-        time, memory, fits = priced.total_time, float(priced.node_memory.sum()), True
+        time, memory, fits = priced.total_time, priced.memory, True
         notes = _over_limit(memory, memory_limit)
     recomputed = len(used.recompute)
     parts = breakdown(layer_numbers(used, assignment), recomputed=recomputed) if fits else {}

@@ -149,9 +149,10 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             numel = math.prod(local_shape(tuple(node.meta["val"].shape), spec, mesh))
             shards = math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Replicate))
             held = stage_state(numel, zero[node], shards, costs.precision)
-            static[layer] += sum(held.values())
+            copy = float(activation_memory[v][s])  # a working copy its ZeRO node holds (edge_costs.copy_readers)
+            static[layer] += sum(held.values()) + copy
             row = kinds[layer]
-            row[0] += held["parameters"] + held["activations"]
+            row[0] += held["parameters"] + held["activations"] + copy
             row[1] += held["gradients"]
             row[2] += held["optimizer"]
             largest[layer] = max(largest[layer], held["gradients"])
@@ -169,7 +170,11 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     params = graph.captured.params
     kept_by: dict = {}  # a tensor read by recomputed layers is kept once, by its first reader's layer
     user_inputs = set(graph.captured.user_inputs)
-    for (src, dst, _), (u, v, table) in zip(costs.edge_inputs, costs.problem.edges):
+    copies = costs.problem.edge_memory  # working copies of parameters, held with them (as on ZeRO nodes)
+    for e, ((src, dst, _), (u, v, table)) in enumerate(zip(costs.edge_inputs, costs.problem.edges)):
+        if e in copies:
+            static[where[dst]] += float(copies[e][assignment[u], assignment[v]])
+            kinds[where[dst]][0] += float(copies[e][assignment[u], assignment[v]])
         t = float(table[assignment[u], assignment[v]])
         if src.name in params:
             param[where[dst]] += t
@@ -231,7 +236,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             boundary_time=num.send_times(pp_profile, m) if count > 1 else None,
             step_overhead=num.step_overhead(p),
             recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
-            accumulating=num.largest_gradient,
+            accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
         )
 
     found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
@@ -242,20 +247,18 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
 
 def rank_memory(num: LayerNumbers, option) -> list[dict[str, float]]:
     """Bytes by kind each pipeline rank holds at its peak, from the stage search's own numbers
-    (``option.rank_memory``, which its memory limit checked): the state of its stages' layers,
-    the gradients where its stages' peaks hold them (``StageCut.gradients``), one micro-batch's
-    temporaries and a gradient being added to the accumulated ones, and the rest activations (micro-batches in flight, recomputed layers' inputs
-    and one layer's rebuild)."""
-    p, m, v = option.num_stages, option.num_microbatches, option.chunks_per_rank
+    (``option.rank_peaks``, which its memory limit checked): the state of its stages' layers,
+    the gradients and temporaries (a backward's: the loss's, a gradient being added) held at
+    that instant, and the rest activations (micro-batches in flight, recomputed layers'
+    inputs and one layer's rebuild)."""
+    p, v = option.num_stages, option.chunks_per_rank
     out = []
-    for rank in range(p):
-        stages = range(rank, p * v, p)
-        layers = [layer for s in stages for layer in option.cut.layers(s)]
+    for rank, peak in enumerate(option.rank_peaks):
+        layers = [layer for s in range(rank, p * v, p) for layer in option.cut.layers(s)]
         kinds = num.kinds[layers].sum(axis=0)
-        adding = sum(option.cut.accumulating[s] for s in stages)
-        held = {"parameters": float(kinds[0]), "gradients": sum(option.cut.gradients[s] for s in stages),
-                "optimizer": float(kinds[2]), "temporary": float(num.temporary[layers].sum()) / m + adding}
-        out.append({**held, "activations": option.rank_memory[rank] - sum(held.values())})
+        held = {"parameters": float(kinds[0]), "gradients": peak.gradients, "optimizer": float(kinds[2]),
+                "temporary": peak.temporary}
+        out.append({**held, "activations": peak.total - sum(held.values())})
     return out
 
 

@@ -9,6 +9,7 @@ from autopar.passes.rules import (  # noqa: F401  (importing registers the rules
     loss,
     matmul,
     moe,
+    moe_experts,
     norm,
     pointwise,
     reduction,

@@ -23,6 +23,7 @@ class LocalContext:
 
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
+    exchange: Any = None  # for kernels that communicate: autopar.passes.exchange (codegen's or the simulator's)
 
 
 OptionsFn = Callable[[OpInfo], list[AxisOption]]
@@ -39,6 +40,7 @@ class Rule:
 
 _RULES: dict[str, Rule] = {}
 _KERNELS: dict[str, KernelFn] = {}
+_COMMUNICATING: set[str] = set()
 
 
 def op_name(op: Any) -> str:
@@ -61,12 +63,20 @@ def register(
     return wrap
 
 
-def kernel(name: str) -> Callable[[KernelFn], KernelFn]:
+def kernel(name: str, communicates: bool = False) -> Callable[[KernelFn], KernelFn]:
+    """Register a local kernel; ``communicates``: it trades data with its peers through
+    ``LocalContext.exchange`` (the simulator then runs the devices side by side)."""
     def wrap(fn: KernelFn) -> KernelFn:
         _KERNELS[name] = fn
+        if communicates:
+            _COMMUNICATING.add(name)
         return fn
 
     return wrap
+
+
+def communicates(kernel_name: str | None) -> bool:
+    return kernel_name in _COMMUNICATING
 
 
 def rule_for(op: Any) -> Rule | None:

@@ -58,7 +58,11 @@ class ChainSolution:
 
 
 def chain_order(shrunk: ShrunkProblem) -> list[int] | None:
-    """Nodes in an order where every edge joins neighbours, or ``None`` if not a chain."""
+    """Nodes in an order where every edge joins neighbours, or ``None`` if not a chain, or if
+    an edge holds memory (``ShrunkProblem.edge_memory``: the DP's fronts order labels by their
+    nodes' memory alone; the ILP counts it)."""
+    if shrunk.edge_memory:
+        return None
     neighbours = shrunk.adjacency()
     if any(len(n) > 2 for n in neighbours):
         return None

@@ -55,9 +55,11 @@ def chain_relaxation_plan(
 
 
 def _solve_relaxed(shrunk: ShrunkProblem, edges, node_time, max_labels: int) -> ChainSolution:
-    """The chain with only ``edges``: Lagrangian plan, then one thin label pass."""
+    """The chain with only ``edges``: Lagrangian plan, then one thin label pass. The memory an
+    edge holds is relaxed to its least given one end (``least_edge_memory``), so the chain's
+    bound stays a bound (its plan may then not fit; the caller checks)."""
     relaxed = ShrunkProblem(
-        node_time=node_time, node_memory=shrunk.node_memory, edges=edges,
+        node_time=node_time, node_memory=least_edge_memory(shrunk), edges=edges,
         constant_time=0.0, constant_memory=shrunk.constant_memory, memory_limit=shrunk.memory_limit,
         node_class=shrunk.node_class, index_maps=shrunk.index_maps, representative=shrunk.representative,
     )
@@ -75,6 +77,14 @@ def _solve_relaxed(shrunk: ShrunkProblem, edges, node_time, max_labels: int) -> 
     return ChainSolution([int(s) for s in choice], float(time), min(bound, time), False)
 
 
+def least_edge_memory(shrunk: ShrunkProblem) -> list[np.ndarray]:
+    """Node memory plus, for each edge that holds memory, the least it holds given its first end."""
+    memory = list(shrunk.node_memory)
+    for (a, _), held in shrunk.edge_memory.items():
+        memory[a] = memory[a] + held.min(axis=1)
+    return memory
+
+
 def improve_locally(shrunk: ShrunkProblem, decisions: list[int], max_sweeps: int = 20) -> list[int]:
     """Best response of one node at a time, as long as a sweep improves the time."""
     decisions = list(decisions)
@@ -82,8 +92,13 @@ def improve_locally(shrunk: ShrunkProblem, decisions: list[int], max_sweeps: int
     for (a, b), cost in shrunk.edges.items():
         incident[a].append((b, cost))  # rows are a's strategies
         incident[b].append((a, cost.T))
+    holding: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(shrunk.num_nodes)]
+    for (a, b), held in shrunk.edge_memory.items():
+        holding[a].append((b, held))
+        holding[b].append((a, held.T))
     budget = shrunk.memory_budget
     memory = sum(float(m[s]) for m, s in zip(shrunk.node_memory, decisions))
+    memory += sum(float(held[decisions[a], decisions[b]]) for (a, b), held in shrunk.edge_memory.items())
     cap = None if budget is None else budget + MEMORY_RELATIVE_TOLERANCE * abs(budget)
     for _ in range(max_sweeps):
         improved = False
@@ -92,12 +107,16 @@ def improve_locally(shrunk: ShrunkProblem, decisions: list[int], max_sweeps: int
             for u, table in incident[v]:
                 cost += table[:, decisions[u]]
             current = decisions[v]
+            held_change = sum((held[:, decisions[u]] - held[current, decisions[u]] for u, held in holding[v]),
+                              np.zeros(len(cost)))
             if cap is not None:
-                new_memory = memory - shrunk.node_memory[v][current] + shrunk.node_memory[v]
+                new_memory = memory - shrunk.node_memory[v][current] + shrunk.node_memory[v] + held_change
                 cost = np.where(new_memory <= cap, cost, np.inf)
             best = int(np.argmin(cost))
-            if cost[best] < cost[current] - 1e-12 * max(1.0, abs(cost[current])):
-                memory += float(shrunk.node_memory[v][best] - shrunk.node_memory[v][current])
+            if not np.isfinite(cost[best]):
+                continue  # nothing fits from here (a relaxed plan over the limit): the caller checks it
+            if not np.isfinite(cost[current]) or cost[best] < cost[current] - 1e-12 * max(1.0, abs(cost[current])):
+                memory += float(shrunk.node_memory[v][best] - shrunk.node_memory[v][current]) + float(held_change[best])
                 decisions[v] = best
                 improved = True
         if not improved:

@@ -25,8 +25,10 @@ Constraints
                                                       sum_i y[e][i, j] = x[b][j]
         (the tight linearisation of y = x[a][i] * x[b][j]; its LP relaxation is the
         local marginal polytope, much stronger than y >= x_a + x_b - 1)
-    memory knapsack (``_add_memory_limit``):         sum_v sum_i M'[v][i] x[v][i] <= B'
-        with ``M' = M - min M``, ``B' = budget - sum_v min M``, coefficients rounded
+    memory knapsack (``_add_memory_limit``):         sum_v sum_i M'[v][i] x[v][i]
+                                                      + sum_e sum_ij H'[e][i, j] y[e][i, j] <= B'
+        with ``M' = M - min M``, ``H' = H - min H`` (the memory edges hold, where they
+        hold any), ``B' = budget - sum_v min M - sum_e min H``, coefficients rounded
         up and the capacity down to ``B' / MEMORY_UNITS`` bytes, so every plan the ILP
         accepts fits in floats; a plan within ``N * B' / MEMORY_UNITS`` bytes of the
         limit may be rejected.
@@ -164,23 +166,28 @@ def _add_edge_products(model: _Model, shrunk: ShrunkProblem) -> None:
 
 def _add_memory_limit(model: _Model, shrunk: ShrunkProblem) -> None:
     budget, shifted = _shifted_memory(shrunk)
-    if budget is None or budget <= 0:
+    held = {e: m - m.min() for e, m in shrunk.edge_memory.items()}
+    if budget is None or (budget <= 0 and not held):
         return  # no limit, or only zero-cost (least-memory) strategies are allowed
-    if sum(float(m.max()) for m in shifted) <= budget:
+    if sum(float(m.max()) for m in shifted) + sum(float(m.max()) for m in held.values()) <= budget:
         return  # every plan fits
+    terms = [(x, float(memory[i])) for xs, memory in zip(model.choice, shifted) for i, x in xs.items()]
+    terms += [(y, float(memory[ij])) for e, memory in held.items() for ij, y in model.pairs[e].items()]
+    if budget <= 0:  # only the least-memory pairs of the edges that hold memory
+        model.cp.add(cp_model.LinearExpr.sum([x for x, m in terms if m > 0]) == 0)
+        return
     unit = budget / MEMORY_UNITS
     variables, coefficients = [], []
-    for xs, memory in zip(model.choice, shifted):
-        for i, x in xs.items():
-            coefficient = math.ceil(memory[i] / unit - 1e-6)  # round up: never admit a misfit
-            if coefficient > 0:
-                variables.append(x)
-                coefficients.append(coefficient)
+    for x, memory in terms:
+        coefficient = math.ceil(memory / unit - 1e-6)  # round up: never admit a misfit
+        if coefficient > 0:
+            variables.append(x)
+            coefficients.append(coefficient)
     model.cp.add(cp_model.LinearExpr.weighted_sum(variables, coefficients) <= MEMORY_UNITS)
 
 
 def _allowed_by_memory(shrunk: ShrunkProblem) -> list[np.ndarray]:
-    """Strategies whose memory alone (over the least of every other node) fits."""
+    """Strategies whose memory alone (over the least of every other node and edge) fits."""
     budget, shifted = _shifted_memory(shrunk)
     if budget is None:
         return [np.ones(len(m), dtype=bool) for m in shifted]
@@ -192,7 +199,8 @@ def _shifted_memory(shrunk: ShrunkProblem) -> tuple[float | None, list[np.ndarra
     shifted = [m - m.min() for m in shrunk.node_memory]
     if shrunk.memory_budget is None:
         return None, shifted
-    return shrunk.memory_budget - sum(float(m.min()) for m in shrunk.node_memory), shifted
+    least = sum(float(m.min()) for m in shrunk.node_memory) + sum(float(m.min()) for m in shrunk.edge_memory.values())
+    return shrunk.memory_budget - least, shifted
 
 
 def _add_objective(model: _Model, shrunk: ShrunkProblem, node_offset, edge_offset, incumbent_shifted: float):

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_chain
-from autopar.passes.solve.heuristics import chain_relaxation_plan
+from autopar.passes.solve.heuristics import least_edge_memory, chain_relaxation_plan
 from autopar.passes.solve.ilp import count_variables, solve_ilp
 from autopar.passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 
 METHODS = ("auto", "ilp", "chain_dp")
+BROKEN_RESTRICTIONS = "ties and followers leave no plan within memory_limit; a plan that breaks them fits"
 
 
 # The wall clock is a safety net only: it stops a search at this many times its budget in
@@ -86,10 +87,13 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     shrunk = shrunk if shrunk is not None else shrink_problem(problem)
     restricted_least, smallest = _least_memory_plans(problem, shrunk)
     restricted_fits = fits_memory(restricted_least.memory, problem.memory_limit)
+    # where edges hold memory the least-memory plan is not exact: a bound that fits leaves it to the search
+    may_fit = restricted_fits or fits_memory(_least_memory_bound(shrunk), problem.memory_limit)
     # The unrestricted least-memory plan breaks ties or followers: a candidate only
     # when nothing that keeps them fits.
     candidates = [_candidate(problem, f"hint {h}", list(hint)) for h, hint in enumerate(problem.hints)]
-    candidates.append(restricted_least if restricted_fits else smallest)
+    if restricted_fits or not may_fit:  # else the search decides whether a plan that keeps them fits
+        candidates.append(restricted_least if restricted_fits else smallest)
     fitting = [c for c in candidates if fits_memory(c.memory, problem.memory_limit)]
     best = min(fitting, key=lambda c: c.time, default=None)
 
@@ -104,10 +108,10 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
             time_resolution=resolution, notes=list(notes), clock_cut=clock_cut,
         )
 
-    if not restricted_fits:
+    if not may_fit:
         if best is None:
             return finish("infeasible", None, math.inf, "min_memory")
-        note = "ties and followers leave no plan within memory_limit; a plan that breaks them fits"
+        note = BROKEN_RESTRICTIONS
         return finish("feasible", best, math.inf, best.label, notes=[note])
     if shrunk.num_nodes == 0:
         return finish("optimal", _candidate(problem, "trivial", shrunk.expand([])), shrunk.constant_time, "trivial")
@@ -117,7 +121,8 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     if options.method == "chain_dp" and order is None:
         raise ValueError(
             "autopar: SolveOptions.method='chain_dp' expected a chain (every decision node with at most "
-            "two neighbours and no cycle), found a general graph; use method='auto' or 'ilp'."
+            "two neighbours and no cycle, no edge that holds memory), found a general graph; use "
+            "method='auto' or 'ilp'."
         )
     deadline = started + WALL_CLOCK_FACTOR * options.time_limit_s
     if order is not None:
@@ -136,7 +141,11 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     if found is not None and not fits_memory(found.memory, problem.memory_limit):
         notes.append(f"{outcome.method} returned a plan of {found.memory:.6g} bytes over the limit; discarded")
         found = None
-    if found is None or best.time < found.time:
+    if found is None and best is None:  # the least-memory bound fitted, no plan that keeps ties and followers does
+        if fits_memory(smallest.memory, problem.memory_limit):
+            return finish("feasible", smallest, math.inf, smallest.label, notes=[*notes, BROKEN_RESTRICTIONS])
+        return finish("infeasible", None, math.inf, outcome.method, outcome.resolution, notes, outcome.clock_cut)
+    if found is None or (best is not None and best.time < found.time):
         if found is None and outcome.ran:
             notes.append(f"{outcome.method} found no plan better than the best candidate ({best.label}) in time")
         # A proven optimum of the shrunk problem that a candidate beats leaves the candidate optimal.
@@ -163,7 +172,7 @@ def _run_chain_dp(shrunk: ShrunkProblem, order, incumbent: float, options: Solve
     return _Outcome("chain_dp", chain.decisions or None, chain.proven_optimal, chain.bound, clock_cut=chain.clock_cut)
 
 
-def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, options: SolveOptions,
+def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate | None, options: SolveOptions,
              deadline: float) -> _Outcome:
     """CP-SAT warm-started from the better of ``best`` and the chain-relaxation plan."""
     notes = []
@@ -172,7 +181,7 @@ def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, opt
     if warm is not None:
         heuristic = _candidate(problem, "heuristic", shrunk.expand(warm))
         notes.append(f"warm start: chain-relaxation plan of {heuristic.time:.6g} s")
-        if fits_memory(heuristic.memory, problem.memory_limit) and heuristic.time < best.time:
+        if fits_memory(heuristic.memory, problem.memory_limit) and (best is None or heuristic.time < best.time):
             best = better = heuristic
     size = count_variables(shrunk)
     remaining = deadline - time.perf_counter()
@@ -183,8 +192,8 @@ def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate, opt
                         clock_cut=size <= options.max_ilp_variables)
     ilp = solve_ilp(
         shrunk, budget_s=options.time_limit_s * DETERMINISTIC_PER_SECOND, wall_limit_s=remaining, num_workers=options.num_workers,
-        relative_gap_limit=options.relative_gap_limit, hint=shrunk.project(best.assignment),
-        incumbent=best.time - shrunk.constant_time,
+        relative_gap_limit=options.relative_gap_limit, hint=None if best is None else shrunk.project(best.assignment),
+        incumbent=math.inf if best is None else best.time - shrunk.constant_time,
     )
     return _Outcome("ilp", ilp.decisions, ilp.status == "OPTIMAL", max(ilp.bound, relaxation_bound),
                     ilp.time_resolution, warm_start=better, notes=notes, clock_cut=ilp.clock_cut)
@@ -194,16 +203,28 @@ def _least_memory_plans(problem: SolveProblem, shrunk: ShrunkProblem) -> list[_C
     """Least-memory plan keeping ties and followers, then the one ignoring them.
 
     Memory is additive, so each is a per-node argmin (ties broken by time, forbidden
-    strategies skipped); the second is the true minimum over all plans.
+    strategies skipped); the second is the true minimum over all plans. Where edges hold
+    memory, each node counts the least its edges hold given it (``least_edge_memory``):
+    then neither is exact (``_least_memory_bound`` is the bound).
     """
     def argmin_memory(times: np.ndarray, memories: np.ndarray) -> int:
         penalised = np.where(np.isfinite(times), memories, np.inf)
         lowest = np.flatnonzero(penalised == penalised.min())
         return int(lowest[np.argmin(times[lowest])])
 
-    restricted = shrunk.expand([argmin_memory(t, m) for t, m in zip(shrunk.node_time, shrunk.node_memory)])
-    free = [argmin_memory(t, m) for t, m in zip(problem.node_time, problem.node_memory)]
+    restricted = shrunk.expand([argmin_memory(t, m) for t, m in zip(shrunk.node_time, least_edge_memory(shrunk))])
+    free_memory = list(problem.node_memory)
+    for e, held in problem.edge_memory.items():
+        free_memory[problem.edges[e][0]] = free_memory[problem.edges[e][0]] + held.min(axis=1)
+    free = [argmin_memory(t, m) for t, m in zip(problem.node_time, free_memory)]
     return [_candidate(problem, "min_memory", restricted), _candidate(problem, "min_memory_unrestricted", free)]
+
+
+def _least_memory_bound(shrunk: ShrunkProblem) -> float:
+    """No plan that keeps ties and followers needs fewer bytes: each decision's least with the
+    least its edges hold given it."""
+    return shrunk.constant_memory + sum(float(m[np.isfinite(t)].min())
+                                        for t, m in zip(shrunk.node_time, least_edge_memory(shrunk)))
 
 
 def _candidate(problem: SolveProblem, label: str, assignment: list[int]) -> _Candidate:

@@ -10,7 +10,8 @@ it was rejected, so a plan can explain why it chose what it did.
 Exact for GPipe and 1F1B (the DP minimises the slowest stage, and the step time is
 that times M + P - 1). For interleaved 1F1B it balances chunks (min-max over P * v
 virtual stages) with each chunk held to ``memory_limit / v``, which is sufficient but
-conservative, then checks each rank's total; a heuristic, not an optimum.
+conservative, then checks each rank's peak (``stages.rank_peaks``: torch's order of its chunks
+replayed); a heuristic, not an optimum.
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
-
 from autopar.costmodels import Schedule
 from autopar.costmodels.memory import in_flight_with_gradients
-from autopar.passes.solve.stages import StageCut, cut_stages
+from autopar.passes.solve.stages import RankPeak, StageCut, cut_stages, rank_peaks
 
 
 @dataclass
@@ -42,6 +41,7 @@ class LayerCosts:
     # the gradients' part of static_memory, which a schedule's peak may come before (``stages``)
     gradient_memory: Sequence[float] | None = None
     accumulating: Sequence[float] | None = None  # per layer: the largest gradient a backward adds (``stages``)
+    temporary_memory: Sequence[float] | None = None  # the part of static_memory alive only in a backward (``stages``)
 
 
 @dataclass
@@ -52,7 +52,8 @@ class PipelineOption:
     chunks_per_rank: int
     step_time: float  # math.inf when rejected
     cut: StageCut | None
-    rank_memory: list[float] = field(default_factory=list)
+    rank_memory: list[float] = field(default_factory=list)  # each rank's peak (``rank_peaks``: its total)
+    rank_peaks: list[RankPeak] = field(default_factory=list)
     rejected: str = ""  # why not, empty when valid
 
 
@@ -107,13 +108,17 @@ def evaluate_pipeline(
         in_flight=in_flight, memory_limit=chunk_limit, boundary_time=costs.boundary_time,
         recompute_saving=costs.recompute_saving, recompute_time=costs.recompute_time,
         gradient_memory=costs.gradient_memory, accumulating=costs.accumulating,
+        temporary_memory=costs.temporary_memory,
         in_flight_with_gradients=in_flight_with_gradients(schedule, num_stages, num_microbatches, v),
     )
     if cut is None:
         option.rejected = "no cut fits in memory"
         return option
     option.cut = cut
-    option.rank_memory = [float(np.sum(cut.stage_memory[r::num_stages])) for r in range(num_stages)]
+    # each rank's peak as its schedule's order holds its chunks together (the cut held each
+    # chunk to its share of the limit at the chunk's own peak: sufficient, not the peak)
+    option.rank_peaks = rank_peaks(cut, schedule, num_microbatches, v)
+    option.rank_memory = [peak.total for peak in option.rank_peaks]
     if memory_limit is not None and max(option.rank_memory) > memory_limit * (1 + 1e-12):
         option.rejected = f"a rank needs {max(option.rank_memory):.6g} bytes"
         return option

@@ -3,8 +3,10 @@
 A ``SolveProblem`` is a graph of decision nodes. Node ``v`` has ``k_v`` strategies;
 choosing strategy ``i`` costs ``node_time[v][i]`` seconds and ``node_memory[v][i]``
 bytes per device. An edge ``(u, v, R)`` costs ``R[i, j]`` seconds of resharding when
-``u`` takes ``i`` and ``v`` takes ``j``. A non-finite cost (``inf``) forbids that
-choice. Memory is additive over nodes and bounded by ``memory_limit``.
+``u`` takes ``i`` and ``v`` takes ``j``; ``edge_memory[e]``, where given, is what edge
+``e`` holds in bytes per device for each pair (a value kept as the consumer reads it:
+what stays depends on both ends). A non-finite cost (``inf``) forbids that choice.
+Memory is additive over nodes and edges and bounded by ``memory_limit``.
 
 Two restrictions shrink the search (``shrink.py`` eliminates them):
 
@@ -52,11 +54,14 @@ class SolveProblem:
     followers: list[Follower] = field(default_factory=list)
     hints: list[list[int]] = field(default_factory=list)
     node_names: list[str] | None = None
+    # edge index (in ``edges``) -> bytes per device of each pair of its ends' strategies
+    edge_memory: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.node_time = [np.asarray(t, dtype=np.float64).reshape(-1) for t in self.node_time]
         self.node_memory = [np.asarray(m, dtype=np.float64).reshape(-1) for m in self.node_memory]
         self.edges = [(int(u), int(v), np.asarray(r, dtype=np.float64)) for u, v, r in self.edges]
+        self.edge_memory = {int(e): np.asarray(m, dtype=np.float64) for e, m in self.edge_memory.items()}
         self.followers = [
             f if isinstance(f, Follower) else Follower(int(f[0]), int(f[1]), tuple(int(i) for i in f[2]))
             for f in self.followers
@@ -125,10 +130,21 @@ class PlanCosts:
     node_time: np.ndarray  # [num_nodes] seconds of each node's chosen strategy
     node_memory: np.ndarray  # [num_nodes] bytes
     edge_time: np.ndarray  # [num_edges] resharding seconds, in ``problem.edges`` order
+    edge_memory: np.ndarray  # [num_edges] bytes (0 where the edge holds none)
 
     @property
     def total_time(self) -> float:
         return float(self.node_time.sum() + self.edge_time.sum())
+
+    @property
+    def memory(self) -> float:
+        """Bytes per device: the nodes' and the edges' (``memory_of``)."""
+        return memory_of(self.node_memory, self.edge_memory)
+
+
+def memory_of(node_memory: np.ndarray, edge_memory: Sequence[float]) -> float:
+    """A plan's bytes from its nodes' and its edges' (one sum, wherever a plan's memory is totalled)."""
+    return float(node_memory.sum()) + sum(float(m) for m in edge_memory if m)
 
 
 def plan_costs(problem: SolveProblem, assignment: Sequence[int]) -> PlanCosts:
@@ -136,7 +152,17 @@ def plan_costs(problem: SolveProblem, assignment: Sequence[int]) -> PlanCosts:
         node_time=np.array([problem.node_time[v][s] for v, s in enumerate(assignment)]),
         node_memory=np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)]),
         edge_time=np.array([cost[assignment[u], assignment[v]] for u, v, cost in problem.edges]),
+        edge_memory=edge_bytes(problem, assignment),
     )
+
+
+def edge_bytes(problem: SolveProblem, assignment: Sequence[int]) -> np.ndarray:
+    """[num_edges] bytes each edge holds under ``assignment`` (0 for edges without memory)."""
+    out = np.zeros(len(problem.edges))
+    for e, table in problem.edge_memory.items():
+        u, v, _ = problem.edges[e]
+        out[e] = table[assignment[u], assignment[v]]
+    return out
 
 
 def evaluate_time(problem: SolveProblem, assignment: Sequence[int]) -> float:
@@ -148,7 +174,9 @@ def evaluate_time(problem: SolveProblem, assignment: Sequence[int]) -> float:
 
 
 def evaluate_memory(problem: SolveProblem, assignment: Sequence[int]) -> float:
-    return sum(float(problem.node_memory[v][s]) for v, s in enumerate(assignment))
+    """Bytes per device of a full assignment: its nodes' and its edges' (``memory_of``)."""
+    nodes = np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)])
+    return memory_of(nodes, edge_bytes(problem, assignment))
 
 
 def fits_memory(memory: float, memory_limit: float | None) -> bool:
@@ -176,6 +204,7 @@ def _validate(problem: SolveProblem) -> None:
         raise ValueError(
             f"autopar: SolveProblem expected {n} node_names, found {len(problem.node_names)}."
         )
+    _validate_edge_memory(problem)
     if _costs_look_valid(problem):  # the common case, checked at once; else find the culprit
         _validate_restrictions(problem)
         return
@@ -226,6 +255,18 @@ def _costs_look_valid(problem: SolveProblem) -> bool:
             return False
         tables[id(cost)] = cost
     return not any(np.isnan(c).any() or np.isneginf(c).any() for c in tables.values())
+
+
+def _validate_edge_memory(problem: SolveProblem) -> None:
+    for e, table in problem.edge_memory.items():
+        if not 0 <= e < len(problem.edges):
+            raise ValueError(f"autopar: edge_memory names edge {e}, expected an index in [0, {len(problem.edges)}) "
+                             "of SolveProblem.edges; key it by the edge's position.")
+        u, v, cost = problem.edges[e]
+        if table.shape != cost.shape or not np.isfinite(table).all():
+            raise ValueError(
+                f"autopar: edge ({problem.name(u)}, {problem.name(v)}) expected a finite memory table of shape "
+                f"{cost.shape} (its resharding table's), found shape {table.shape}; forbid pairs by inf time.")
 
 
 def _validate_restrictions(problem: SolveProblem) -> None:

@@ -9,10 +9,12 @@ Four eliminations, applied by ``shrink_problem`` in this order:
    (their leaders are tied and the maps agree).
 3. Folding (``_fold_costs``): every original cost lands on a class. An edge whose two
    ends are in the same class becomes the diagonal ``R[m_u[a], m_v[a]]`` of that
-   class's node cost; parallel edges between two classes add up.
+   class's node cost; parallel edges between two classes add up. An edge's memory
+   (``SolveProblem.edge_memory``) folds the same way into memory.
 4. Fixed and separable (``_drop_fixed_and_separable``): a class with one strategy is a
    constant, and its edges become node costs of its neighbours; an edge table with
-   ``R[i, j] = a[i] + b[j]`` is moved onto its two ends.
+   ``R[i, j] = a[i] + b[j]`` is moved onto its two ends (an edge that holds memory only
+   when its memory table is separable too).
 
 The shrunk objective of a decision assignment equals the full objective of its
 expansion (up to float summation order); tests check this identity.
@@ -20,7 +22,7 @@ expansion (up to float summation order); tests check this identity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -43,6 +45,8 @@ class ShrunkProblem:
     node_class: np.ndarray
     index_maps: list[np.ndarray]
     representative: list[int]  # per decision class: an original node with an identity map
+    # (a, b) of ``edges`` -> bytes of each pair, for the kept edges that hold memory
+    edge_memory: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:
@@ -68,6 +72,8 @@ class ShrunkProblem:
         memory = self.constant_memory + sum(float(m[s]) for m, s in zip(self.node_memory, decisions))
         for (a, b), cost in self.edges.items():
             time += float(cost[decisions[a], decisions[b]])
+        for (a, b), held in self.edge_memory.items():
+            memory += float(held[decisions[a], decisions[b]])
         return time, memory
 
     def with_added_time(self, added: Mapping[int, np.ndarray]) -> ShrunkProblem:
@@ -100,8 +106,9 @@ class ShrunkProblem:
 def shrink_problem(problem: SolveProblem) -> ShrunkProblem:
     roots, maps = _resolve_followers(problem)
     node_class, num_classes = _union_ties(problem, roots, maps)
-    class_time, class_memory, class_edges = _fold_costs(problem, node_class, num_classes, maps)
-    return _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memory, class_edges)
+    class_time, class_memory, class_edges, class_edge_memory = _fold_costs(problem, node_class, num_classes, maps)
+    return _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memory, class_edges,
+                                     class_edge_memory)
 
 
 def _resolve_followers(problem: SolveProblem) -> tuple[list[int], list[np.ndarray]]:
@@ -177,41 +184,57 @@ def _fold_costs(problem: SolveProblem, node_class: np.ndarray, num_classes: int,
         class_time[c] += problem.node_time[v][maps[v]]
         class_memory[c] += problem.node_memory[v][maps[v]]
     class_edges: dict[tuple[int, int], np.ndarray] = {}
-    for u, v, cost in problem.edges:
+    class_edge_memory: dict[tuple[int, int], np.ndarray] = {}
+    for e, (u, v, cost) in enumerate(problem.edges):
         cu, cv = int(node_class[u]), int(node_class[v])
-        folded = cost[np.ix_(maps[u], maps[v])]
-        if cu == cv:
-            class_time[cu] += np.diagonal(folded)
-            continue
-        key, table = ((cu, cv), folded) if cu < cv else ((cv, cu), folded.T)
-        class_edges[key] = class_edges[key] + table if key in class_edges else table.copy()
+        for tables, on_class, table in ((class_edges, class_time, cost), (class_edge_memory, class_memory,
+                                                                          problem.edge_memory.get(e))):
+            if table is None:
+                continue
+            folded = table[np.ix_(maps[u], maps[v])]
+            if cu == cv:
+                on_class[cu] += np.diagonal(folded)
+                continue
+            key, table = ((cu, cv), folded) if cu < cv else ((cv, cu), folded.T)
+            tables[key] = tables[key] + table if key in tables else table.copy()
     for c, t in enumerate(class_time):
         if not np.isfinite(t).any():
             raise ValueError(
                 f"autopar: ties and followers leave decision class {c} with only forbidden (inf) "
                 "strategies; expected at least one finite choice; check the follower index maps."
             )
-    return class_time, class_memory, class_edges
+    return class_time, class_memory, class_edges, class_edge_memory
 
 
-def _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memory, class_edges) -> ShrunkProblem:
+def _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memory, class_edges,
+                              class_edge_memory) -> ShrunkProblem:
     num_classes = len(class_time)
     fixed = [len(t) == 1 for t in class_time]
-    constant_time = sum(float(class_time[c][0]) for c in range(num_classes) if fixed[c])
-    constant_memory = sum(float(class_memory[c][0]) for c in range(num_classes) if fixed[c])
+    constant = {"time": sum(float(class_time[c][0]) for c in range(num_classes) if fixed[c]),
+                "memory": sum(float(class_memory[c][0]) for c in range(num_classes) if fixed[c])}
     kept_edges: dict[tuple[int, int], np.ndarray] = {}
-    for (a, b), cost in class_edges.items():
-        if fixed[a] and fixed[b]:
-            constant_time += float(cost[0, 0])
-        elif fixed[a]:
-            class_time[b] = class_time[b] + cost[0, :]
-        elif fixed[b]:
-            class_time[a] = class_time[a] + cost[:, 0]
-        elif _is_separable(cost):  # R[i, j] = R[i, 0] + R[0, j] - R[0, 0]
-            class_time[a] = class_time[a] + cost[:, 0]
-            class_time[b] = class_time[b] + (cost[0, :] - cost[0, 0])
-        else:
-            kept_edges[(a, b)] = cost
+    kept_memory: dict[tuple[int, int], np.ndarray] = {}
+    for key, cost in class_edges.items():  # an edge that holds memory has a time table too
+        a, b = key
+        held = class_edge_memory.get(key)
+        if not (fixed[a] or fixed[b]) and not (_is_separable(cost) and _is_separable(held)):
+            kept_edges[key] = cost
+            if held is not None:
+                kept_memory[key] = held
+            continue
+        for kind, table, on_class in (("time", cost, class_time), ("memory", held, class_memory)):
+            if table is None:
+                continue
+            if fixed[a] and fixed[b]:
+                constant[kind] += float(table[0, 0])
+            elif fixed[a]:
+                on_class[b] = on_class[b] + table[0, :]
+            elif fixed[b]:
+                on_class[a] = on_class[a] + table[:, 0]
+            else:  # separable: R[i, j] = R[i, 0] + R[0, j] - R[0, 0]
+                on_class[a] = on_class[a] + table[:, 0]
+                on_class[b] = on_class[b] + (table[0, :] - table[0, 0])
+    constant_time, constant_memory = constant["time"], constant["memory"]
     decision_id = np.full(num_classes, -1, dtype=np.int64)
     free = [c for c in range(num_classes) if not fixed[c]]
     decision_id[free] = np.arange(len(free))
@@ -230,6 +253,7 @@ def _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memor
         node_time=[class_time[c] for c in free],
         node_memory=[class_memory[c] for c in free],
         edges={(int(decision_id[a]), int(decision_id[b])): r for (a, b), r in kept_edges.items()},
+        edge_memory={(int(decision_id[a]), int(decision_id[b])): m for (a, b), m in kept_memory.items()},
         constant_time=constant_time,
         constant_memory=constant_memory,
         memory_limit=problem.memory_limit,
@@ -239,7 +263,9 @@ def _drop_fixed_and_separable(problem, node_class, maps, class_time, class_memor
     )
 
 
-def _is_separable(cost: np.ndarray) -> bool:
+def _is_separable(cost: np.ndarray | None) -> bool:
+    if cost is None:
+        return True
     if not np.isfinite(cost).all():
         return False
     residual = cost - cost[:, :1] - cost[:1, :] + cost[0, 0]

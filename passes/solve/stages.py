@@ -31,6 +31,14 @@ layers once more:
 model; ``recomputed_layers`` picks the ``k`` with the largest saving, which save at
 least the mean).
 
+A rank's peak (``rank_peaks``) replays the order torch's schedule runs its stages in with
+each stage's parts apart (held always, gradients from its first backward, one micro-batch's
+activations per micro-batch in flight, and what exists only during one of its backwards:
+``T``, a rebuilt layer, a gradient being added). For one stage per rank that is
+``memory(s)``; with interleaving it is less than the chunks' own peaks added up: the chunk
+holding the loss runs each micro-batch's backward right after its forward while the
+rank's other chunks fill, so its temporaries meet one micro-batch of its own in flight.
+
 ``cut_stages`` minimises the slowest stage time subject to ``memory(s) <= limit`` for
 every stage, by the exact DP
 
@@ -51,11 +59,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from autopar.costmodels import Schedule
+from autopar.costmodels.memory import schedule_order
 
 
 @dataclass
@@ -67,6 +76,16 @@ class StageCut:
     recomputed: list[int] = field(default_factory=list)  # per stage: how many of its layers recompute
     gradients: list[float] = field(default_factory=list)  # per stage: gradient bytes held at its peak
     accumulating: list[float] = field(default_factory=list)  # per stage: a gradient being added, at its peak
+    # per stage, what a replay of the schedule's order adds up (``rank_peaks``): bytes held
+    # whatever runs (state less gradients and temporaries), the gradients, one micro-batch's
+    # activations (recomputed layers' savings taken off), and what exists only while one of
+    # its backwards runs: its temporaries, a recomputed layer rebuilt, a gradient being added
+    held_always: list[float] = field(default_factory=list)
+    gradient_bytes: list[float] = field(default_factory=list)
+    per_micro_batch: list[float] = field(default_factory=list)
+    in_backward: list[float] = field(default_factory=list)
+    rebuilt: list[float] = field(default_factory=list)
+    adding: list[float] = field(default_factory=list)
 
     @property
     def slowest(self) -> float:
@@ -108,13 +127,16 @@ def cut_stages(
     gradient_memory: Sequence[float] | None = None,
     in_flight_with_gradients: Sequence[float] | None = None,
     accumulating: Sequence[float] | None = None,
+    temporary_memory: Sequence[float] | None = None,
 ) -> StageCut | None:
     """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory.
     ``recompute_saving`` / ``recompute_time``: per layer and micro-batch, the bytes a
     recomputed layer does not keep and the seconds it adds; ``gradient_memory``: per layer,
     the gradients' part of ``static_memory``; ``in_flight_with_gradients``: per stage, the
     micro-batches in flight once gradients exist; ``accumulating``: per layer, the largest
-    gradient a backward makes before adding it to the accumulated one (module docstring)."""
+    gradient a backward makes before adding it to the accumulated one (module docstring);
+    ``temporary_memory``: per layer, the part of ``static_memory`` alive only while one of
+    its backwards runs (``rank_peaks`` tells them apart; the cut holds it throughout)."""
     time = np.asarray(layer_time, dtype=np.float64)
     num_layers = len(time)
     if not 1 <= num_stages <= num_layers:
@@ -171,20 +193,23 @@ def cut_stages(
         starts.append(int(choice[s][b]))
         b = starts[-1]
     starts.reverse()
-    return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap, gradients, graded, adding)
+    return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap, gradients, graded, adding,
+                        _per_layer(temporary_memory, num_layers, "temporary_memory"))
 
 
 def describe_cut(starts, time, static, activation, in_flight, send, saving=None, redo=None,
                  memory_limit: float = math.inf, gradients=None, in_flight_with_gradients=None,
-                 accumulating=None) -> StageCut:
+                 accumulating=None, temporary=None) -> StageCut:
     """Times and memories of a given cut, each stage recomputing the fewest layers that fit
-    ``memory_limit`` (used by the DP and by brute-force tests)."""
+    ``memory_limit`` (used by the DP and by brute-force tests), and the parts of each stage's
+    memory that ``rank_peaks`` replays the schedule with."""
     n = len(time)
-    saving, redo, gradients, adding = (np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
-                                       for x in (saving, redo, gradients, accumulating))
+    saving, redo, gradients, adding, temporary = (np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
+                                                  for x in (saving, redo, gradients, accumulating, temporary))
     graded = in_flight if in_flight_with_gradients is None else in_flight_with_gradients
     ends = list(starts[1:]) + [n]
     stage_time, stage_memory, recomputed, held, added = [], [], [], [], []
+    parts = StageCut([], [], [], n)  # only its per-stage parts of a replay are filled here
     for s, (a, b) in enumerate(zip(starts, ends)):
         k, memory, grads = stage_peak(float(static[a:b].sum()), float(gradients[a:b].sum()),
                                       float(activation[a:b].sum()), float(saving[a:b].sum()),
@@ -196,7 +221,73 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
         recomputed.append(k)
         held.append(float(grads))
         added.append(float(adding[a:b].max()) if grads > 0 else 0.0)
-    return StageCut(list(starts), stage_time, stage_memory, n, recomputed, held, added)
+        _add_parts(parts, static[a:b], gradients[a:b], activation[a:b], saving[a:b], temporary[a:b], k,
+                   float(adding[a:b].max()))
+    return StageCut(list(starts), stage_time, stage_memory, n, recomputed, held, added, parts.held_always,
+                    parts.gradient_bytes, parts.per_micro_batch, parts.in_backward, parts.rebuilt, parts.adding)
+
+
+def _add_parts(parts: StageCut, static, gradients, activation, saving, temporary, k: int, adding: float) -> None:
+    """One stage's parts of ``stage_peak``'s memory, apart: ``k`` recomputed layers keep the
+    mean saving less per micro-batch, and one of them is rebuilt while a backward runs."""
+    parts.held_always.append(float(static.sum() - gradients.sum() - temporary.sum()))
+    parts.gradient_bytes.append(float(gradients.sum()))
+    parts.per_micro_batch.append(float(activation.sum() - k * saving.sum() / len(saving)))
+    parts.in_backward.append(float(temporary.sum()))
+    parts.rebuilt.append(float(saving.max()) if k > 0 else 0.0)
+    parts.adding.append(adding)
+
+
+class RankPeak(NamedTuple):
+    """A pipeline rank's peak bytes, and of them the gradients held and the temporaries (one
+    backward's: the loss's, a gradient being added) at that instant."""
+
+    total: float
+    gradients: float
+    temporary: float
+
+
+def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chunks: int = 1) -> list[RankPeak]:
+    """Each pipeline rank's peak, replaying the order torch's schedule runs its stages in
+    (``costmodels.memory.schedule_order``) with the cut's per-stage parts: every stage's
+    micro-batches in flight at each instant, together (interleaved, a rank's chunks hold
+    different counts at different times: the chunk holding the loss keeps one micro-batch
+    while the others fill). A backward holds its micro-batch's activations, its stage's
+    temporaries and rebuilt layer; a stage's first backward frees one micro-batch as its
+    gradients appear (``stage_peak``'s two instants), later ones make a gradient before adding
+    it to the accumulated one (``adding``)."""
+    v = Schedule.parse(schedule).chunks(chunks)
+    ranks = len(cut.starts) // v
+    out = []
+    for rank, actions in enumerate(schedule_order(schedule, ranks, micro_batches, v)):
+        base = sum(cut.held_always[s] for s in range(rank, ranks * v, ranks))
+        in_flight, graded, gradients = 0.0, set(), 0.0
+        best = RankPeak(base, 0.0, 0.0)
+
+        def at(temporary: float, rebuilt: float = 0.0) -> RankPeak:
+            return RankPeak(base + gradients + in_flight + temporary + rebuilt, gradients, temporary)
+
+        for forward, s in actions:
+            if forward:
+                in_flight += cut.per_micro_batch[s]
+                best = _higher(best, at(0.0))
+                continue
+            during, rebuilt = cut.in_backward[s], cut.rebuilt[s]
+            if s not in graded:  # its first backward: before any gradient, then with them, one micro-batch freed
+                best = _higher(best, at(during, rebuilt))
+                graded.add(s)
+                gradients += cut.gradient_bytes[s]
+                in_flight -= cut.per_micro_batch[s]
+                best = _higher(best, at(during + cut.adding[s], rebuilt))
+            else:
+                best = _higher(best, at(during + cut.adding[s], rebuilt))
+                in_flight -= cut.per_micro_batch[s]
+        out.append(best)
+    return out
+
+
+def _higher(best: RankPeak, candidate: RankPeak) -> RankPeak:
+    return candidate if candidate.total > best.total else best
 
 
 def stage_peak(static, gradients, activation, saving, peak, layers, in_flight, with_gradients, limit, adding=0.0):

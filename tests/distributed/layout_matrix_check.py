@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.passes.explain import expert_axes
+from autopar.passes.explain import expert_axes, expert_parallel
 from autopar.passes.plan import Plan
 from tests.distributed.train_check import adamw
 from tests.layout_models import LAYOUT_MODELS
@@ -100,7 +100,7 @@ def run_case(spec: str, mesh) -> dict:
     return {"loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_err": param_err,
             "dtype": str(dtype_of(name)).removeprefix("torch."),
             "losses": losses, "plan_kind": pm.plan.kind, "reasons": [r for r in pm.plan.reasons if "tied" in r],
-            "expert_parallel": len(expert_axes(pm.plan)[0])}
+            "expert_parallel": len(expert_axes(pm.plan)[0]), "dispatch": expert_parallel(pm.plan)}
 
 
 def main(cases: list[str]) -> None:

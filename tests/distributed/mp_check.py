@@ -13,7 +13,7 @@ output_dtype None (gradients reduced in bf16, as FSDP2 does then; bf16 outputs a
 ``fsdp2:`` also FSDP2 ``fully_shard`` with the same policy on the same 1-D mesh (each block,
 then the root); ``replay:`` the layout planned under the policy (``autopar.plan(..., mp_policy=)``),
 its JSON compiled without ``mp_policy`` (the plan's recorded policy runs); ``pp:<mesh>:<model>:<schedule>:<micro-batches>:<chunks>[:<intra-op layout>[:<reduce dtype>]]``
-a pipeline over mesh axis 0 (stages cut as ``tests.distributed.train_check.pipeline_plan`` cuts
+a pipeline over mesh axis 0 (stages cut as ``tests.distributed.plans.pipeline_plan`` cuts
 them; data parallel on the other axes, or the layout named, e.g. ``zero2``) under the policy,
 with gradients reduced in ``reduce dtype`` (e.g. ``bfloat16``; default float32); ``errors``:
 the refused combinations.
@@ -43,7 +43,7 @@ from autopar.models import GPT, GPTConfig, WideMLP
 from autopar.passes.lowering.recompute import Recomputed
 from autopar.passes.plan import Plan
 from autopar.runtime.precision import MixedGather
-from tests.distributed.train_check import case_plan, pipeline_plan, planned
+from tests.distributed.plans import case_plan, pipeline_plan, planned
 
 STEPS = 3
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
