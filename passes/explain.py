@@ -124,11 +124,12 @@ def expert_parallel(plan) -> str | None:
                 for a in kind_axes if kind != "tp" else ():
                     key = (kind, _mesh_axis(plan, a))
                     dispatch[key] = dispatch.get(key, 0) + 1
-    words = {"all_to_all": "all-to-all dispatch (each rank sends its tokens' rows to the ranks of their experts "
-                           "and gets the results back)",
-             "allgather": "allgather dispatch (tokens whole, outputs reduced after)"}
+    words = {"all_to_all": ("all-to-all", "each rank sends its tokens' rows to the ranks of their experts "
+                                          "and gets the results back"),
+             "allgather": ("allgather", "tokens whole, outputs reduced after")}
     for (kind, a), n in sorted(dispatch.items(), key=lambda kv: kv[0][1]):
-        lines.append(f"{n} expert layers: {words[kind]} over {plan.axis_names[a]}")
+        name, how = words[kind]
+        lines.append(f"{n} expert layers: {name} dispatch over {plan.axis_names[a]} ({how})")
     return "; ".join(lines)
 
 
