@@ -1,6 +1,6 @@
 """Planning time and plan quality for Llama-shaped models on the meta device (H100 preset).
 
-    python -m benchmarks.plan_llama --size 70b --mesh 8 8 [--time-limit 60]
+    python -m benchmarks.plan_llama --size 70b --mesh 8 8 [--time-limit 60] [--out plan.json]
 
 Prints the capture / planning seconds, wall clock and this process's CPU (the machine's
 load beside them: on a shared machine CPU seconds are what the planner's budget spends, the
@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-
-from autopar.models import LLAMA3
+from autopar.models import LLAMA3, llama3
+from autopar.planning import plan
 
 
 def llama_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,9 +36,8 @@ def llama_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main() -> None:
     parser = llama_arguments(argparse.ArgumentParser())
     parser.add_argument("--no-pipeline", action="store_true")
+    parser.add_argument("--out", help="save the plan's JSON here (planning twice and comparing the files checks determinism)")
     args = parser.parse_args()
-    from autopar.models import llama3
-    from autopar.planning import plan
 
     warnings.simplefilter("ignore")
     started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()[0]
@@ -54,6 +53,9 @@ def main() -> None:
           f"CPU {cpu:.1f} s (capture and model {cpu - search_cpu:.1f} s, search {search_cpu:.1f} s); "
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(result.explain())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result.to_json())
     step = result.predicted.step_time
     for name, t in sorted(result.candidates.items(), key=lambda kv: kv[1]):
         print(f"  auto / {name:<28} = {step / t:.3f}   ({t * 1e3:.1f} ms)")

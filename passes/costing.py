@@ -229,13 +229,14 @@ class _Pricer(EdgePricer):
     def op_comm(self, ns, on_grad_path: bool) -> np.ndarray:
         """Seconds per strategy of the collectives an op runs inside itself (the experts op's
         dispatch, forward and backward); zeros for every other op."""
-        if ns.info.name != MOE_EXPERTS:
-            return np.zeros(len(ns.strategies))
-        key = ("op comm", id(ns.strategies), on_grad_path)
+        key = ("op comm", id(ns.strategies), on_grad_path)  # cached for every op: it runs on each op of each build
         if key not in self.node:
-            dtype = dtype_kind(ns.info.outputs[0])
-            self.node[key] = np.array([experts_time(ns.info, s, self.mesh, self.profile, dtype, on_grad_path)[2]
-                                       for s in ns.strategies])
+            if ns.info.name != MOE_EXPERTS:
+                self.node[key] = np.zeros(len(ns.strategies))
+            else:
+                dtype = dtype_kind(ns.info.outputs[0])
+                self.node[key] = np.array([experts_time(ns.info, s, self.mesh, self.profile, dtype, on_grad_path)[2]
+                                           for s in ns.strategies])
         return self.node[key]
 
     def reads(self, ns, reads: tuple[tuple[int, fx.Node, float], ...]) -> np.ndarray | float:

@@ -5,13 +5,13 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.passes.capture import capture
 from tests.models import MODELS
 
 
 @pytest.fixture(scope="session")
 def captured_models():
     """name -> (model, example_inputs, Captured), captured once per test session."""
-    from autopar.passes.capture import capture
 
     out = {}
     with warnings.catch_warnings():

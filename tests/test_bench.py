@@ -3,14 +3,24 @@ and the names it accepts."""
 
 from __future__ import annotations
 
+import copy
 import json
+import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autopar import bench
+import autopar
+from autopar import bench, costmodels
+from autopar.bench import report
 from autopar.bench.report import COLUMNS, SUMMARY_COLUMNS
+from autopar.bench.run import dry_run_row
+from autopar.bench.workloads import Workload, build, lm_loss
+from autopar.models import GPT, GPTConfig
+from autopar.passes.capture import capture
+from autopar.runtime.loss import WithLoss
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +83,7 @@ def test_names_are_checked():
 def test_layout_plans_share_costs_and_match_autopar_plan():
     """bench.layout_plans costs every layout on one cost table: the same plans as
     autopar.plan(..., layout=name), which builds them one at a time."""
-    import warnings
 
-    from autopar import costmodels
-    import autopar
-    from autopar.bench.workloads import build
-    from autopar.runtime.loss import WithLoss
-    from autopar.passes.capture import capture
 
     work = build("wide-mlp", "cpu")
     with warnings.catch_warnings():
@@ -101,13 +105,8 @@ def tiny_h100():
     """A 2-layer GPT (dim 64) as a bench workload on the meta device, and its TP+DP plan for
     an h100-8 mesh (2x4), planned alone as the bench plans preset meshes (a layout: quicker
     to plan than the search, and dry-run alike)."""
-    import warnings
 
-    import torch
 
-    import autopar
-    from autopar.bench.workloads import Workload, lm_loss
-    from autopar.models import GPT, GPTConfig
 
     with torch.device("meta"):
         model = GPT(GPTConfig())
@@ -120,7 +119,6 @@ def tiny_h100():
 
 
 def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
-    from autopar.bench.run import dry_run_row
 
     work, plan = tiny_h100
     row = dry_run_row(plan, work, 80e9)
@@ -132,10 +130,7 @@ def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
 
 
 def test_a_failing_dry_run_is_a_row_with_its_autopar_message(tiny_h100, tmp_path):
-    import copy
 
-    from autopar.bench import report
-    from autopar.bench.run import dry_run_row
 
     work, plan = tiny_h100
     broken = copy.deepcopy(plan)

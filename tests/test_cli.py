@@ -3,16 +3,17 @@
 Plans come from the command line on meta-device models (gpt-small on 2x2, a few seconds)
 or are written by hand (pipelined plans for the schedule picture)."""
 
+from contextlib import redirect_stdout
 import inspect
+from io import StringIO
 import sys
 import textwrap
 import types
-from contextlib import redirect_stdout
-from io import StringIO
 
 import pytest
 
 from autopar import pictures
+import autopar.bench as bench
 from autopar.cli import main
 from autopar.passes.plan import Pipeline, Plan, Prediction
 from autopar.passes.solve.stages import pipeline_step_time
@@ -172,7 +173,6 @@ def test_bench_calls_autopar_bench_and_prints_the_table(tmp_path, monkeypatch, c
         return table
 
     try:
-        import autopar.bench as bench
 
         signature = inspect.signature(bench.run)
         monkeypatch.setattr(bench, "run", fake_run)

@@ -1,6 +1,8 @@
 """Costing: orderings of the cost tables, the backward collectives on edges, ZeRO memory, ties."""
 
+import copy
 import math
+from types import SimpleNamespace
 import warnings
 
 import numpy as np
@@ -11,17 +13,18 @@ from torch.nn.parallel import distributed as ddp
 
 from autopar import costmodels
 from autopar.costmodels import comm
-from autopar.runtime import gradsync
 from autopar.passes.capture import capture
-from autopar.passes.costing import ZERO_LEVELS, build_costs
-from autopar.passes.edge_costs import EdgeInput
-from autopar.passes.state_costs import zero_costs
+from autopar.passes.costing import ZERO_LEVELS, _Pricer, build_costs, checkpoint_inputs
+from autopar.passes.edge_costs import EdgeInput, parameter_shares
+from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.planner import layouts
 from autopar.passes.planner.reasons import axis_roles, layer_collectives
 from autopar.passes.solve.problem import plan_costs
+from autopar.passes.solve.shrink import shrink_problem
+from autopar.passes.state_costs import zero_costs
 from autopar.passes.strategy_graph import build_strategy_graph
-from autopar.passes.op_strategies import TensorMeta
-from tests.models import small_gpt
+from autopar.runtime import gradsync
+from tests.models import llama, small_gpt
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,6 @@ def test_replicated_weight_of_batch_split_op_pays_gradient_all_reduce(gpt_costs)
 def test_bucketed_parameters_pay_each_call_latency_once(gpt_costs):
     """Over all parameters the latency shares add up to one alpha per bucket: per
     gradient bucket for all-reduces, per layer (or stretch between layers) for gathers."""
-    from autopar.passes.edge_costs import parameter_shares
 
     shares = parameter_shares(gpt_costs.graph, gpt_costs.layer_of)
     params = [n for n in gpt_costs.graph.nodes if n.name in gpt_costs.graph.captured.params]
@@ -151,8 +153,6 @@ def test_ties_bind_leaders_only_so_the_problem_shrinks():
     """A follower's leader may sit outside its layer (Llama's first cast follows the embedding):
     ties hold leaders only, so ``shrink_problem`` never sees a tie it must reject (seen on the
     126-layer 405B graph; this small model checks the invariant)."""
-    from autopar.passes.solve.shrink import shrink_problem
-    from tests.models import llama
 
     model, inputs = llama()
     with warnings.catch_warnings():
@@ -211,7 +211,6 @@ def test_recomputed_layers_keep_their_inputs_and_one_layers_activations(gpt_cost
     """Checkpointed layers hold what enters them (whether or not an op's backward would) and,
     while backward rebuilds them one at a time, one layer's activations: every layer
     recomputed keeps one layer's inside activations in all, not none."""
-    from autopar.passes.costing import checkpoint_inputs
 
     costs = gpt_costs
     again = build_costs(costs.graph, costs.profile, memory_limit=80e9, recompute=True)
@@ -236,7 +235,6 @@ def test_activation_moves_are_priced_after_compute_and_parameter_moves_back_to_b
     """With in-step fits 10x slower than back to back, every edge carrying an activation
     costs more (or nothing, where nothing moves) and every parameter's edge (bucketed
     gathers and gradient reductions) costs what it did."""
-    import copy
 
     costs = gpt_costs
     slow = copy.deepcopy(costs.profile)
@@ -276,9 +274,7 @@ def test_bucketed_parameter_moves_pay_their_packing_copies():
     """A ZeRO-3 parameter's gather packs its shard into the bucket's flat buffer (X/n bytes
     read and written) and copies it out whole (X and X); its gradient's reduce-scatter packs
     the gradient (X and X). Hand-computed for a (256, 64) fp32 weight on 4 ranks."""
-    from types import SimpleNamespace
 
-    from autopar.passes.costing import _Pricer
 
     assert costmodels.bucket_copy_bytes("all_gather", 65536, 4) == 2 * 16384 + 2 * 65536
     assert costmodels.bucket_copy_bytes("reduce_scatter", 65536, 4) == 2 * 65536

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from autopar.costmodels.fit import fit_linear
+from autopar.costmodels.fit import fit_linear, fit_per_item
 
 
 def test_recovers_exact_line():
@@ -39,7 +39,6 @@ def test_bad_inputs():
 
 
 def test_per_item_fit_recovers_each_size_and_the_fixed_cost():
-    from autopar.costmodels.fit import fit_per_item
 
     # attention-like: heads (batch x heads) of four sizes, one size at two head counts
     counts = [8, 32, 16, 16, 8]

@@ -5,16 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from autopar.costmodels.timing import (
-    MAX_COPIES,
-    POINTWISE_CALLS,
-    OperandPool,
-    matmul_views,
-    median_time,
-    median_times,
-    pointwise_call,
-    rotating,
-)
+from autopar.costmodels import profiler
+from autopar.costmodels.timing import (MAX_COPIES, POINTWISE_CALLS, OperandPool, matmul_views, median_time,
+                                       median_times, pointwise_call, rotating)
 
 
 def test_rotating_spans_the_working_set():
@@ -79,7 +72,6 @@ def _axis_from_fake_times(monkeypatch, sweep, after_compute):
     """``_Measure.axis`` on 2 ranks with every timing faked: back to back, alpha 100 us and
     1 ns per byte; the compute alone 5 ms, and each size after it ``after_compute(X)``.
     Returns the axis and the repeats each timed sweep asked for."""
-    from autopar.costmodels import profiler
 
     seen = []
 
@@ -108,7 +100,6 @@ def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
     """A collective's batch time is bimodal under time sharing: its fit takes the median of
     ``Sweep.comm_repeats`` batches per size, compute fits ``Sweep.repeats``; so does the fit
     of each collective timed after compute (the compute alone timed in turns with it)."""
-    from autopar.costmodels import profiler
 
     sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=11, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
     # after compute: alpha 300 us, 2 ns per byte
@@ -125,7 +116,6 @@ def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
 def test_collectives_after_compute_that_cannot_be_fitted_keep_the_back_to_back_fit(monkeypatch):
     """Times after compute that do not grow with size are measured again with 3x the
     batches, then the back-to-back fit stands in, saying why."""
-    from autopar.costmodels import profiler
 
     sweep = dataclasses.replace(profiler.Sweep.quick(), comm_repeats=5, in_step_bytes=(1 << 12, 1 << 16, 1 << 18, 1 << 20))
     axis, seen = _axis_from_fake_times(monkeypatch, sweep, lambda b: 2e-3 - 1e-9 * b)  # shrinking

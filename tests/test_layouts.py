@@ -6,9 +6,10 @@ import pytest
 
 from autopar import layouts
 from autopar.passes.capture import capture
+from autopar.passes.placements import spec_str
 from autopar.passes.plan import Plan, choice_from_plan
 from autopar.passes.strategy_graph import build_strategy_graph
-from tests.models import small_gpt
+from tests.models import gpt2, small_gpt
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,6 @@ def gpt_graph():
 
 
 def _param_specs(graph, hint):
-    from autopar.passes.placements import spec_str
 
     return {graph.captured.params[n.name]: spec_str(spec) for n, spec in hint.fixed.items()
             if n.name in graph.captured.params}
@@ -47,7 +47,6 @@ def test_each_layout_places_parameters_as_it_promises(gpt_graph):
     dp = _param_specs(graph, by_name["dp"])
     assert set(dp.values()) == {"RR"}
     tokens = next(n for n in graph.nodes if n.name == "tokens")
-    from autopar.passes.placements import spec_str
 
     assert spec_str(by_name["dp"].fixed[tokens]) == "S(0)S(0)"
     completed = layouts.hint("tp+dp", graph, complete=True)  # by autopar.passes.propagate
@@ -83,7 +82,6 @@ def test_layout_plan_is_costed_and_replays(gpt_graph, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_graph():
-    from tests.models import gpt2
 
     model, inputs = gpt2()
     with warnings.catch_warnings():

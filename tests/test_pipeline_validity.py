@@ -3,6 +3,7 @@ divides over every axis that splits the batch, activations included), any diviso
 batch searched, the Plan checking it when built or loaded, recomputation priced per stage
 as it runs, and ``autopar.compile``'s planning considering a pipeline on its mesh."""
 
+from dataclasses import replace
 import itertools
 import json
 import warnings
@@ -10,22 +11,24 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autopar import costmodels
-from autopar import layouts
+from autopar import costmodels, layouts
 from autopar.models import MODELS, WideMLP
-from autopar.planning import plan
 from autopar.passes.capture import capture
-from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
-from autopar.passes.plan import Pipeline, Plan
 from autopar.passes.costing import build_costs
+from autopar.passes.plan import Pipeline, Plan
+from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.pipeline import LayerNumbers, node_layers, pipeline_plan, search
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.search import _no_slower_than_layouts
 from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
 from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.planning import plan
 from tests.profiles import measured_style
 
 
@@ -240,7 +243,6 @@ def test_stage_cut_with_recompute_equals_brute_force(seed):
 
 @pytest.fixture(scope="module")
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         pytest.skip("a process group is already running in this process")
@@ -253,7 +255,6 @@ def test_compile_planning_considers_a_pipeline_over_the_device_mesh(fake_world):
     """``autopar.compile`` plans on its DeviceMesh (``plan_once`` -> ``autopar.plan``): a
     pipeline over the mesh's whole outer axis, keeping the mesh's shape, the runtime's
     check; a 1-D mesh gets none (its pipeline would need a mesh of another shape)."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     with torch.device("meta"):
         model = WideMLP(dim=4096, hidden=16384, n_layers=8)
@@ -274,9 +275,7 @@ def test_compile_planning_considers_a_pipeline_over_the_device_mesh(fake_world):
 def test_a_manual_layout_predicted_faster_than_the_search_is_returned():
     """Whatever the search returned, a fitting manual layout predicted faster under the same
     costing replaces it (here the search's plan is made to look slower than every layout)."""
-    from dataclasses import replace
 
-    from autopar.passes.planner.search import _no_slower_than_layouts
 
     with torch.device("meta"):
         model = WideMLP(dim=1024, hidden=4096, n_layers=2)

@@ -3,21 +3,28 @@ parameters do not fit otherwise, a pipeline across the slow axis, micro-batches 
 bubble, and a clear error when nothing fits. Models are on the meta device: nothing is
 allocated, the cost model reads shapes only."""
 
+import json
 import math
+import time
 import warnings
 
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
+import autopar
 from autopar import costmodels
-from autopar.models import Attention, GPTConfig, WideMLP
-from autopar.planning import plan
+from autopar.models import GPT, Attention, GPTConfig, WideMLP
 from autopar.passes.capture import capture
 from autopar.passes.placements import parse_spec
 from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.planner import search
 from autopar.passes.planner.intra_op import PlanningError
+from autopar.passes.planner.search import factorisation_budget, next_factorisation, repeated_layer_count
+from autopar.passes.solve import chain_dp
 from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.planning import plan
 from tests.models import small_gpt
 from tests.profiles import measured_style
 
@@ -196,10 +203,7 @@ def test_diff_names_what_changed(gpt_plan):
 
 def test_plan_with_the_loss():
     """The loss can be planned with the model: a mean cross-entropy splits with the batch."""
-    import torch.nn.functional as F
 
-    import autopar
-    from autopar.models import WideMLP
 
     torch.manual_seed(0)
     model = WideMLP(dim=16, hidden=64, n_layers=1)
@@ -215,7 +219,6 @@ def test_only_as_many_layers_recomputed_as_memory_demands():
     """Activations of an 8-layer GPT squeezed to 70% / 40% / 10%: the planner recomputes
     the fewest layers that fit (more for a tighter limit), each costing time."""
     cfg = GPTConfig(vocab_size=1024, max_seq_len=1024, dim=512, n_heads=8, n_layers=8)
-    from autopar.models import GPT
 
     model = meta(lambda: GPT(cfg))
     x = torch.zeros(64, 1024, dtype=torch.long, device="meta")
@@ -241,7 +244,6 @@ def test_a_manual_layout_recomputes_the_fewest_layers_that_fit():
     auto plan would, instead of reporting that it does not fit; the auto plan lists it as a
     candidate costed so, and is no slower."""
     cfg = GPTConfig(vocab_size=1024, max_seq_len=1024, dim=512, n_heads=8, n_layers=8)
-    from autopar.models import GPT
 
     model = meta(lambda: GPT(cfg))
     x = torch.zeros(64, 1024, dtype=torch.long, device="meta")
@@ -310,7 +312,6 @@ def test_an_op_without_a_rule_is_named_once():
 
 
 def _without_timings(p: Plan) -> dict:
-    import json
 
     out = json.loads(p.to_json())
     for key in ("seconds", "planning_seconds", "planning_cpu_seconds", "capture_seconds"):
@@ -321,9 +322,7 @@ def _without_timings(p: Plan) -> dict:
 def _wall_clock_running(monkeypatch, speed: float) -> None:
     """The wall clock, as the planner and its solvers read it, running ``speed`` times too fast:
     a machine ``speed`` times more loaded, as far as any wall-clock limit can tell."""
-    import time
 
-    from autopar.passes.solve import chain_dp
 
     real, start = time.perf_counter, time.perf_counter()
     fast = lambda: start + speed * (real() - start)  # noqa: E731
@@ -338,7 +337,6 @@ def test_the_same_call_gives_the_same_plan(monkeypatch):
     the second time with the wall clock running 5 times too fast (a machine under a load that
     takes 5 times longer: the wall clock is only a safety net, never what decides)."""
     cfg = GPTConfig(vocab_size=1024, max_seq_len=512, dim=256, n_heads=8, n_layers=4)
-    from autopar.models import GPT
 
     model = meta(lambda: GPT(cfg))
     x = torch.zeros(32, 512, dtype=torch.long, device="meta")
@@ -359,7 +357,6 @@ def test_pipeline_depths_tried_spread_first_then_bisect_towards_the_best():
     a bisection between the best found and its tried neighbours, the deepest untried while
     nothing fits. On a valley-shaped step time over 15 depths it reaches the bottom within 7
     plans wherever the bottom lies (trying all would take 15)."""
-    from autopar.passes.planner.search import next_factorisation
 
     options = [(p, (8,)) for p in range(2, 17)]
     results: dict[int, float] = {}
@@ -385,7 +382,6 @@ def test_pipelines_deeper_than_the_layers_and_past_the_budget_are_not_planned():
     """Two layers on a 4 x 2 mesh: a 4-stage pipeline would leave stages empty, so only the
     2-stage one is planned, and the notes say why; the budget of depths is a count from the
     graph's size and the time limit, never the clock."""
-    from autopar.passes.planner.search import factorisation_budget, repeated_layer_count
 
     model, inputs = small_gpt()
     captured = capture(model, inputs)
@@ -404,9 +400,7 @@ def test_the_safety_net_counts_cpu_seconds_and_only_a_runaway_wall_clock(monkeyp
     """The pipeline search stops early only past CPU_SAFETY_FACTOR x its limit in this
     process's CPU seconds (which a loaded machine hardly changes), or past WALL_SAFETY_FACTOR x
     it in wall seconds; a wall clock a few times slower than idle, as under load, cuts nothing."""
-    import time
 
-    from autopar.passes.planner import search
 
     wall, cpu = [100.0], [5.0]
     monkeypatch.setattr(time, "perf_counter", lambda: wall[0])
