@@ -20,6 +20,8 @@ offsets); without a pipeline, the first rank and the last.
 Pipelines: one process holding one rank at a time cannot run send/recv between stages, so
 the schedule's own action list for this rank is replayed on fake activations, and the
 shapes one stage sends are checked against those the next expects (``autopar.dryrun_pipeline``).
+Only the fewest micro-batches whose schedule reaches every state of the plan's are replayed
+(1F1B: P + 1 of M; ``replayed_micro_batches``): the same peak in a fraction of the time.
 
 Speed: the model is captured and its strategy graph built once, then the distinct ranks
 run in worker processes forked from that state (one per core), each rank's step on its own
@@ -61,7 +63,7 @@ from autopar.runtime.loss import WithLoss
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy
-from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step
+from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
 from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
 from autopar.dryrun_tracker import CPU, FakeState, create_optimizer_state, peak_memory, tracker_for
 from autopar.passes.capture import Captured, capture
@@ -83,6 +85,7 @@ def dry_run(
     ranks: Sequence[int] | None = None,
     raise_on_failure: bool = False,
     workers: int | None = None,
+    micro_batches: int | None = None,
 ) -> DryRunResult:
     """Run a training step of ``plan`` on every distinct rank of its mesh, on this machine
     (``workers``), on fake tensors and torch's fake process group; see the module docstring.
@@ -95,7 +98,9 @@ def dry_run(
     (default: the distinct ones). ``raise_on_failure``: raise an ``autopar:`` error naming the
     first failing rank instead of returning it in the result. ``workers``: processes the ranks
     run in, forked after the one capture they share (default: one per core, at most one per
-    rank; 1 runs them here, one after another).
+    rank; 1 runs them here, one after another). ``micro_batches``: how many of a pipeline
+    plan's micro-batches to replay (default: the fewest with the same peak memory as all of
+    them, ``autopar.dryrun_pipeline.replayed_micro_batches``; the plan's count replays all).
 
     Needs no process group of its own: it starts torch's fake one per rank and destroys it
     after; one already initialised here is an error (run the dry run outside torchrun).
@@ -111,8 +116,9 @@ def dry_run(
     chosen = list(ranks) if ranks is not None else distinct_ranks(plan)
     results = [RankResult(r, _coordinate(r, shape)) for r in chosen]
     processes = _workers(workers, len(results))
+    replayed = _replayed(plan, micro_batches)
     try:
-        work = _prepare(plan, model, example_inputs, loss_fn, target)
+        work = _prepare(plan, model, example_inputs, loss_fn, target, replayed and replayed[0])
     except ValueError as e:  # the plan does not fit the model at all: every rank would fail to build
         for r in results:
             r.error = _one_line(e)
@@ -123,7 +129,8 @@ def dry_run(
             check_stage_boundaries(work.stage_io, results)
     for r in results:
         r.predicted = _predicted_for(plan, r.coordinate)
-    result = DryRunResult(plan.kind, shape, results, dict(plan.predicted.memory), time.perf_counter() - started)
+    result = DryRunResult(plan.kind, shape, results, dict(plan.predicted.memory), time.perf_counter() - started,
+                          micro_batches=replayed)
     if raise_on_failure:
         result.raise_if_failed()
     return result
@@ -166,10 +173,11 @@ class _Work:
     inputs: list[tuple[tuple[int, ...], torch.dtype]]
     target: tuple[tuple[int, ...], torch.dtype]
     stage_io: dict[int, dict[str, list]] = field(default_factory=dict)  # stage -> "sends"/"expects" shapes
+    replayed: int | None = None  # a pipeline's micro-batches replayed (of the plan's, each of the plan's size)
 
 
 def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
-             target: torch.Tensor | None) -> _Work:
+             target: torch.Tensor | None, replayed: int | None) -> _Work:
     inputs = tuple(example_inputs)
     if plan.includes_loss:  # the plan covers the model and its loss: the loss is the output
         if loss_fn is None or target is None:
@@ -200,7 +208,20 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
     graph = build_strategy_graph(captured, intra)
     choice_from_plan(graph, plan)  # the plan fits the graph, checked once (and every strategy's name made once)
     return _Work(plan, model, captured, graph, loss_fn, [(tuple(x.shape), x.dtype) for x in flat],
-                 (tuple(target.shape), target.dtype))
+                 (tuple(target.shape), target.dtype), replayed=replayed)
+
+
+def _replayed(plan: Plan, asked: int | None) -> tuple[int, int] | None:
+    """(micro-batches replayed, the plan's) for a pipeline plan: ``asked``, else the fewest with
+    the same peak (``replayed_micro_batches``); None without a pipeline."""
+    pp = plan.pipeline
+    if pp is None:
+        return None
+    if asked is not None and not 1 <= asked <= pp.micro_batches:
+        raise ValueError(f"autopar: dry_run(micro_batches=...) expected 1 to the plan's {pp.micro_batches} "
+                         f"micro-batches, found {asked}; leave it out to replay the fewest with the same peak")
+    return (asked or replayed_micro_batches(pp.schedule, pp.stages, pp.micro_batches, pp.chunks_per_rank),
+            pp.micro_batches)
 
 
 def _check_stage_order(captured: Captured, stage_of: dict[str, int]) -> None:
@@ -353,7 +374,7 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
                 if plan.pipeline is None:
                     module.train_step(inputs, target)
                 else:
-                    pipeline_step(module, inputs, target, work.stage_io)
+                    pipeline_step(module, inputs, target, work.stage_io, work.replayed)
         result.peak, result.memory = peak_memory(tracker)
         result.ok = True
     except Exception as e:  # noqa: BLE001  (any failure is the finding: reported with its rank)

@@ -4,32 +4,46 @@ list for this rank (``schedule.pipeline_order``) is replayed instead: each forwa
 stage's program on fake received activations of the shapes the stage expects, each backward
 starts from fake gradients of its outputs (the last stage: from the loss), with the
 micro-batches in flight exactly as the schedule keeps them. ``check_stage_boundaries`` then
-compares the shapes one stage sends with those the next expects, across ranks."""
+compares the shapes one stage sends with those the next expects, across ranks.
+
+Fewer micro-batches, the same peak: a rank's memory at any moment is set by how many
+micro-batches each of its stages holds, which stages have made their gradients, and the
+action it runs; the micro-batch's number changes nothing (every micro-batch has the same
+size). ``replayed_micro_batches`` finds the fewest micro-batches M' whose schedule takes
+every rank through exactly the (state, action) pairs the plan's M do -- warm-up, steady
+state and cool-down -- so replaying M' micro-batches of the plan's size gives the same peak
+and breakdown as replaying all M, in M'/M of the time (1F1B: P + 1; interleaved: three
+rounds of P; GPipe, whose in-flight count is M: all M)."""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch.utils import _pytree as pytree
 
+from autopar.costmodels.memory import schedule_order
+from autopar.costmodels.schedules import Schedule
 from autopar.dryrun_results import RankResult
+from autopar.passes.costing import carrying_gradient
 from autopar.passes.placements import local_shape, local_slice
 from autopar.runtime.pipeline import PipelineModule
 
 
 def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
-                   stage_io: dict[int, dict[str, list]] | None) -> None:
+                   stage_io: dict[int, dict[str, list]] | None, micro_batches: int | None = None) -> None:
     """One training step of this rank's stages, in the order its schedule runs them
-    (``schedule.pipeline_order``), then the gradients' sums and the optimizer step, as
-    ``PipelineModule.train_step`` does after its schedule."""
+    (torch's ``pipeline_order``, ``costmodels.memory.schedule_order``), then the gradients'
+    sums and the optimizer step, as ``PipelineModule.train_step`` does after its schedule.
+    ``micro_batches``: how many of the plan's micro-batches to replay (the schedule made for
+    that many, each of the plan's size; default all, see ``replayed_micro_batches``)."""
     pp = pm.plan.pipeline
-    if pm.schedule is None:
-        pm._build_schedule(target.chunk(pp.micro_batches)[0])  # the loss program and torch's schedule
+    replayed = micro_batches or pp.micro_batches
+    pm._build_loss(target.chunk(pp.micro_batches)[0])
     pm.zero_grad()
     stages = {stage.stage_index: (stage, program) for stage, program in zip(pm.stages, pm.programs)}
     in_flight: dict[tuple[int, int], tuple] = {}
-    for kind, index, mb in _actions(pm.schedule.pipeline_order[pm.pp_rank]):
-        if kind == _ComputationType.FORWARD:
+    order = schedule_order(pp.schedule, pp.stages, replayed, pp.chunks_per_rank)[pm.pp_rank]
+    for forward, index, mb in _numbered(order):
+        if forward:
             stage, program = stages[index]
             received = _received(pm, index, program, inputs, mb)
             outputs = stage.submod(*received)
@@ -39,30 +53,49 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
             if stage.is_last:
                 outputs = (pm._micro_loss(outputs, _micro_target(pm, target, mb)),)
             in_flight[index, mb] = (received, outputs)
-        elif kind == _ComputationType.FULL_BACKWARD:
+        else:
             _, outputs = in_flight.pop((index, mb))
             needs = [t for t in outputs if t.requires_grad]
             grads = [None if stages[index][0].is_last else torch.zeros_like(t) for t in needs]
             torch.autograd.backward(needs, grads)  # received gradients: fake, of the outputs' shapes
-        elif kind != _ComputationType.REDUCE_GRAD:  # summed below, for every stage at once
-            raise ValueError(f"autopar: the dry run replays forward and full-backward actions; found {kind} of stage {index} "
-                             f"in schedule {pp.schedule}")
     pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
     pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
 
 
-def _actions(order: list) -> list[tuple]:
-    """(kind, stage, micro-batch) of each action of a rank's ``pipeline_order``, the
-    micro-batches numbered in the order each stage runs them: every torch schedule runs a
-    stage's forwards, and its backwards, in micro-batch order, and torch 2.13's 1F1B order
-    numbers the last stage's from 1 (``Schedule1F1B._get_pipeline_order``: its first forward is
-    micro-batch 1, its last M), which its ``_step_microbatches`` does not."""
-    seen: dict[tuple, int] = {}
+def replayed_micro_batches(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1) -> int:
+    """The fewest micro-batches M' <= ``micro_batches`` that ``schedule`` can run and whose
+    order takes every pipeline rank through the same set of (state, action) pairs as the
+    plan's ``micro_batches`` (``_states``): the same peak memory, replayed in M'/M of the time."""
+    schedule = Schedule.parse(schedule)
+    whole = [_states(order) for order in schedule_order(schedule, stages, micro_batches, chunks)]
+    for m in range(1, micro_batches):
+        if not schedule.micro_batch_problem(stages, m) and \
+                [_states(order) for order in schedule_order(schedule, stages, m, chunks)] == whole:
+            return m
+    return micro_batches
+
+
+def _states(order: tuple[tuple[bool, int], ...]) -> set[tuple]:
+    """Every (micro-batches each stage holds, stages whose gradients exist, action) a rank's
+    ``order`` of (forward?, stage) passes through: what its memory at each action depends on."""
+    held: dict[int, int] = {}
+    with_gradients: set[int] = set()
+    seen = set()
+    for forward, stage in order:
+        seen.add((tuple(sorted(held.items())), frozenset(with_gradients), forward, stage))
+        held[stage] = held.get(stage, 0) + (1 if forward else -1)
+        if not forward:
+            with_gradients.add(stage)
+    return seen
+
+
+def _numbered(order: tuple[tuple[bool, int], ...]) -> list[tuple[bool, int, int]]:
+    """(forward?, stage, micro-batch) of each action of a rank's order: every torch schedule
+    runs a stage's forwards, and its backwards, in micro-batch order (torch 2.13's 1F1B
+    ``pipeline_order`` numbers the last stage's from 1, which its ``_step_microbatches`` does not)."""
+    seen: dict[tuple[bool, int], int] = {}
     out = []
-    for action in order:
-        if action is None:
-            continue
-        key = (action.computation_type, action.stage_index)
+    for key in order:
         out.append((*key, seen.get(key, 0)))
         seen[key] = seen.get(key, 0) + 1
     return out
@@ -84,12 +117,15 @@ def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -
                        if pm.intra is not None and spec is not None else piece)
         return out
     intra = tuple(pm.intra.shape) if pm.intra is not None else ()
+    # as torch's PipelineStage: a received value needs a gradient where the sender made it with
+    # one (rotary cos/sin made from buffers do not; their backward would keep q and k)
+    graded = carrying_gradient(cap)
     out = []
     for node in received:
         val = node.meta["val"]
         spec = program.input_specs.get(node.name)
         shape = local_shape(tuple(val.shape), spec, intra) if spec is not None else tuple(val.shape)
-        out.append(torch.zeros(shape, dtype=val.dtype, device=pm.device, requires_grad=val.dtype.is_floating_point))
+        out.append(torch.zeros(shape, dtype=val.dtype, device=pm.device, requires_grad=node in graded))
     return out
 
 

@@ -47,6 +47,8 @@ class DryRunResult:
     ranks: list[RankResult]
     predicted: dict[str, float]
     seconds: float = 0.0
+    # a pipeline's (micro-batches replayed, the plan's): the fewest with the same peak (``dryrun_pipeline``)
+    micro_batches: tuple[int, int] | None = None
 
     @property
     def world_size(self) -> int:
@@ -79,6 +81,11 @@ class DryRunResult:
         """Predicted memory per device / the dry run's largest peak (1.0: exact; nan: nothing measured)."""
         return self.predicted_total / self.peak if self.peak else math.nan
 
+    def replayed(self) -> str:
+        """", M' of M micro-batches replayed" for a pipeline plan, else ""."""
+        return f", {self.micro_batches[0]} of {self.micro_batches[1]} micro-batches replayed" \
+            if self.micro_batches else ""
+
     def raise_if_failed(self) -> None:
         if self.ok:
             return
@@ -94,7 +101,7 @@ class DryRunResult:
     def table(self) -> str:
         """One line per rank: peak and its kinds, then the prediction beside the largest peak."""
         lines = [f"dry run of the {self.plan_kind} plan on mesh {self.mesh_shape} ({self.world_size} ranks, "
-                 f"{len(self.ranks)} distinct run) in {self.seconds:.1f} s"]
+                 f"{len(self.ranks)} distinct run{self.replayed()}) in {self.seconds:.1f} s"]
         for r in self.ranks:
             if r.ok:
                 kinds = ", ".join(f"{k} {_gib(r.memory.get(k, 0))}" for k in KINDS)

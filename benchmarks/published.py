@@ -15,6 +15,11 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   where the source states it (full, or none), else the fewest recomputed layers that fit
   the run's GPU memory), and predicted / published;
 - predicted memory per GPU of that layout against the published figure, where published;
+- where that memory is over the card (a run that fixed its recomputation, priced as it was
+  made), the published layout WITHIN the card: the fewest recomputed layers that fit, priced
+  as the auto plan is (``fitting_layout``). The auto plan must fit, so it is compared with
+  that one (its ratio to the run's own layout printed beside it); the ratio to published
+  stays on the run's own recomputation: that is the prediction check;
 - the auto plan (``autopar.plan`` on (GPUs / 8, 8), 8-GPU nodes, with the run's GPU
   memory as the limit, as the published layout gets): one line, its predicted
   tokens/s/GPU and MFU (model FLOPs against 989 TFLOP/s dense bf16), planning seconds,
@@ -44,7 +49,7 @@ from autopar.bench.run import plan_line
 from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
 from autopar.passes.capture import capture
-from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, price_pinned
+from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, PinnedCost, price_pinned
 from autopar.passes.strategy_graph import NoRuleWarning
 from autopar.runtime.precision import Precision, capture_cast
 
@@ -234,7 +239,7 @@ def dry_run_verdict(plan, model, inputs) -> str:
     limit = plan.solver.get("memory_limit")  # the device's bytes the plan was made for
     over = f" (**over the device's {limit / GIB:.1f} GiB**)" if limit and result.peak > limit else ""
     return (f"ok: peak {result.peak / GIB:.1f} GiB{over}, predicted / dry run {result.ratio:.2f}{per_rank} "
-            f"({result.seconds:.0f} s)")
+            f"({result.seconds:.0f} s{result.replayed()})")
 
 
 def _model_and_inputs(row: Row) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
@@ -251,6 +256,43 @@ def _capture(model: torch.nn.Module, inputs: tuple, mp_policy: MixedPrecisionPol
     """The graph as the model computes: under ``mp_policy`` as ``autopar.plan`` captures it."""
     precision = Precision.of(mp_policy)
     return capture(model, inputs) if precision is None else capture_cast(capture, model, precision)(inputs)
+
+
+def over_the_card(cost: PinnedCost, memory_limit: float) -> bool:
+    """Whether a layout priced as the run made it is predicted over the card's memory."""
+    return cost.fits and cost.memory > memory_limit
+
+
+def fitting_layout(captured, row: Row, as_run: PinnedCost, hint_of: Callable, memory_limit: float) -> PinnedCost | None:
+    """Where the run's own recomputation is predicted over the card (``memory_limit``), the
+    published layout with the fewest recomputed layers that fit it, priced as the auto plan's
+    pipelines are (``Pinned.recompute`` "fit": the planner's own search under the card's limit;
+    Build 2: "manual layouts get the fewest recomputed layers that fit, as auto does"): the
+    layout the auto plan, which must fit, is compared with. Where that search finds none, every
+    layer recomputed ("full"), if that fits, with a note saying so; ``fits`` False where neither
+    fits. None where the run's own recomputation fits."""
+    if not over_the_card(as_run, memory_limit):
+        return None
+    fewest = price_pinned(captured, row.mesh, row.hardware, hint_of, replace(row.pinned, recompute="fit"),
+                          memory_limit=memory_limit)
+    if fewest.fits or row.pinned.recompute == "full":
+        return fewest
+    full = price_pinned(captured, row.mesh, row.hardware, hint_of, replace(row.pinned, recompute="full"),
+                        memory_limit=memory_limit)
+    if over_the_card(full, memory_limit):
+        return fewest
+    full.notes[:0] = [f"within the card: the planner's search for the fewest recomputed layers found none "
+                      f"({'; '.join(fewest.notes) or 'no reason given'}): every layer recomputed"]
+    return full
+
+
+def compared_tokens(row: Row, r: dict) -> float:
+    """Predicted tokens/s/GPU of the published layout the auto plan is compared with: as run
+    where that fits the card, else within it (``fitting_layout``; 0 where none is found)."""
+    fitting = r["fitting"]
+    if fitting is None:
+        return r["predicted"]
+    return tokens_per_gpu(row, fitting.step_time) if fitting.fits else 0.0
 
 
 def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
@@ -272,12 +314,14 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     published = published_tokens(row, per_token)
     out = {"row": row, "params": params, "flops_per_token": per_token, "published": published}
     started = time.perf_counter()
-    cost = price_pinned(captured, row.mesh, row.hardware, lambda graph: layouts.hint(row.pinned.layout, graph),
-                        row.pinned, memory_limit=row.device_memory)
-    out["pinned_seconds"] = time.perf_counter() - started
+    hint_of = lambda graph: layouts.hint(row.pinned.layout, graph)  # noqa: E731
+    cost = price_pinned(captured, row.mesh, row.hardware, hint_of, row.pinned, memory_limit=row.device_memory)
     out["pinned"] = cost
     out["predicted"] = tokens_per_gpu(row, cost.step_time) if cost.fits else 0.0
-    out["ratio"] = out["predicted"] / published
+    out["ratio"] = out["predicted"] / published  # the prediction check: the run's own recomputation
+    out["fitting"] = fitting_layout(captured, row, cost, hint_of, row.device_memory)
+    out["pinned_seconds"] = time.perf_counter() - started
+    out["compared"] = compared_tokens(row, out)
     if not auto_plan:
         out.update(SKIPPED_AUTO)
         return out
@@ -312,45 +356,84 @@ SKIPPED_AUTO = dict(auto_seconds=0.0, auto_line="skipped (--no-auto)", auto_toke
                     auto_memory=math.nan, dry_run="not run")
 
 HEADER = ("| run | GPUs | published layout | published tok/s/GPU | predicted (published layout) | ratio | "
-          "memory GiB predicted / published | recomputed layers | auto plan | auto tok/s/GPU | auto MFU | "
-          "auto ÷ published layout | planning s | dry run |")
+          "memory GiB predicted / published | recomputed layers | published layout within the card | auto plan | "
+          "auto tok/s/GPU | auto MFU | auto ÷ published layout | planning s | dry run |")
 
 
 def table_row(r: dict) -> str:
+    """One run's row: the prediction check on the run's own recomputation (predicted, ratio,
+    memory, recomputed layers); where that is over the card, the published layout within it
+    (``fitting_layout``), which the auto plan is compared with, the ratio to the run's own beside it."""
     row, cost = r["row"], r["pinned"]
     memory = f"{cost.memory / GIB:.1f}" if math.isfinite(cost.memory) else "—"
+    if over_the_card(cost, row.device_memory):
+        memory += f" (**over the card's {row.device_memory / GIB:.1f}**)"
     published_memory = f"{row.memory_gib:.1f}" if row.memory_gib is not None else "—"
-    speedup = r["auto_tokens"] / r["predicted"] if r["predicted"] else math.nan
     predicted = f"{r['predicted']:,.0f}" if cost.fits else "does not fit"
     return (f"| {row.key} | {row.gpus} | {row.layout_text} | {r['published']:,.0f} | {predicted} | "
             f"{r['ratio']:.2f} | {memory} / {published_memory} | {cost.recomputed}/{cost.layers} | "
-            f"{r['auto_line']} | {r['auto_tokens']:,.0f} | {r['auto_mfu']:.0%} | {speedup:.2f} | "
-            f"{r['auto_seconds']:.0f} | {r['dry_run']} |")
+            f"{within_the_card(r)} | {r['auto_line']} | {r['auto_tokens']:,.0f} | {r['auto_mfu']:.0%} | "
+            f"{auto_against_published(r)} | {r['auto_seconds']:.0f} | {r['dry_run']} |")
+
+
+def within_the_card(r: dict) -> str:
+    """The published layout within the card: "as run", or its recomputed layers, predicted
+    tokens/s/GPU and memory, or that none was found."""
+    fitting = r["fitting"]
+    if fitting is None:
+        return "as run"
+    if not fitting.fits:
+        return f"none found ({'; '.join(fitting.notes)})"
+    return (f"{fitting.recomputed}/{fitting.layers} recomputed: {r['compared']:,.0f} tok/s/GPU, "
+            f"{fitting.memory / GIB:.1f} GiB")
+
+
+def auto_against_published(r: dict) -> str:
+    """Auto plan ÷ the published layout it is compared with (within the card), and where that
+    is not the run's own layout, ÷ the run's own beside it, marked over the card; "—" without
+    an auto plan (skipped, or failed)."""
+    if not r["auto_tokens"]:
+        return "—"
+    against = f"{r['auto_tokens'] / r['compared']:.2f}" if r["compared"] else "—"
+    if r["fitting"] is None:
+        return against
+    as_run = r["auto_tokens"] / r["predicted"] if r["predicted"] else math.nan
+    return f"{against} (÷ as run, over the card: {as_run:.2f})"
 
 
 BREAKDOWN_HEADER = ("| run | step s | " + " | ".join(BREAKDOWN_PARTS) + " | model TFLOP/s/GPU at compute only |")
 
 
-def breakdown_row(r: dict) -> str:
+def breakdown_row(r: dict, label: str | None = None) -> str:
     """The published layout's predicted step on one GPU by where it goes (``PinnedCost.parts``,
-    seconds and share of the step), and the model FLOP/s the compute part alone would give."""
+    seconds and share of the step), and the model FLOP/s the compute part alone would give;
+    ``label``: the first cell, the run's key where not given."""
     row, cost = r["row"], r["pinned"]
+    label = row.key if label is None else label
     if not cost.fits:
-        return f"| {row.key} | does not fit |" + " — |" * (len(BREAKDOWN_PARTS) + 1)
+        return f"| {label} | does not fit |" + " — |" * (len(BREAKDOWN_PARTS) + 1)
     cells = [f"{cost.parts[k]:.3f} ({cost.parts[k] / cost.step_time:.0%})" for k in BREAKDOWN_PARTS]
     compute_only = r["flops_per_token"] * row.batch * row.seq / row.gpus / cost.parts["compute"] / 1e12
-    return f"| {row.key} | {cost.step_time:.3f} | " + " | ".join(cells) + f" | {compute_only:.0f} |"
+    return f"| {label} | {cost.step_time:.3f} | " + " | ".join(cells) + f" | {compute_only:.0f} |"
 
 
 def table(results: list[dict]) -> str:
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [table_row(r) for r in results]
     lines += ["", BREAKDOWN_HEADER, "|" + "---|" * BREAKDOWN_HEADER.count(" | ") + "---|"]
-    lines += [breakdown_row(r) for r in results]
+    for r in results:
+        lines.append(breakdown_row(r))
+        if r["fitting"] is not None:
+            lines.append(breakdown_row({**r, "pinned": r["fitting"]}, label=f"{r['row'].key} within the card"))
     lines.append("")
-    lines += [f"- {r['row'].key}: {r['row'].source}; " + "; ".join([r["row"].note] + r["pinned"].notes)
-              for r in results]
+    lines += [f"- {r['row'].key}: {r['row'].source}; " + "; ".join([r["row"].note] + _notes(r)) for r in results]
     return "\n".join(lines)
+
+
+def _notes(r: dict) -> list[str]:
+    """The published layout's notes as run, then those of it within the card not said already."""
+    within = r["fitting"].notes if r["fitting"] is not None else []
+    return r["pinned"].notes + [n for n in within if n not in r["pinned"].notes]
 
 
 def main() -> None:

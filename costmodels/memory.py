@@ -3,7 +3,9 @@
 Parameters, gradients and AdamW state under ZeRO 0-3 (``formulas.ZERO_MEMORY``), and by
 schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a ``Schedule``) the
 activations alive under it, its bubble and its step time: the ``Schedule`` methods
-(``autopar.costmodels.schedules``), which hold that mathematics.
+(``autopar.costmodels.schedules``), which hold that mathematics. What a ZeRO-3 bucket's
+gather and reduce-scatter hold while they run (``gather_working_bytes``,
+``scatter_working_bytes``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from unittest.mock import patch
 
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _ComputationType
 
@@ -118,6 +121,26 @@ def layer_activation_bytes(
     tensor parallelism, fewer with it. For graphs, sum the saved tensors instead."""
     kind = "none" if tp == 1 else "tensor_sequence_parallel" if sequence_parallel else "tensor_parallel"
     return _fn(f"layer_activations.{kind}")(seq, batch, hidden, heads, tp)
+
+
+def gather_working_bytes(shard: float, whole: float, largest: float, master: torch.dtype,
+                         compute: torch.dtype) -> float:
+    """Bytes alive while a ZeRO-3 bucket of parameters is gathered, as
+    ``autopar.passes.lowering.buckets`` (and FSDP2's copy-in, all-gather, copy-out) runs it:
+    this rank's shards cast to the compute dtype (no copy where the master is in it), their
+    flat copy, the gathered flat buffer, each parameter copied out of it, and the last one's
+    reordered copy on its way out. ``shard``, ``whole``, ``largest``: elements of this rank's
+    shards, of the gathered bucket and of its largest parameter gathered."""
+    cast = shard if compute != master else 0.0
+    return (cast + shard + 2 * whole + largest) * compute.itemsize
+
+
+def scatter_working_bytes(shard: float, whole: float, compute: torch.dtype, reduce: torch.dtype) -> float:
+    """Bytes alive while a ZeRO-3 bucket's gradients are reduce-scattered: the whole gradients in
+    the compute dtype, their copy in the reduce dtype (none where it is the same), the flat
+    buffer sent, and this rank's reduced shard (elements as ``gather_working_bytes``)."""
+    cast = whole * reduce.itemsize if reduce != compute else 0.0
+    return whole * compute.itemsize + cast + (whole + shard) * reduce.itemsize
 
 
 def bubble_fraction(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1) -> float:

@@ -54,6 +54,7 @@ import torch
 from torch import fx
 
 from autopar import costmodels
+from autopar.passes.capture import Captured
 from autopar.passes.saved import VIEWS, keep_bases, saved_roles, saved_values
 from autopar.costmodels.precision import META_KEY, MixedPrecision
 from autopar.passes.edge_costs import (UNPACKED, EdgeInput, EdgePrice, EdgePricer, Shares, alike_consumers,
@@ -144,12 +145,18 @@ def precision_of(graph: StrategyGraph) -> str | MixedPrecision:
 
 
 def requires_grad(graph: StrategyGraph, grad_inputs: Iterable[str] = ()) -> set[fx.Node]:
+    """Nodes on a gradient path of ``graph``'s capture (``carrying_gradient``)."""
+    return carrying_gradient(graph.captured, grad_inputs)
+
+
+def carrying_gradient(captured: Captured, grad_inputs: Iterable[str] = ()) -> set[fx.Node]:
     """Nodes on a gradient path: float values computed from a trainable parameter, or from
     one of the placeholders named in ``grad_inputs`` (inputs that carry a gradient back,
-    e.g. the model's outputs entering a loss program)."""
-    params, grad_inputs = graph.captured.params, set(grad_inputs)
+    e.g. the model's outputs entering a loss program). A pipeline stage receives exactly these
+    with ``requires_grad`` (torch's ``PipelineStage`` takes it from what the sender made)."""
+    params, grad_inputs = captured.params, set(grad_inputs)
     out: set[fx.Node] = set()
-    for node in graph.captured.nodes():
+    for node in captured.nodes():
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
             continue

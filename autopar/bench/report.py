@@ -184,7 +184,13 @@ def _dry_run_line(row: dict) -> list[str]:
     verdict = _dry_verdict(dry) if dry["status"] == "ok" else f"**failed**: {dry['error']}".replace("|", "/")
     peak = _mem(dry["peak"]) if dry.get("peak") else "–"
     return [row["mesh"], row["model"], dry.get("plan", ""), verdict, peak, _ratio(dry.get("ratio")) + _per_rank(dry),
-            f"{dry['seconds']:.0f}"]
+            f"{dry['seconds']:.0f}" + _replayed(dry)]
+
+
+def _replayed(dry: dict) -> str:
+    """" (M' of M micro-batches)" for a pipeline plan: the fewest replayed with the same peak."""
+    replayed, planned = dry.get("micro_batches") or (0, 0)
+    return f" ({replayed} of {planned} micro-batches)" if planned else ""
 
 
 def _per_rank(dry: dict) -> str:

@@ -260,6 +260,8 @@ def dry_run_row(plan, work: Workload, memory_limit: float) -> dict:
     row = {"status": "ok" if result.ok else "failed", "peak": result.peak, "seconds": result.seconds,
            "ratio": result.ratio if result.peak else None, "ranks": len(result.ranks), "plan": plan_line(plan),
            "over_memory": result.peak > memory_limit, "memory_limit": memory_limit}
+    if result.micro_batches:  # a pipeline's micro-batches replayed, of the plan's (the fewest with the same peak)
+        row["micro_batches"] = list(result.micro_batches)
     if result.rank_ratios:  # each distinct rank's own prediction / its peak (a pipeline's differ by rank)
         row["rank_ratios"] = [min(result.rank_ratios), max(result.rank_ratios)]
     if not result.ok:

@@ -39,8 +39,8 @@ from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.precision import (Precision, apply_precision, capture_cast, captured_under_policy,
                                        masters_reduce_dtype, output_under, warn_under_autocast)
 from autopar.runtime.state_dicts import in_state_dict_order
-from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, settings_key, settings_of,
-                                      stored_layouts)
+from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, recompute_plan, settings_key,
+                                      settings_of, stored_layouts)
 from autopar.runtime.zero1 import OptimizerSlices
 from autopar.passes.capture import Captured, capture
 from autopar.passes.lowering.codegen import RankProgram
@@ -89,7 +89,7 @@ class ParallelModule(nn.Module):
             self.local[name] = nn.Parameter(local, value.requires_grad) if name in captured.params else local
         self._reduce_dtype = masters_reduce_dtype(
             self.precision, [t for t in self.local.values() if isinstance(t, nn.Parameter)])
-        self._apply_precision(program, captured)
+        self._apply_policy_then_recompute(program, captured)
         order = backward_order(program.gm)
         self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
                                      mesh, order)
@@ -135,9 +135,11 @@ class ParallelModule(nn.Module):
                 "(a copy with model.to(param_dtype), on the meta device) and compile with that plan"
             )
 
-    def _apply_precision(self, program: RankProgram, captured: Captured) -> None:
+    def _apply_policy_then_recompute(self, program: RankProgram, captured: Captured) -> None:
+        """The policy's casts, then the plan's recomputation (``recompute_plan``: in that order)."""
         if self.precision is not None:
             apply_precision(program, captured, self.local, self.precision)
+        recompute_plan(program, self.plan)
 
     # --- programs per input shapes and mode -------------------------------------------
     # A call runs the program for its inputs' whole shapes in this module's mode (train, or
@@ -260,7 +262,7 @@ class ParallelModule(nn.Module):
                 f"mode) holds {differs or sorted(level1 ^ self._level1)} otherwise than the compiled program; "
                 "expected the same parameters in the same layouts. Compile for these shapes instead"
             )
-        self._apply_precision(program, captured)
+        self._apply_policy_then_recompute(program, captured)
         grads = self._compiled.grads
         if program.grad_sync != self._compiled.program.grad_sync:
             grads = GradientSync(program.grad_sync, self.local, backward_order(program.gm), self.mesh,

@@ -291,19 +291,24 @@ class PipelineModule(nn.Module):
         only (no loss). Gradients are not scaled by the schedule: each micro-batch's loss is
         (``_loss_scale``), so that several schedule runs can accumulate in ``.grad``."""
         pp = self.plan.pipeline
-        last = self.programs[-1] if self.stages[-1].is_last else None
-        if last is not None and target_micro is not None:
-            out_specs = last.output_specs
-            out_metas = [self._output_meta(n.meta["val"]) for n in self.parts[-1].outputs]
-            # a data-parallel loss stays this rank's share of the sum (backward from a share is
-            # backward from the sum); the shares are summed once per step, with the gradients
-            self._loss = build_loss_program(self.loss_fn, self.captured.out_spec, out_metas, out_specs,
-                                            target_micro, self.intra, reduce_output=False)
+        if target_micro is not None:
+            self._build_loss(target_micro)
         schedule_cls = SCHEDULES[Schedule.parse(pp.schedule)]
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False,
                                      loss_fn=self._micro_loss if target_micro is not None else None)
         self._variant.trains = target_micro is not None
+
+    def _build_loss(self, target_micro: torch.Tensor) -> None:
+        """The last stage's loss program for one micro-batch's target (this rank holds the
+        last stage), apart from the schedule: the dry run replays the schedule's order itself."""
+        last = self.programs[-1] if self.stages[-1].is_last else None
+        if last is not None:
+            out_metas = [self._output_meta(n.meta["val"]) for n in self.parts[-1].outputs]
+            # a data-parallel loss stays this rank's share of the sum (backward from a share is
+            # backward from the sum); the shares are summed once per step, with the gradients
+            self._loss = build_loss_program(self.loss_fn, self.captured.out_spec, out_metas, last.output_specs,
+                                            target_micro, self.intra, reduce_output=False)
 
     def _micro_loss(self, outputs: Any, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss: this rank's share of it where the loss is a pending sum."""

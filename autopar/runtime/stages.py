@@ -159,12 +159,12 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
     for index in range(place.pp_rank, n_stages, pp.stages):
         part = parts[index]
         program = lower(graph, choice, place.intra, per_use, part=part)
-        mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
-        program.gm = recompute_layers(program.gm, layer_of, mine)
         named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
                  for n in part.inputs if n.name in state_names}
-        if precision is not None:
+        if precision is not None:  # before the split: it finds the gathers and readers of each parameter there
             apply_precision(program, captured, named, precision)
+        mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
+        program.gm = recompute_layers(program.gm, layer_of, mine)
         own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
         variant.stage_state.append(named)
         variant.programs.append(program)

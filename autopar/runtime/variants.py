@@ -108,9 +108,15 @@ def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
     level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
                                            if plan.zero.get(fqn, 0) == 1 and ph in stored})
     program = lower(graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1})
-    if plan.recompute:  # activation checkpointing of the plan's layers
-        program.gm = recompute_layers(program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
     return program, level1
+
+
+def recompute_plan(program: RankProgram, plan: Plan) -> None:
+    """Activation checkpointing of the plan's layers. After a mixed-precision policy is applied
+    (``apply_precision``): the policy finds each parameter's gathers and readers in the whole
+    graph, which recomputation splits into checkpointed submodules."""
+    if plan.recompute:
+        program.gm = recompute_layers(program.gm, plan_layers(plan), layers_to_recompute(plan.recompute))
 
 
 def stored_layouts(captured: Captured, plan: Plan) -> dict[str, Spec]:

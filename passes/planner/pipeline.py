@@ -31,9 +31,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from torch.distributed.tensor import Replicate
+import torch
+from torch import fx
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar import costmodels
+from autopar.costmodels.memory import gather_working_bytes, scatter_working_bytes
+from autopar.costmodels.precision import MixedPrecision
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.state_costs import state_breakdown
 from autopar.passes.plan import Pipeline, Plan, Prediction
@@ -45,7 +49,7 @@ from autopar.passes.placements import local_shape
 from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.explain import duration
-from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 
 
 @dataclass
@@ -69,12 +73,15 @@ class LayerNumbers:
     # bytes: the largest gradient of a layer, made whole before a backward adds it to the
     # accumulated one; None: none
     largest_gradient: np.ndarray | None = None
+    # bytes: what the layer's ZeRO-3 gather, and its gradients' reduce-scatter, hold while they
+    # run (``ZeroThreeBucket``); None: none
+    gather: np.ndarray | None = None
+    scatter: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.temporary is None:
-            self.temporary = np.zeros(len(self.static))
-        if self.largest_gradient is None:
-            self.largest_gradient = np.zeros(len(self.static))
+        for name in ("temporary", "largest_gradient", "gather", "scatter"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(len(self.static)))
 
     def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
         """Seconds to send each layer's output (one micro-batch of it) to the next stage,
@@ -133,6 +140,9 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     forward = [0.0] * count
     static, activation, boundary = [0.0] * count, [0.0] * count, [0.0] * count
     recomputable, inputs, temporary, largest = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
+    # per layer: its ZeRO-3 parameters, gathered per use as codegen buckets them: the repeated
+    # layer's apart from those of the stretch around it (an embedding, a head)
+    gathered = [{"layer": ZeroThreeBucket(), "between": ZeroThreeBucket()} for _ in range(count)]
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     choice, zero = costs.choice(assignment)
@@ -156,6 +166,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             row[1] += held["gradients"]
             row[2] += held["optimizer"]
             largest[layer] = max(largest[layer], held["gradients"])
+            bucket = gathered[layer]["layer" if node in repeated else "between"]
+            bucket.add(numel, _gathered_over(graph, node, spec, choice, mesh), node.meta["val"].dtype)
             continue
         act[layer] += float(node_time[v][s])
         compute[layer] += float(costs_compute[v][s])
@@ -195,7 +207,52 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     array = np.array
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
                         array(activation), array(boundary, dtype=np.float64), where, array(forward),
-                        array(recomputable), array(inputs), array(temporary), array(largest))
+                        array(recomputable), array(inputs), array(temporary), array(largest),
+                        *(array([max(b.working(costs.precision)[i] for b in g.values()) for g in gathered])
+                          for i in (0, 1)))
+
+
+@dataclass
+class ZeroThreeBucket:
+    """A layer's parameters stored split where their ops use them whole (ZeRO-3), in elements
+    on one device: gathered at each use as one bucket (``autopar.passes.lowering.buckets``)."""
+
+    shard: float = 0.0
+    whole: float = 0.0
+    largest: float = 0.0
+    dtype: torch.dtype | None = None  # the parameters' own dtype (the master's under a policy)
+
+    def add(self, numel: float, gathered_over: int, dtype: torch.dtype) -> None:
+        if gathered_over > 1:
+            self.shard += numel
+            self.whole += numel * gathered_over
+            self.largest = max(self.largest, numel * gathered_over)
+            self.dtype = dtype
+
+    def working(self, precision: str | MixedPrecision) -> tuple[float, float]:
+        """Bytes the bucket's gather, and its gradients' reduce-scatter, hold while they run."""
+        if self.dtype is None:
+            return 0.0, 0.0
+        mixed = isinstance(precision, MixedPrecision)
+        master, compute = (precision.master, precision.compute) if mixed else (self.dtype, self.dtype)
+        reduce = precision.reduce if mixed else self.dtype
+        return (gather_working_bytes(self.shard, self.whole, self.largest, master, compute),
+                scatter_working_bytes(self.shard, self.whole, compute, reduce))
+
+
+def _gathered_over(graph, param: fx.Node, spec, choice, mesh) -> int:
+    """How many devices a parameter stored as ``spec`` is gathered from for its readers: the mesh
+    axes it is split over where one of them needs it whole (ZeRO-3; 1: used as it lies)."""
+    axes: set[int] = set()
+    for user in param.users:
+        ns = graph.nodes.get(user)
+        if ns is None or ns.follows is not None:
+            continue
+        strategy = ns.strategies[choice[user]]
+        for src, need in zip(tensor_inputs(user), strategy.inputs):
+            if src is param and need is not None:
+                axes |= {a for a, (p, q) in enumerate(zip(spec, need)) if isinstance(p, Shard) and isinstance(q, Replicate)}
+    return math.prod(mesh[a] for a in axes)
 
 
 def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:
@@ -237,6 +294,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             step_overhead=num.step_overhead(p),
             recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
+            gather_memory=num.gather, scatter_memory=num.scatter,
         )
 
     found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
@@ -409,6 +467,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     plan.reasons.append(
         f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {option.schedule.display}"
         f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {duration(bubble)} of {duration(option.step_time)}"
-        + (f"; {len(recomputed)} of {len(num.act_time)} layers recomputed in backward (per stage the fewest "
-           "that fit its micro-batches in flight)" if recomputed else ""))
+        + (f"; {len(recomputed)} of {len(num.act_time)} layers recomputed in backward ("
+           + ("few enough that each rank fits its peak in the schedule's order" if v > 1
+              else "per stage the fewest that fit its micro-batches in flight") + ")" if recomputed else ""))
     return plan

@@ -9,20 +9,26 @@ it was rejected, so a plan can explain why it chose what it did.
 
 Exact for GPipe and 1F1B (the DP minimises the slowest stage, and the step time is
 that times M + P - 1). For interleaved 1F1B it balances chunks (min-max over P * v
-virtual stages) with each chunk held to ``memory_limit / v``, which is sufficient but
-conservative, then checks each rank's peak (``stages.rank_peaks``: torch's order of its chunks
-replayed); a heuristic, not an optimum.
+virtual stages) with each chunk held to ``memory_limit / v`` at an even spread of its rank's
+in-flight count, then checks each rank's peak (``stages.rank_peaks``: torch's order of its chunks
+replayed). torch's order does not spread them evenly, so that share can reject cuts whose ranks
+fit; ``rank_fit`` re-fits the recomputation of the DP's cut and of two time-optimal cuts (with
+nothing and with every layer recomputed) to the ranks' replayed peaks, and the fastest that fits
+wins. A heuristic, not an optimum.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
 
 from autopar.costmodels import Schedule
 from autopar.costmodels.memory import in_flight_with_gradients
-from autopar.passes.solve.stages import RankPeak, StageCut, cut_stages, rank_peaks
+from autopar.passes.solve.rank_fit import recompute_to_fit
+from autopar.passes.solve.stages import RankPeak, StageCut, cut_stages, describe_cut, rank_peaks
 
 
 @dataclass
@@ -42,6 +48,8 @@ class LayerCosts:
     gradient_memory: Sequence[float] | None = None
     accumulating: Sequence[float] | None = None  # per layer: the largest gradient a backward adds (``stages``)
     temporary_memory: Sequence[float] | None = None  # the part of static_memory alive only in a backward (``stages``)
+    gather_memory: Sequence[float] | None = None  # per layer: what its ZeRO-3 gather holds while it runs (``stages``)
+    scatter_memory: Sequence[float] | None = None  # ... and its gradients' reduce-scatter (``stages``)
 
 
 @dataclass
@@ -102,25 +110,95 @@ def evaluate_pipeline(
         option.rejected = problem
         return option
     in_flight = schedule.in_flight_per_stage(num_stages, num_microbatches, v)
+    graded = in_flight_with_gradients(schedule, num_stages, num_microbatches, v)
     chunk_limit = None if memory_limit is None else memory_limit / v
-    cut = cut_stages(
-        costs.time, num_stages * v, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
-        in_flight=in_flight, memory_limit=chunk_limit, boundary_time=costs.boundary_time,
+    cut = _cut(costs, num_stages * v, in_flight, graded, chunk_limit)
+    if cut is None:
+        option.rejected = "no cut fits in memory"
+    else:
+        option = _judged(option, cut, costs, memory_limit)
+    if schedule.interleaved and memory_limit is not None:
+        # the DP held each chunk to its share of the limit at an even spread of its rank's
+        # in-flight count; recomputation fitted to the ranks' replayed peaks may fit where it
+        # found no cut, or recompute less (``rank_fit``)
+        for start in _fitting_starts(costs, cut, num_stages * v, in_flight, graded):
+            describe = _describer(costs, start.starts, in_flight, graded)
+            fitted = recompute_to_fit(start, describe, schedule, num_microbatches, v, memory_limit,
+                                      _per_layer_saving(costs))
+            judged = None if fitted is None else _judged(option, fitted, costs, memory_limit)
+            if judged is not None and _preferred(judged) < _preferred(option):
+                option = judged
+            if fitted is not None and not any(fitted.recomputed):
+                break  # a start fits with nothing recomputed: the later ones only recompute more
+    return option
+
+
+def _fitting_starts(costs: LayerCosts, dp_cut: StageCut | None, stages: int, in_flight,
+                    graded) -> Iterator[StageCut]:
+    """The cuts ``rank_fit`` starts from, made as they are asked for: the fastest with no memory
+    limit, nothing recomputed; the DP's; and the fastest where every layer recomputed, every layer
+    recomputed (``rank_fit`` then gives back each one its rank does not need: the chunks stay
+    balanced around the rest)."""
+    yield _cut(costs, stages, in_flight, graded, None)
+    if dp_cut is not None:
+        yield dp_cut
+    if costs.recompute_saving is not None and costs.recompute_time is not None:
+        all_recomputed = replace(costs, time=np.asarray(costs.time) + np.asarray(costs.recompute_time))
+        starts = _cut(all_recomputed, stages, in_flight, graded, None).starts
+        yield _describer(costs, starts, in_flight, graded)(np.diff(starts + [len(costs.time)]).tolist())
+
+
+def _preferred(option: PipelineOption) -> tuple[float, int]:
+    """Faster first, then (at the same step time: not on the slowest rank) fewer recomputed layers."""
+    return option.step_time, sum(option.cut.recomputed) if option.cut is not None else 0
+
+
+def _cut(costs: LayerCosts, stages: int, in_flight, graded, limit: float | None) -> StageCut | None:
+    """``cut_stages`` over ``costs`` (each stage's in-flight counts given), at most ``limit`` per stage."""
+    return cut_stages(
+        costs.time, stages, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
+        in_flight=in_flight, memory_limit=limit, boundary_time=costs.boundary_time,
         recompute_saving=costs.recompute_saving, recompute_time=costs.recompute_time,
         gradient_memory=costs.gradient_memory, accumulating=costs.accumulating,
         temporary_memory=costs.temporary_memory,
-        in_flight_with_gradients=in_flight_with_gradients(schedule, num_stages, num_microbatches, v),
+        gather_memory=costs.gather_memory, scatter_memory=costs.scatter_memory,
+        in_flight_with_gradients=graded,
     )
-    if cut is None:
-        option.rejected = "no cut fits in memory"
-        return option
-    option.cut = cut
-    # each rank's peak as its schedule's order holds its chunks together (the cut held each
-    # chunk to its share of the limit at the chunk's own peak: sufficient, not the peak)
-    option.rank_peaks = rank_peaks(cut, schedule, num_microbatches, v)
-    option.rank_memory = [peak.total for peak in option.rank_peaks]
-    if memory_limit is not None and max(option.rank_memory) > memory_limit * (1 + 1e-12):
-        option.rejected = f"a rank needs {max(option.rank_memory):.6g} bytes"
-        return option
-    option.step_time = schedule.step_time(cut.stage_time, num_microbatches, v) + costs.step_overhead
-    return option
+
+
+def _describer(costs: LayerCosts, starts: list[int], in_flight, graded) -> Callable[[Sequence[int]], StageCut]:
+    """Per-stage recomputed counts -> ``describe_cut`` of ``starts`` over ``costs``, as ``_cut`` describes its cut."""
+    time = np.asarray(costs.time, dtype=np.float64)
+    send = np.zeros(len(time))
+    if costs.boundary_time is not None:
+        send[:-1] = costs.boundary_time  # the send after each layer but the last
+    arrays = [None if x is None else np.asarray(x, dtype=np.float64) for x in (
+        costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
+        costs.gradient_memory, costs.accumulating, costs.temporary_memory, costs.gather_memory, costs.scatter_memory)]
+    static, activation, saving, redo, gradients, accumulating, temporary, gather, scatter = arrays
+
+    def describe(recomputed: Sequence[int]) -> StageCut:
+        return describe_cut(starts, time, static, activation, in_flight, send, saving, redo, gradients=gradients,
+                            in_flight_with_gradients=graded, accumulating=accumulating, temporary=temporary,
+                            gather=gather, scatter=scatter, recomputed=recomputed)
+
+    return describe
+
+
+def _per_layer_saving(costs: LayerCosts) -> list[float]:
+    return [0.0] * len(costs.time) if costs.recompute_saving is None else list(costs.recompute_saving)
+
+
+def _judged(option: PipelineOption, cut: StageCut, costs: LayerCosts, memory_limit: float | None) -> PipelineOption:
+    """``option``'s (P, M, schedule, v) with ``cut``: its ranks' peaks as the schedule's order holds
+    their chunks together, rejected where one is over ``memory_limit``, else its step time."""
+    judged = PipelineOption(option.num_stages, option.num_microbatches, option.schedule, option.chunks_per_rank,
+                            math.inf, cut)
+    judged.rank_peaks = rank_peaks(cut, judged.schedule, judged.num_microbatches, judged.chunks_per_rank)
+    judged.rank_memory = [peak.total for peak in judged.rank_peaks]
+    if memory_limit is not None and max(judged.rank_memory) > memory_limit * (1 + 1e-12):
+        judged.rejected = f"a rank needs {max(judged.rank_memory):.6g} bytes"
+        return judged
+    judged.step_time = (judged.schedule.step_time(cut.stage_time, judged.num_microbatches, judged.chunks_per_rank)
+                        + costs.step_overhead)
+    return judged

@@ -39,6 +39,16 @@ activations per micro-batch in flight, and what exists only during one of its ba
 holding the loss runs each micro-batch's backward right after its forward while the
 rank's other chunks fill, so its temporaries meet one micro-batch of its own in flight.
 
+ZeRO-3 stages gather a layer's weights at its first use and free them after, in forward and
+again in backward (``gather[l]`` bytes while it runs: ``costmodels.memory.gather_working_bytes``),
+where its gradients are then reduce-scattered (``scatter[l]``: ``scatter_working_bytes``). A
+forward gathers layer l before its and the later layers' activations exist; a backward gathers
+it again while they, less those of the later layers, still exist, and reduce-scatters once its
+own are freed too. So a stage's forward holds ``max_l(gather[l] - A[l:])`` beyond its micro-batch's
+activations, and a backward ``max_l max(gather[l] - A[l+1:], scatter[l] - A[l:])`` with
+``A[l:]`` the micro-batch's activations of layers l onward in the stage (none below 0). The
+cut's DP holds the stage's largest ``gather`` or ``scatter`` throughout, as it holds ``T``.
+
 ``cut_stages`` minimises the slowest stage time subject to ``memory(s) <= limit`` for
 every stage, by the exact DP
 
@@ -86,6 +96,7 @@ class StageCut:
     in_backward: list[float] = field(default_factory=list)
     rebuilt: list[float] = field(default_factory=list)
     adding: list[float] = field(default_factory=list)
+    in_forward: list[float] = field(default_factory=list)  # a ZeRO-3 gather beyond one micro-batch's activations
 
     @property
     def slowest(self) -> float:
@@ -128,6 +139,8 @@ def cut_stages(
     in_flight_with_gradients: Sequence[float] | None = None,
     accumulating: Sequence[float] | None = None,
     temporary_memory: Sequence[float] | None = None,
+    gather_memory: Sequence[float] | None = None,
+    scatter_memory: Sequence[float] | None = None,
 ) -> StageCut | None:
     """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory.
     ``recompute_saving`` / ``recompute_time``: per layer and micro-batch, the bytes a
@@ -136,7 +149,10 @@ def cut_stages(
     micro-batches in flight once gradients exist; ``accumulating``: per layer, the largest
     gradient a backward makes before adding it to the accumulated one (module docstring);
     ``temporary_memory``: per layer, the part of ``static_memory`` alive only while one of
-    its backwards runs (``rank_peaks`` tells them apart; the cut holds it throughout)."""
+    its backwards runs (``rank_peaks`` tells them apart; the cut holds it throughout);
+    ``gather_memory`` / ``scatter_memory``: per layer, what its ZeRO-3 gather and its gradients'
+    reduce-scatter hold while they run (module docstring; the cut holds a stage's largest
+    throughout)."""
     time = np.asarray(layer_time, dtype=np.float64)
     num_layers = len(time)
     if not 1 <= num_stages <= num_layers:
@@ -155,6 +171,8 @@ def cut_stages(
     redo = _per_layer(recompute_time, num_layers, "recompute_time")
     gradients = _per_layer(gradient_memory, num_layers, "gradient_memory")
     adding = _per_layer(accumulating, num_layers, "accumulating")
+    gather = _per_layer(gather_memory, num_layers, "gather_memory")
+    scatter = _per_layer(scatter_memory, num_layers, "scatter_memory")
     time_prefix, static_prefix, activation_prefix, saving_prefix, redo_prefix, gradient_prefix = (
         np.concatenate([[0.0], np.cumsum(x)]) for x in (time, static, activation, saving, redo, gradients)
     )
@@ -174,6 +192,7 @@ def cut_stages(
     span_saving, span_redo = saving_prefix[b] - saving_prefix[a], redo_prefix[b] - redo_prefix[a]
     span_gradients = gradient_prefix[b] - gradient_prefix[a]
     span_peak, span_adding = _span_max(saving), _span_max(adding)
+    span_static = span_static + _span_max(np.maximum(gather, scatter))  # one running, held throughout
     for s in range(num_stages):
         last = s == num_stages - 1
         ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (num_stages - 1 - s)))
@@ -194,27 +213,36 @@ def cut_stages(
         b = starts[-1]
     starts.reverse()
     return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap, gradients, graded, adding,
-                        _per_layer(temporary_memory, num_layers, "temporary_memory"))
+                        _per_layer(temporary_memory, num_layers, "temporary_memory"), gather, scatter)
 
 
 def describe_cut(starts, time, static, activation, in_flight, send, saving=None, redo=None,
                  memory_limit: float = math.inf, gradients=None, in_flight_with_gradients=None,
-                 accumulating=None, temporary=None) -> StageCut:
+                 accumulating=None, temporary=None, gather=None, scatter=None,
+                 recomputed: Sequence[int] | None = None) -> StageCut:
     """Times and memories of a given cut, each stage recomputing the fewest layers that fit
-    ``memory_limit`` (used by the DP and by brute-force tests), and the parts of each stage's
-    memory that ``rank_peaks`` replays the schedule with."""
+    ``memory_limit`` (used by the DP and by brute-force tests), or ``recomputed[s]`` of them
+    where given (whatever that holds: ``solve.rank_fit`` picks them by the ranks' replayed
+    peaks), and the parts of each stage's memory that ``rank_peaks`` replays the schedule with."""
     n = len(time)
-    saving, redo, gradients, adding, temporary = (np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
-                                                  for x in (saving, redo, gradients, accumulating, temporary))
+    if recomputed is not None:
+        _check_recomputed(recomputed, starts, n)
+    forced = recomputed
+    saving, redo, gradients, adding, temporary, gather, scatter = (
+        np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
+        for x in (saving, redo, gradients, accumulating, temporary, gather, scatter))
     graded = in_flight if in_flight_with_gradients is None else in_flight_with_gradients
     ends = list(starts[1:]) + [n]
     stage_time, stage_memory, recomputed, held, added = [], [], [], [], []
     parts = StageCut([], [], [], n)  # only its per-stage parts of a replay are filled here
     for s, (a, b) in enumerate(zip(starts, ends)):
-        k, memory, grads = stage_peak(float(static[a:b].sum()), float(gradients[a:b].sum()),
+        k_given = None if forced is None else forced[s]
+        running = float(np.maximum(gather[a:b], scatter[a:b]).max())  # a gather or reduce-scatter, as the DP holds it
+        k, memory, grads = stage_peak(float(static[a:b].sum()) + running, float(gradients[a:b].sum()),
                                       float(activation[a:b].sum()), float(saving[a:b].sum()),
-                                      float(saving[a:b].max()), b - a, in_flight[s], graded[s], memory_limit,
-                                      float(adding[a:b].max()))
+                                      float(saving[a:b].max()), b - a, in_flight[s], graded[s],
+                                      memory_limit if k_given is None else math.inf, float(adding[a:b].max()),
+                                      k_given)
         k = int(k)
         stage_time.append(float(time[a:b].sum() + k * redo[a:b].sum() / (b - a) + (send[b - 1] if b < n else 0.0)))
         stage_memory.append(float(memory))
@@ -222,20 +250,36 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
         held.append(float(grads))
         added.append(float(adding[a:b].max()) if grads > 0 else 0.0)
         _add_parts(parts, static[a:b], gradients[a:b], activation[a:b], saving[a:b], temporary[a:b], k,
-                   float(adding[a:b].max()))
+                   float(adding[a:b].max()), gather[a:b], scatter[a:b])
     return StageCut(list(starts), stage_time, stage_memory, n, recomputed, held, added, parts.held_always,
-                    parts.gradient_bytes, parts.per_micro_batch, parts.in_backward, parts.rebuilt, parts.adding)
+                    parts.gradient_bytes, parts.per_micro_batch, parts.in_backward, parts.rebuilt, parts.adding,
+                    parts.in_forward)
 
 
-def _add_parts(parts: StageCut, static, gradients, activation, saving, temporary, k: int, adding: float) -> None:
+def _check_recomputed(recomputed: Sequence[int], starts, num_layers: int) -> None:
+    sizes = np.diff(list(starts) + [num_layers])
+    if len(recomputed) != len(sizes) or any(not 0 <= k <= size for k, size in zip(recomputed, sizes)):
+        raise ValueError(f"autopar: describe_cut expected per stage 0..(its layers) recomputed, for stages of "
+                         f"{sizes.tolist()} layers; found {list(recomputed)}; give one count per stage, at most "
+                         "its layers.")
+
+
+def _add_parts(parts: StageCut, static, gradients, activation, saving, temporary, k: int, adding: float,
+               gather, scatter) -> None:
     """One stage's parts of ``stage_peak``'s memory, apart: ``k`` recomputed layers keep the
-    mean saving less per micro-batch, and one of them is rebuilt while a backward runs."""
+    mean saving less per micro-batch, and one of them is rebuilt while a backward runs; a
+    ZeRO-3 gather or reduce-scatter runs in a backward, and in a forward beyond its
+    micro-batch's activations (module docstring)."""
     parts.held_always.append(float(static.sum() - gradients.sum() - temporary.sum()))
     parts.gradient_bytes.append(float(gradients.sum()))
     parts.per_micro_batch.append(float(activation.sum() - k * saving.sum() / len(saving)))
-    parts.in_backward.append(float(temporary.sum()))
+    kept = activation - k * saving / len(saving)  # per layer, one micro-batch's (recomputed ones by the mean)
+    onward = np.cumsum(kept[::-1])[::-1]  # the micro-batch's activations of layers l onward
+    after = onward - kept
+    parts.in_backward.append(float(temporary.sum() + max(0.0, np.maximum(gather - after, scatter - onward).max())))
     parts.rebuilt.append(float(saving.max()) if k > 0 else 0.0)
     parts.adding.append(adding)
+    parts.in_forward.append(float(max(0.0, (gather - onward).max())))
 
 
 class RankPeak(NamedTuple):
@@ -270,7 +314,7 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
         for forward, s in actions:
             if forward:
                 in_flight += cut.per_micro_batch[s]
-                best = _higher(best, at(0.0))
+                best = _higher(best, at(cut.in_forward[s] if cut.in_forward else 0.0))
                 continue
             during, rebuilt = cut.in_backward[s], cut.rebuilt[s]
             if s not in graded:  # its first backward: before any gradient, then with them, one micro-batch freed
@@ -290,18 +334,20 @@ def _higher(best: RankPeak, candidate: RankPeak) -> RankPeak:
     return candidate if candidate.total > best.total else best
 
 
-def stage_peak(static, gradients, activation, saving, peak, layers, in_flight, with_gradients, limit, adding=0.0):
+def stage_peak(static, gradients, activation, saving, peak, layers, in_flight, with_gradients, limit, adding=0.0,
+               recomputed=None):
     """(k recomputed, the stage's peak bytes, the gradient bytes held at that peak) of a stage
     holding ``static`` bytes (``gradients`` of them gradients) and ``activation`` bytes per
     micro-batch: the larger of two instants, ``in_flight`` micro-batches before any gradient
     exists and ``with_gradients`` after, ``adding`` bytes more while a gradient is added to
     the accumulated ones (module docstring), with the fewest recomputed layers
-    that fit ``limit`` at both (``fewest_recomputed``). Works on arrays and on numbers."""
+    that fit ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given.
+    Works on arrays and on numbers."""
     before = static - gradients + in_flight * activation
     after = static + with_gradients * activation + adding
     k_before, _ = fewest_recomputed(before, in_flight * saving, peak, layers, limit)
     k_after, _ = fewest_recomputed(after, with_gradients * saving, peak, layers, limit)
-    k = np.maximum(k_before, k_after)
+    k = np.maximum(k_before, k_after) if recomputed is None else np.asarray(recomputed, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = np.where(layers > 0, saving / layers, 0.0)
     rebuild = np.where(k > 0, peak, 0.0)
