@@ -34,6 +34,16 @@ import warnings
 
 import torch
 
+import autopar
+from autopar import layouts
+from autopar.bench.workloads import build
+from autopar.cli import load_model
+from autopar.models import GPT, MODELS, GPTConfig, llama3, megatron_gpt
+from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
+from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.passes.planner.request import PlanRequest
+from autopar.passes.state_costs import at_peak
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
@@ -64,23 +74,12 @@ def main() -> None:
 
 
 def _saved(path: str, model_name: str):
-    from autopar.cli import load_model
-    from autopar.passes.plan import Plan
-
     plan = Plan.load(path)
     model, inputs = load_model(model_name)
     return f"{model_name} {plan.kind} (saved)", plan, model, inputs, {}
 
 
 def _planned(case: str, time_limit: float, with_loss: bool):
-    import autopar
-    from autopar import layouts
-    from autopar.bench.workloads import build
-    from autopar.models import GPT, MODELS, GPTConfig, llama3, megatron_gpt
-    from autopar.passes.capture import capture
-    from autopar.passes.planner.pipeline import pipeline_plan
-    from autopar.passes.planner.request import PlanRequest
-
     def tokens(batch: int, seq: int) -> tuple:
         return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
 
@@ -130,9 +129,6 @@ def _planned(case: str, time_limit: float, with_loss: bool):
 
 
 def _row(label: str, plan, model, inputs, loss) -> str:
-    import autopar
-    from autopar.passes.state_costs import at_peak
-
     pp = plan.pipeline
     shape = f"{plan.kind} {plan.mesh_shape}" + (f" PP{pp.stages} M={pp.micro_batches} {pp.schedule}" if pp else "")
     zero = sorted(set(plan.zero.values()))

@@ -21,7 +21,10 @@ import warnings
 
 import torch
 
-
+from autopar.dryrun import dry_run
+from autopar.models import llama3
+from autopar.passes.plan import Plan
+from autopar.planning import plan as make_plan
 from benchmarks.plan_llama import llama_arguments
 
 
@@ -33,10 +36,6 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="dry_run's worker processes (default: one per core)")
     parser.add_argument("--plan-only", action="store_true", help="plan (and --save), do not dry-run")
     args = parser.parse_args()
-    from autopar.dryrun import dry_run
-    from autopar.models import llama3
-    from autopar.planning import plan as make_plan
-    from autopar.passes.plan import Plan
 
     warnings.simplefilter("ignore")
     with torch.device("meta"):

@@ -119,7 +119,6 @@ def tiny_h100():
 
 
 def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
-
     work, plan = tiny_h100
     row = dry_run_row(plan, work, 80e9)
     assert row["status"] == "ok" and not row["over_memory"], row
@@ -130,7 +129,6 @@ def test_dry_run_row_gives_the_verdict_peak_ratio_and_seconds(tiny_h100):
 
 
 def test_a_failing_dry_run_is_a_row_with_its_autopar_message(tiny_h100, tmp_path):
-
 
     work, plan = tiny_h100
     broken = copy.deepcopy(plan)

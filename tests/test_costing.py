@@ -134,7 +134,6 @@ def test_getitems_follow_and_identical_layers_are_tied(gpt_costs):
 
 
 def test_layers_that_differ_are_not_tied():
-
     class Uneven(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -39,7 +39,6 @@ def test_bad_inputs():
 
 
 def test_per_item_fit_recovers_each_size_and_the_fixed_cost():
-
     # attention-like: heads (batch x heads) of four sizes, one size at two head counts
     counts = [8, 32, 16, 16, 8]
     sizes = [2.1e6, 2.1e6, 16.8e6, 4.2e6, 8.4e6]

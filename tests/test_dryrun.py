@@ -2,12 +2,12 @@
 process, on torch's fake process group and fake tensors (a meta-device model, nothing
 allocated), with peak memory per rank from torch's MemTracker."""
 
+from contextlib import redirect_stdout
 import copy
+from io import StringIO
 import math
 import os
 import warnings
-from contextlib import redirect_stdout
-from io import StringIO
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ import autopar
 from autopar import dryrun, dryrun_tracker, layouts
 from autopar.cli import main
 from autopar.dryrun import DryRunError, distinct_ranks
-from autopar.models import GPT, GPTConfig
+from autopar.models import GPT, MODELS, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
@@ -209,7 +209,6 @@ def test_a_pipeline_never_parts_tied_weights():
     4 virtual stages) with the tied token embedding in stage 0 and the output head in stage 3;
     its dry run failed on rank 0 ("parameter transformer.wte.weight is used by stages [0, 3]").
     A parameter read in two layers can go to no stage cut: the pipeline search says so."""
-    from autopar.models import MODELS
 
     family = MODELS["gpt2"]
     with torch.device("meta"):

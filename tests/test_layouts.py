@@ -22,7 +22,6 @@ def gpt_graph():
 
 
 def _param_specs(graph, hint):
-
     return {graph.captured.params[n.name]: spec_str(spec) for n, spec in hint.fixed.items()
             if n.name in graph.captured.params}
 
@@ -82,7 +81,6 @@ def test_layout_plan_is_costed_and_replays(gpt_graph, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_graph():
-
     model, inputs = gpt2()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

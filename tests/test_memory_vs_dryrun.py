@@ -10,9 +10,12 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.bench.workloads import lm_loss
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.loss_memory import loss_memory
+from autopar.passes.state_costs import at_peak
+from autopar.runtime.loss import WithLoss
 
 GIB = 2**30
 
@@ -64,8 +67,6 @@ def test_the_loss_of_vocab_split_logits_holds_more_than_of_batch_split_ones():
 
 def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():
     model, inputs = _language_model()
-    from autopar.runtime.loss import WithLoss
-    from autopar.bench.workloads import lm_loss
 
     target = torch.zeros(8, 256, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
@@ -75,8 +76,6 @@ def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():
 
 
 def test_the_peak_is_backward_start_or_the_gradient_sum_whichever_holds_more():
-    from autopar.passes.state_costs import at_peak
-
     held = {"parameters": 1.0, "gradients": 1.0, "optimizer": 2.0, "activations": 5.0, "temporary": 1.0}
     assert at_peak(held) == {**held, "gradients": 0.0}  # no gradient made yet at backward's start
     small = {**held, "activations": 0.5, "temporary": 0.0}

@@ -17,7 +17,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.solve.stages import StageCut, rank_peaks
+from autopar.passes.solve.stages import StageCut, cut_stages, rank_peaks
 
 
 def test_the_loss_ranks_interleaved_peak_is_predicted_within_ten_percent():
@@ -72,7 +72,6 @@ def test_rank_peaks_replay_torchs_order():
 def test_one_stage_per_rank_replays_to_the_stage_formula(schedule):
     """With one stage per rank the replay of torch's order is the cut's own stage peak
     (``stage_peak``'s two instants), recomputation, gradients and temporaries included."""
-    from autopar.passes.solve.stages import cut_stages
 
     layers = 6
     cut = cut_stages([1.0] * layers, 3, static_memory=[10.0] * layers, activation_memory=[4.0, 5.0] * 3,

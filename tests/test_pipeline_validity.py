@@ -243,7 +243,6 @@ def test_stage_cut_with_recompute_equals_brute_force(seed):
 
 @pytest.fixture(scope="module")
 def fake_world():
-
     if dist.is_initialized():
         pytest.skip("a process group is already running in this process")
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())

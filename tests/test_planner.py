@@ -312,7 +312,6 @@ def test_an_op_without_a_rule_is_named_once():
 
 
 def _without_timings(p: Plan) -> dict:
-
     out = json.loads(p.to_json())
     for key in ("seconds", "planning_seconds", "planning_cpu_seconds", "capture_seconds"):
         out["solver"].pop(key, None)

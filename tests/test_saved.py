@@ -5,9 +5,11 @@ import warnings
 
 import torch
 
+from autopar.costmodels.presets import h100
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
-from autopar.passes.costing import requires_grad
+from autopar.passes.costing import build_costs, requires_grad
+from autopar.passes.placements import local_shape
 from autopar.passes.saved import VIEWS, is_view, keep_bases, saved_roles, saved_values
 from autopar.passes.strategy_graph import build_strategy_graph
 
@@ -78,9 +80,6 @@ def test_a_reshape_of_an_expanded_value_is_a_copy_and_of_a_contiguous_one_a_view
 def test_a_saved_input_is_charged_to_its_reader_in_the_placement_it_reads():
     """A matmul that reads its input gathered (strategy input Replicate) keeps the gathered
     copy for backward, four times the shard its producer holds on a 4-way axis."""
-    from autopar.costmodels.presets import h100
-    from autopar.passes.costing import build_costs
-    from autopar.passes.placements import local_shape
 
     class Scaled(torch.nn.Module):
         def __init__(self):
