@@ -1,7 +1,7 @@
 """Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
 
     python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
-                                   [--bf16-throughout] [--plans DIR]
+                                   [--bf16-throughout] [--plans DIR [--reuse-plans]]
 
 For each published run, on the meta device with the preset of its machine (``Row.hardware``:
 ``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W), under the run's
@@ -49,6 +49,7 @@ from autopar.bench.run import plan_line
 from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
 from autopar.passes.capture import capture
+from autopar.passes.plan import Plan
 from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, PinnedCost, price_pinned
 from autopar.passes.strategy_graph import NoRuleWarning
 from autopar.runtime.precision import Precision, capture_cast
@@ -296,11 +297,12 @@ def compared_tokens(row: Row, r: dict) -> float:
 
 
 def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
-             auto_plan: bool = True, plans: Path | None = None) -> dict:
+             auto_plan: bool = True, plans: Path | None = None, reuse: bool = False) -> dict:
     """One table row's numbers (see the module docstring). ``cache``: kept between rows, so
     rows of the same model and batch share its capture, and of the same GPUs its auto plan.
     ``auto_plan`` False: the published layout only (the auto columns say "skipped").
-    ``plans``: a folder to save the auto plan in (``<row>.json``), to dry-run or inspect again."""
+    ``plans``: a folder to save the auto plan in (``<row>.json``), to dry-run or inspect again;
+    ``reuse``: load the plan saved there instead of planning again, where there is one."""
     cache = {} if cache is None else cache
     shared = (row.build, row.batch, row.seq, row.mp_policy)
     if shared not in cache:
@@ -331,14 +333,19 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
         return out
     auto = {}
     started = time.perf_counter()
+    saved = None if plans is None else plans / f"{row.key}.json"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = plan_auto(model, row.auto_mesh, inputs, hardware=row.hardware, time_limit_s=time_limit_s,
-                             memory_limit=row.device_memory, mp_policy=row.mp_policy)
-        auto["auto_seconds"] = time.perf_counter() - started
-        if plans is not None:
-            plan.save(plans / f"{row.key}.json")
+        if reuse and saved is not None and saved.exists():  # planned before: its own planning seconds
+            plan = Plan.load(saved)
+            auto["auto_seconds"] = plan.solver.get("planning_seconds", math.nan)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = plan_auto(model, row.auto_mesh, inputs, hardware=row.hardware, time_limit_s=time_limit_s,
+                                 memory_limit=row.device_memory, mp_policy=row.mp_policy)
+            auto["auto_seconds"] = time.perf_counter() - started
+            if saved is not None:
+                plan.save(saved)
         auto["auto_line"] = one_line(plan)
         auto["auto_tokens"] = tokens_per_gpu(row, plan.predicted.step_time)
         auto["auto_mfu"] = auto["auto_tokens"] * per_token / PEAK_BF16
@@ -447,6 +454,8 @@ def main() -> None:
                         help="price every row in bf16 throughout, without its run's mixed precision (Row.mp_policy)")
     parser.add_argument("--out", default="results/published.md")
     parser.add_argument("--plans", type=Path, default=None, help="save every auto plan here (<row>.json)")
+    parser.add_argument("--reuse-plans", action="store_true",
+                        help="load the auto plan saved in --plans where there is one, instead of planning again")
     args = parser.parse_args()
     if args.bf16_throughout:
         rows = {k: replace(r, mp_policy=None) for k, r in rows.items()}
@@ -458,7 +467,7 @@ def main() -> None:
     for key in args.rows:
         started = time.perf_counter()
         results.append(evaluate(rows[key], time_limit_s=args.time_limit, dry_run=args.dry_run, cache=cache,
-                                auto_plan=not args.no_auto, plans=args.plans))
+                                auto_plan=not args.no_auto, plans=args.plans, reuse=args.reuse_plans))
         print(f"{key}: {time.perf_counter() - started:.0f} s (published layout priced in "
               f"{results[-1]['pinned_seconds']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(table(results) + "\n")  # after every row: a long run keeps what it has

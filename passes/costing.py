@@ -64,6 +64,7 @@ from autopar.passes.state_costs import zero_costs
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from autopar.passes.placements import local_shape
+from autopar.passes.read_copies import ReadGroup, extra_copy_bytes, read_groups
 from autopar.passes.rules.moe import GROUPED_MM_OPS, rows_share
 from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
 from autopar.passes.rules.moe_experts import experts_time
@@ -107,6 +108,13 @@ class Costs:
     edge_prices: list[EdgeInput] = field(default_factory=list)  # per problem edge: what prices it
     # per graph node: the strategies priced (``build_costs``'s ``allowed``); None: all of them
     allowed: Mapping[fx.Node, np.ndarray] | None = None
+    # values whose readers save them, each reader charged a share of one copy (``read_copies``)
+    read_groups: tuple[ReadGroup, ...] = ()
+
+    def read_copy_bytes(self, choice: Mapping[fx.Node, int]) -> dict[int, float]:
+        """Problem node -> activation bytes beyond its costs where ``choice`` reads a saved value
+        in more than one placement (``autopar.passes.read_copies``)."""
+        return extra_copy_bytes(self.graph, self.nodes, self.read_groups, choice)
 
     def edge_price(self, edge: int, assignment: Sequence[int]) -> EdgePrice:
         """Problem edge ``edge`` under ``assignment``, itemised; its ``seconds`` is the table's entry."""
@@ -388,6 +396,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     led = {f.node for f in followers}  # a follower is set by its leader: tie leaders only
     ties = [[v for v in group if v not in led] for group in ties] if tie_layers else []
     ties = [group for group in ties if len(group) > 1]
+    scale: dict[int, float] = {}
     for node in nodes:
         if layer_of.get(node) in recomputed and node.op != "placeholder" and node in grad_nodes:
             v = index[node]
@@ -397,7 +406,8 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
                 # before the next: the recomputed layers together hold one layer's worth (the
                 # repeated layers are alike, so 1/R of each of R layers' sums to one layer's;
                 # unlike layers are charged their mean). Its outputs, read outside, stay whole.
-                activation[v] = activation[v] / len(recomputed)
+                scale[v] = 1.0 / len(recomputed)
+                activation[v] = activation[v] * scale[v]
     problem = SolveProblem(
         node_time=[c + m for c, m in zip(compute, comm)],
         node_memory=[s + a + t for s, a, t in zip(state, activation, temporary)],
@@ -406,8 +416,10 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         edge_memory=pricer.once(("copies", grad_inputs), lambda: working_copy_memory(
             edge_inputs, edge_prices, pricer, readers)),
     )
+    groups = read_groups(saved.reads, index, read_memory, kept, scale)
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
-                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed)
+                 edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
+                 groups)
 
 
 def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list,

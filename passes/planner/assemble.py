@@ -49,7 +49,8 @@ def chosen(costs: Costs, assignment: Sequence[int]) -> Chosen:
 def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
     """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
     parameters; the working copies of parameters that edges hold under a policy,
-    ``SolveProblem.edge_memory``, as activations), temporary (alive only while backward runs);
+    ``SolveProblem.edge_memory``, and a saved value's copies in more placements than one,
+    ``Costs.read_copy_bytes``, as activations), temporary (alive only while backward runs);
     each kind at its most, as the solver's memory constraint adds them (``state_costs.at_peak``:
     at the step's peak)."""
     mesh = costs.graph.mesh_shape
@@ -68,6 +69,7 @@ def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
         if v < len(costs.index):
             out["parameters"] += float(costs.state_memory[v][s])  # buffers; parameters sit on ZeRO nodes
     out["activations"] += float(edge_bytes(costs.problem, picked.assignment).sum())
+    out["activations"] += sum(costs.read_copy_bytes(choice).values())  # a value saved in two placements
     return out
 
 

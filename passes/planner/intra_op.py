@@ -300,6 +300,37 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
             raise unknown_layout(request.layout, by_name)
         costs = layout_costs(graph, request.profile, by_name[request.layout], limit)
         return plan_layout(costs, by_name, request.layout, limit, names)
+    # A saved value read in two placements keeps two copies, which the solve cannot see
+    # (``Costs.read_copy_bytes``): a plan they put over the limit is solved again with the limit
+    # less those copies (a few rounds: the new plan may read in other placements).
+    budget = limit
+    for _ in range(3):
+        solved = _solve_within(graph, request, hints, budget, solver_time_s)
+        over = _with_copies(solved) - (limit or math.inf)
+        if over <= 0 or budget is None:
+            break
+        budget -= over
+    else:
+        raise PlanningError(
+            f"autopar: the fastest plan found keeps {over / GB:.3g} GB over the {limit / GB:.3g} GB limit per device "
+            "in copies of saved values read in two placements after three re-solves with a lower limit; expected a "
+            "plan within the limit. Give more memory per device or more devices, or plan with a layout (layout=).")
+    plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
+    record_recompute(plan, solved.costs)
+    if budget != limit:
+        plan.reasons.append(f"solved within {budget / GB:.3g} GB of the {limit / GB:.3g} GB limit: the chosen placements "
+                            "keep a second copy of a value saved in two placements, which the solve cannot price")
+    if solved.result.method.startswith("layout "):
+        plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
+                            "fastest plan that fits; the solver found none faster")
+        plan.reasons.extend(next(h.untied for h in solved.hints if f"layout {h.name}" == solved.result.method))
+    return plan, solved
+
+
+def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: float | None,
+                  solver_time_s: float) -> Solved:
+    """The fastest of the solve within ``limit`` (every repeated layer recomputed, then the
+    fewest, where nothing fits without) and the manual layouts that fit."""
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
     solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s)
@@ -313,14 +344,14 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
         solved = fewest_recomputed(retry, limit, time_limit_s=max(solver_time_s / 2, 0.5))
-    solved = fastest_of(solved, manual)
-    plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
-    record_recompute(plan, solved.costs)
-    if solved.result.method.startswith("layout "):
-        plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
-                            "fastest plan that fits; the solver found none faster")
-        plan.reasons.extend(next(h.untied for h in solved.hints if f"layout {h.name}" == solved.result.method))
-    return plan, solved
+    return fastest_of(solved, manual)
+
+
+def _with_copies(solved: Solved) -> float:
+    """Bytes per device of the solved assignment, with the copies the solve cannot see."""
+    costs, assignment = solved.costs, solved.result.assignment
+    extra = costs.read_copy_bytes(chosen(costs, assignment).choice)
+    return _assignment_memory(costs.problem, assignment) + sum(extra.values())
 
 
 def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: float | None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -46,7 +47,8 @@ from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.placements import local_shape
-from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
+from autopar.passes.solve.pipeline_search import (LayerCosts, PipelineSearchResult, deeper_while_faster,
+                                                  search_pipeline, useful_depths)
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.explain import duration
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
@@ -146,6 +148,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     choice, zero = costs.choice(assignment)
+    saved_twice = costs.read_copy_bytes(choice)  # a value its readers save in two placements
     leads = {zi: ph for ph, zi in costs.zero_node.items()}
     node_time, costs_compute = costs.problem.node_time, costs.compute
     state_memory, activation_memory = costs.state_memory, costs.activation_memory
@@ -174,11 +177,12 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         held = float(state_memory[v][s])
         static[layer] += held
         kinds[layer][0] += held
-        activation[layer] += float(activation_memory[v][s])
+        kept = float(activation_memory[v][s]) + saved_twice.get(v, 0.0)
+        activation[layer] += kept
         temporary[layer] += float(costs.temporary_memory[v][s])
         if node in repeated and node.op != "placeholder":  # what recomputing the repeated layer reruns
             forward[layer] += float(costs.forward[v][s])
-            recomputable[layer] += float(activation_memory[v][s])
+            recomputable[layer] += kept
     params = graph.captured.params
     kept_by: dict = {}  # a tensor read by recomputed layers is kept once, by its first reader's layer
     user_inputs = set(graph.captured.user_inputs)
@@ -277,9 +281,11 @@ def _output_bytes(graph, node, choice, mesh) -> float:
 
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
-           memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank=(2,)):
+           memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank: Sequence[int] | None = None):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
-    ``chunks_per_rank``: the interleaved schedule's depths to try (a pinned layout fixes one).
+    ``chunks_per_rank``: the interleaved schedule's depths to try (a pinned layout fixes one);
+    None: 2, then deeper ones (``useful_depths``) while each is faster than the last
+    (``deeper_while_faster``).
 
     A stage that does not fit recomputes the fewest of its layers that make it fit
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
@@ -297,9 +303,14 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             gather_memory=num.gather, scatter_memory=num.scatter,
         )
 
-    found = search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
-                            schedules=schedules, chunks_per_rank=tuple(chunks_per_rank),
-                            memory_limit=memory_limit)
+    def run(schedules, depths) -> PipelineSearchResult:
+        return search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
+                               schedules=schedules, chunks_per_rank=tuple(depths), memory_limit=memory_limit)
+
+    found = run(schedules, (2,) if chunks_per_rank is None else chunks_per_rank)
+    if chunks_per_rank is None and costmodels.Schedule.INTERLEAVED_1F1B in map(costmodels.Schedule.parse, schedules):
+        found = deeper_while_faster(found, useful_depths(count, stages),
+                                    lambda v: run((costmodels.Schedule.INTERLEAVED_1F1B,), (v,)))
     return None if found.best is None else (found.best, found)
 
 

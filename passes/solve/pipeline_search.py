@@ -94,6 +94,38 @@ def search_pipeline(
     return PipelineSearchResult(best, options)
 
 
+def useful_depths(layers: int, stages: int) -> list[int]:
+    """Interleaved depths worth trying for ``layers`` layers on ``stages`` ranks, ascending: the
+    fewest chunks per rank that hold c layers a chunk at most, for each c. A depth between two
+    of these holds as many layers in its largest chunk as the next one up, so it has the same
+    bubble (P - 1 slots of that chunk) and more sends: never faster on alike layers."""
+    deepest = layers // stages  # a chunk holds a layer at least
+    return sorted(v for v in {math.ceil(layers / (stages * c)) for c in range(1, deepest + 1)} if 2 <= v <= deepest)
+
+
+def deeper_while_faster(found: PipelineSearchResult, depths: Sequence[int],
+                        at_depth: Callable[[int], PipelineSearchResult]) -> PipelineSearchResult:
+    """``found`` (one depth searched, the first of ``depths``) with the interleaved schedule
+    searched at the next of ``depths``, one at a time, stopping at the first whose best option
+    is not faster than the one before: a deeper pipeline shrinks the bubble and adds v sends
+    per micro-batch and more in flight on a rank's first chunks, so past the depth where the
+    two cross it only loses (``useful_depths`` leaves out the depths that only add sends)."""
+    def best_at(result: PipelineSearchResult, v: int) -> float:
+        return min((o.step_time for o in result.options if o.schedule.interleaved and o.chunks_per_rank == v),
+                   default=math.inf)
+
+    options, last = list(found.options), best_at(found, depths[0]) if depths else math.inf
+    for v in depths[1:]:
+        deeper = at_depth(v)
+        options += deeper.options
+        if not best_at(deeper, v) < last:
+            break
+        last = best_at(deeper, v)
+    options.sort(key=lambda o: (o.step_time, o.num_stages, o.num_microbatches))
+    best = options[0] if options and math.isfinite(options[0].step_time) else None
+    return PipelineSearchResult(best, options)
+
+
 def evaluate_pipeline(
     costs: LayerCosts, num_stages: int, num_microbatches: int, schedule: str | Schedule, chunks_per_rank: int = 1,
     memory_limit: float | None = None,

@@ -68,6 +68,7 @@ schedule's own (``costmodels.Schedule.step_time``):
 from __future__ import annotations
 
 import math
+from functools import partial
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -227,33 +228,45 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
     n = len(time)
     if recomputed is not None:
         _check_recomputed(recomputed, starts, n)
-    forced = recomputed
     saving, redo, gradients, adding, temporary, gather, scatter = (
         np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
         for x in (saving, redo, gradients, accumulating, temporary, gather, scatter))
+    time, static, activation, send = (np.asarray(x, dtype=np.float64) for x in (time, static, activation, send))
     graded = in_flight if in_flight_with_gradients is None else in_flight_with_gradients
-    ends = list(starts[1:]) + [n]
-    stage_time, stage_memory, recomputed, held, added = [], [], [], [], []
-    parts = StageCut([], [], [], n)  # only its per-stage parts of a replay are filled here
-    for s, (a, b) in enumerate(zip(starts, ends)):
-        k_given = None if forced is None else forced[s]
-        running = float(np.maximum(gather[a:b], scatter[a:b]).max())  # a gather or reduce-scatter, as the DP holds it
-        k, memory, grads = stage_peak(float(static[a:b].sum()) + running, float(gradients[a:b].sum()),
-                                      float(activation[a:b].sum()), float(saving[a:b].sum()),
-                                      float(saving[a:b].max()), b - a, in_flight[s], graded[s],
-                                      memory_limit if k_given is None else math.inf, float(adding[a:b].max()),
-                                      k_given)
-        k = int(k)
-        stage_time.append(float(time[a:b].sum() + k * redo[a:b].sum() / (b - a) + (send[b - 1] if b < n else 0.0)))
-        stage_memory.append(float(memory))
-        recomputed.append(k)
-        held.append(float(grads))
-        added.append(float(adding[a:b].max()) if grads > 0 else 0.0)
-        _add_parts(parts, static[a:b], gradients[a:b], activation[a:b], saving[a:b], temporary[a:b], k,
-                   float(adding[a:b].max()), gather[a:b], scatter[a:b])
-    return StageCut(list(starts), stage_time, stage_memory, n, recomputed, held, added, parts.held_always,
-                    parts.gradient_bytes, parts.per_micro_batch, parts.in_backward, parts.rebuilt, parts.adding,
-                    parts.in_forward)
+    # every stage at once (a stage is layers [a, b)): its sums and maxima over its layers
+    first = np.asarray(starts, dtype=np.intp)
+    ends = np.append(first[1:], n)
+    sizes = (ends - first).astype(np.float64)
+    total, most = partial(np.add.reduceat, indices=first), partial(np.maximum.reduceat, indices=first)
+    running = most(np.maximum(gather, scatter))  # a gather or reduce-scatter, as the DP holds it
+    largest_adding = most(adding)
+    k, memory, grads = stage_peak(total(static) + running, total(gradients), total(activation), total(saving),
+                                  most(saving), sizes, np.asarray(in_flight, dtype=np.float64)[:len(first)],
+                                  np.asarray(graded, dtype=np.float64)[:len(first)],
+                                  memory_limit if recomputed is None else math.inf, largest_adding, recomputed)
+    k = k.astype(int)
+    sent = np.zeros(len(first))  # the boundary send after each stage but the last
+    sent[ends < n] = send[ends[ends < n] - 1]
+    stage_time = total(time) + k * total(redo) / sizes + sent
+    # each stage's parts of ``stage_peak``'s memory, apart, for ``rank_peaks`` to replay: k
+    # recomputed layers keep the mean saving less per micro-batch, one of them rebuilt while a
+    # backward runs; a ZeRO-3 gather or reduce-scatter runs in a backward, and in a forward,
+    # beyond its micro-batch's activations (module docstring)
+    fewer_kept = k * total(saving) / sizes  # per micro-batch, what its k recomputed layers do not keep
+    kept = activation - saving * np.repeat(k / sizes, ends - first)  # per layer, one micro-batch's
+    suffix = np.append(np.cumsum(kept[::-1])[::-1], 0.0)
+    onward = suffix[:n] - np.repeat(suffix[ends], ends - first)  # its stage's layers l onward
+    after = onward - kept
+    return StageCut(list(starts), stage_time.tolist(), memory.tolist(), n, k.tolist(), grads.tolist(),
+                    np.where(grads > 0, largest_adding, 0.0).tolist(),
+                    held_always=(total(static) - total(gradients) - total(temporary)).tolist(),
+                    gradient_bytes=total(gradients).tolist(),
+                    per_micro_batch=(total(activation) - fewer_kept).tolist(),
+                    in_backward=(total(temporary) + np.maximum(0.0, most(np.maximum(gather - after,
+                                                                                    scatter - onward)))).tolist(),
+                    rebuilt=np.where(k > 0, most(saving), 0.0).tolist(),
+                    adding=largest_adding.tolist(),
+                    in_forward=np.maximum(0.0, most(gather - onward)).tolist())
 
 
 def _check_recomputed(recomputed: Sequence[int], starts, num_layers: int) -> None:
@@ -262,24 +275,6 @@ def _check_recomputed(recomputed: Sequence[int], starts, num_layers: int) -> Non
         raise ValueError(f"autopar: describe_cut expected per stage 0..(its layers) recomputed, for stages of "
                          f"{sizes.tolist()} layers; found {list(recomputed)}; give one count per stage, at most "
                          "its layers.")
-
-
-def _add_parts(parts: StageCut, static, gradients, activation, saving, temporary, k: int, adding: float,
-               gather, scatter) -> None:
-    """One stage's parts of ``stage_peak``'s memory, apart: ``k`` recomputed layers keep the
-    mean saving less per micro-batch, and one of them is rebuilt while a backward runs; a
-    ZeRO-3 gather or reduce-scatter runs in a backward, and in a forward beyond its
-    micro-batch's activations (module docstring)."""
-    parts.held_always.append(float(static.sum() - gradients.sum() - temporary.sum()))
-    parts.gradient_bytes.append(float(gradients.sum()))
-    parts.per_micro_batch.append(float(activation.sum() - k * saving.sum() / len(saving)))
-    kept = activation - k * saving / len(saving)  # per layer, one micro-batch's (recomputed ones by the mean)
-    onward = np.cumsum(kept[::-1])[::-1]  # the micro-batch's activations of layers l onward
-    after = onward - kept
-    parts.in_backward.append(float(temporary.sum() + max(0.0, np.maximum(gather - after, scatter - onward).max())))
-    parts.rebuilt.append(float(saving.max()) if k > 0 else 0.0)
-    parts.adding.append(adding)
-    parts.in_forward.append(float(max(0.0, (gather - onward).max())))
 
 
 class RankPeak(NamedTuple):
