@@ -122,7 +122,9 @@ def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[st
 def storage_specs(costs: Costs, picked: Chosen) -> dict[str, str]:
     """Qualified name -> where the parameter is STORED (``Plan.params``, passes/plan.py): its
     placement, except that at ZeRO 1-2 the axes it is replicated on split it too (along the
-    largest dim that divides), the runtime gathering it once per step."""
+    largest dim that divides and that no inner axis splits already, so that each rank's
+    optimizer slice is a slice of the shard it uses: ``autopar.runtime.zero1.slice_axes``),
+    the runtime gathering it once per step."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
     choice, zero = picked.choice, picked.zero
     out = {}
@@ -132,6 +134,8 @@ def storage_specs(costs: Costs, picked: Chosen) -> dict[str, str]:
             shape = tuple(ph.meta["val"].shape)
             axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
             for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+                if axes and any(isinstance(p, Shard) and p.dim == d for p in spec[min(axes) + 1:]):
+                    continue  # an inner axis splits d: an outer split of it is no slice of the shard used
                 trial = [Shard(d) if a in axes else p for a, p in enumerate(spec)]
                 if fits(shape, tuple(trial), mesh):
                     spec = trial
