@@ -285,10 +285,12 @@ def completed(costs: Costs, hints: Sequence[Hint], shrunk: ShrunkProblem | None 
     return out
 
 
-def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: float = 60.0) -> tuple[Plan, Solved]:
+def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: float = 60.0,
+                  copies_fit: bool = True) -> tuple[Plan, Solved]:
     """Solve on one mesh (``request.mesh_shape``, priced by ``request.profile``) within
     ``solver_time_s`` per solve, or, with ``request.layout``, only cost that layout; raise if
-    nothing fits."""
+    nothing fits. ``copies_fit``: solve again where the copies the solve cannot see put the plan
+    over the limit (a pipeline's intra-op part: False)."""
     if tuple(graph.mesh_shape) != request.mesh_shape:
         raise PlanningError(f"autopar: the strategy graph is for mesh {graph.mesh_shape}, the request for mesh "
                             f"{request.mesh_shape}; build the graph on the request's mesh (a pipeline's intra-op "
@@ -302,18 +304,19 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
         return plan_layout(costs, by_name, request.layout, limit, names)
     # A saved value read in two placements keeps two copies, which the solve cannot see
     # (``Costs.read_copy_bytes``): a plan they put over the limit is solved again with the limit
-    # less those copies (a few rounds: the new plan may read in other placements).
+    # less twice as much each round (the new plan may read in other placements). A pipeline's
+    # intra-op part is not held to its loose limit: the stage search fits every rank with them.
     budget = limit
-    for _ in range(3):
+    for attempt in range(4 if copies_fit else 1):
         solved = _solve_within(graph, request, hints, budget, solver_time_s)
         over = _with_copies(solved) - (limit or math.inf)
-        if over <= 0 or budget is None:
+        if over <= 0 or budget is None or not copies_fit:
             break
-        budget -= over
+        budget -= over * 2 ** attempt
     else:
         raise PlanningError(
             f"autopar: the fastest plan found keeps {over / GB:.3g} GB over the {limit / GB:.3g} GB limit per device "
-            "in copies of saved values read in two placements after three re-solves with a lower limit; expected a "
+            "in copies of saved values read in two placements after four solves with a lower limit; expected a "
             "plan within the limit. Give more memory per device or more devices, or plan with a layout (layout=).")
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     record_recompute(plan, solved.costs)

@@ -387,7 +387,7 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     graph = graph if graph is not None else build_strategy_graph(captured, intra)
     try:  # the whole model's state over P stages: P times the budget before the cut checks it
         stage_request = request.on_mesh(intra_profile, memory_limit=memory_limit * p, axis_names=names[1:])
-        plan, solved = plan_intra_op(graph, stage_request, solver_time_s=solver_time_s)
+        plan, solved = plan_intra_op(graph, stage_request, solver_time_s=solver_time_s, copies_fit=False)
     except PlanningError as exc:
         return None, f"intra-op part does not fit ({str(exc)[:80]}...)"
     costs = solved.costs
