@@ -60,7 +60,7 @@ from autopar.costmodels.precision import META_KEY, MixedPrecision
 from autopar.passes.edge_costs import (UNPACKED, EdgeInput, EdgePrice, EdgePricer, Shares, alike_consumers,
                                        copy_readers, dtype_kind, edge_tables, local_bytes, parameter_shares,
                                        working_copy_memory)
-from autopar.passes.state_costs import zero_costs
+from autopar.passes.state_costs import zero_costs, zero_split_dim
 from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from autopar.passes.placements import local_shape
@@ -137,6 +137,10 @@ class Costs:
         for ph, zi in self.zero_node.items():  # the ZeRO node leads its placeholder
             choice[ph] = int(assignment[zi]) // len(ZERO_LEVELS)
         zero = {ph: ZERO_LEVELS[int(assignment[zi]) % len(ZERO_LEVELS)] for ph, zi in self.zero_node.items()}
+        for ph, level in zero.items():  # a level 1/2 that cannot split the state runs as level 0
+            spec = self.graph.nodes[ph].strategies[choice[ph]].output
+            if level and zero_split_dim(tuple(ph.meta["val"].shape), spec, self.graph.mesh_shape) is None:
+                zero[ph] = 0
         return choice, zero
 
 

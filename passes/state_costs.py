@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 
-from torch.distributed.tensor import Replicate
+from typing import Sequence
+
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar import costmodels
 from autopar.costmodels.compute import dtype_name
@@ -24,7 +26,24 @@ from autopar.costmodels.formulas import BYTES_PER_PARAM
 from autopar.costmodels.precision import MixedPrecision, plain_zero_bytes
 from autopar.passes.edge_costs import UNPACKED, Shares, dtype_kind
 from autopar.passes.op_strategies import TensorMeta
-from autopar.passes.placements import Spec, local_shape
+from autopar.passes.placements import Spec, fits, local_shape
+
+
+def zero_split_dim(shape: Sequence[int], spec: Spec, mesh: Sequence[int]) -> int | None:
+    """The dim along which ZeRO-1/2 stores a parameter placed as ``spec`` split over the mesh
+    axes that replicate it (``Plan.params``), or None where none can be: the largest dim that
+    those axes divide evenly and that no inner axis splits already (so that each rank's slice
+    of the optimizer state is a slice of the shard it uses: ``autopar.runtime.zero1.slice_axes``).
+    Where None, ZeRO-1/2 is level 0: the runtime keeps the whole state."""
+    axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
+    if not axes:
+        return None
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if any(isinstance(p, Shard) and p.dim == d for p in spec[min(axes) + 1:]):
+            continue  # an inner axis splits d: an outer split of it is no slice of the shard used
+        if fits(shape, tuple(Shard(d) if a in axes else p for a, p in enumerate(spec)), mesh):
+            return d
+    return None
 
 
 def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str | MixedPrecision,
@@ -37,6 +56,8 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str | MixedP
     shards = math.prod(mesh[a] for a in replicated)
     if level and shards == 1:  # nothing to shard over: level 0's memory, and never chosen
         return math.inf, 0.0, sum(state_breakdown(numel, 0, 1, precision).values())
+    if level and zero_split_dim(meta.shape, spec, mesh) is None:  # runs as level 0 (``zero_split_dim``)
+        level, replicated, shards = 0, [], 1
     shards = shards if level else 1
     memory = sum(state_breakdown(numel, level, shards, precision).values())
     mixed = isinstance(precision, MixedPrecision)  # AdamW steps the master; collectives' bytes by dtype

@@ -13,8 +13,8 @@ from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.passes.costing import Costs
-from autopar.passes.state_costs import state_breakdown
-from autopar.passes.placements import fits, local_shape, spec_str
+from autopar.passes.state_costs import state_breakdown, zero_split_dim
+from autopar.passes.placements import local_shape, spec_str
 from autopar.passes.plan import Plan, Prediction, plan_from_choice
 from autopar.passes.planner.reasons import planning_reasons
 from autopar.passes.solve import SolveResult, edge_bytes, plan_costs
@@ -121,25 +121,16 @@ def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[st
 
 def storage_specs(costs: Costs, picked: Chosen) -> dict[str, str]:
     """Qualified name -> where the parameter is STORED (``Plan.params``, passes/plan.py): its
-    placement, except that at ZeRO 1-2 the axes it is replicated on split it too (along the
-    largest dim that divides and that no inner axis splits already, so that each rank's
-    optimizer slice is a slice of the shard it uses: ``autopar.runtime.zero1.slice_axes``),
-    the runtime gathering it once per step."""
+    placement, except that at ZeRO 1-2 the axes it is replicated on split it too
+    (``state_costs.zero_split_dim``), the runtime gathering it once per step."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
     choice, zero = picked.choice, picked.zero
     out = {}
     for ph, level in zero.items():
         spec = list(graph.nodes[ph].strategies[choice[ph]].output)
-        if level in (1, 2):
-            shape = tuple(ph.meta["val"].shape)
-            axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh[a] > 1]
-            for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
-                if axes and any(isinstance(p, Shard) and p.dim == d for p in spec[min(axes) + 1:]):
-                    continue  # an inner axis splits d: an outer split of it is no slice of the shard used
-                trial = [Shard(d) if a in axes else p for a, p in enumerate(spec)]
-                if fits(shape, tuple(trial), mesh):
-                    spec = trial
-                    break
+        dim = zero_split_dim(tuple(ph.meta["val"].shape), tuple(spec), mesh) if level in (1, 2) else None
+        if dim is not None:
+            spec = [Shard(dim) if isinstance(p, Replicate) and mesh[a] > 1 else p for a, p in enumerate(spec)]
         out[graph.captured.params[ph.name]] = spec_str(tuple(spec))
     return out
 
