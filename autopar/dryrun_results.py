@@ -26,6 +26,9 @@ class RankResult:
     # the plan's prediction for this rank by kind: its pipeline rank's (``Prediction.memory_by_rank``),
     # else the plan's one per device
     predicted: dict[str, float] = field(default_factory=dict)
+    # autopar's own warnings while the rank was built and stepped (each once), e.g. a
+    # parameter whose optimizer state the runtime keeps whole: they say why memory differs
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -110,6 +113,7 @@ class DryRunResult:
                     predicted = ", ".join(f"{k} {_gib(r.predicted.get(k, 0))}" for k in KINDS if k in r.predicted)
                     lines.append(f"    predicted {_gib(sum(r.predicted.values()))} ({predicted}); "
                                  f"predicted / dry run {r.ratio:.2f}")
+                lines.extend(f"    warning: {w}" for w in r.warnings)
             else:
                 lines.append(f"  {r.where()}: FAILED: {r.error}")
         if self.peak:

@@ -250,3 +250,22 @@ def test_integer_histc_dry_runs_as_on_the_device():
         plan = autopar.plan(model, (2,), inputs, hardware="h100", layout="dp")
     result = autopar.dry_run(plan, model, inputs, workers=1)
     assert result.ok, result.table()
+
+
+def test_autopars_warnings_reach_each_ranks_result(staged, monkeypatch):
+    """A rank's runtime warns where it holds more than the plan says (a parameter's optimizer
+    state kept whole, ``autopar.runtime.pipeline``); the dry run keeps autopar's warnings in
+    the rank's result and its table, each once, and drops others."""
+    model, inputs, plan = staged
+    made = dryrun.create_optimizer_state
+
+    def warning(optimizer):
+        for _ in range(2):
+            warnings.warn("autopar: the optimizer state of w is kept whole", stacklevel=2)
+        warnings.warn("some library's warning", stacklevel=2)
+        made(optimizer)
+
+    monkeypatch.setattr(dryrun, "create_optimizer_state", warning)
+    result = autopar.dry_run(plan, model, inputs, workers=1, raise_on_failure=True)
+    assert all(r.warnings == ["autopar: the optimizer state of w is kept whole"] for r in result.ranks)
+    assert "    warning: autopar: the optimizer state of w is kept whole" in result.table()
