@@ -569,6 +569,8 @@ def pipeline_zero2_case(spec: str) -> dict:
     losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
     return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
             "zero_levels": sorted(set(plan.zero.values())), "zero2_here": len(reduced),
+            # level 0: parameters whose state no dim splits further (state_costs.zero_split_dim)
+            "level0_dims": sorted({reference.get_parameter(f).ndim for f, z in plan.zero.items() if z == 0}),
             "reduce_scattered_axes": sorted({a for axes in reduced.values() for a in axes})}
 
 
