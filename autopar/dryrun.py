@@ -22,6 +22,9 @@ the schedule's own action list for this rank is replayed on fake activations, an
 shapes one stage sends are checked against those the next expects (``autopar.dryrun_pipeline``).
 Only the fewest micro-batches whose schedule reaches every state of the plan's are replayed
 (1F1B: P + 1 of M; ``replayed_micro_batches``): the same peak in a fraction of the time.
+A pipeline's whole batch is made on a device the tracker does not count (``dryrun_tracker.
+HOST``, a real run's host memory): a rank is charged the rows its runtime moves to its
+device (``PipelineModule._stage_inputs``), not views of the whole batch.
 
 Speed: the model is captured and its strategy graph built once, then the distinct ranks
 run in worker processes forked from that state (one per core), each rank's step on its own
@@ -65,7 +68,7 @@ from autopar.runtime.pipeline import PipelineModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy
 from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
 from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
-from autopar.dryrun_tracker import CPU, FakeState, create_optimizer_state, peak_memory, tracker_for
+from autopar.dryrun_tracker import CPU, HOST, FakeState, create_optimizer_state, peak_memory, tracker_for
 from autopar.passes.capture import Captured, capture
 from autopar.passes.loss_memory import cross_entropy, default_loss
 from autopar.passes.plan import Plan, choice_from_plan
@@ -366,8 +369,11 @@ def _run_rank(work: _Work, result: RankResult, optimizer: Callable) -> None:
                 module = PipelineModule(state, captured, work.graph, plan, mesh, work.loss_fn, optimizer,
                                         recorded_policy(plan.mp_policy))
                 result.stages = tuple(s.stage_index for s in module.stages)
-            inputs = tuple(torch.zeros(s, dtype=d, device=CPU) for s, d in work.inputs)
-            target = torch.zeros(work.target[0], dtype=work.target[1], device=CPU)
+            # a pipeline rank moves its rows of the batch to its device (PipelineModule._stage_inputs):
+            # the whole batch lies in host memory, which the tracker does not count
+            where = HOST if plan.pipeline is not None else CPU
+            inputs = tuple(torch.zeros(s, dtype=d, device=where) for s, d in work.inputs)
+            target = torch.zeros(work.target[0], dtype=work.target[1], device=where)
             create_optimizer_state(module.optimizer)
             tracker = tracker_for(module)
             # only a graph that counts integers with histc pays a dispatch mode on every op

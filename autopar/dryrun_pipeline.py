@@ -18,13 +18,12 @@ rounds of P; GPipe, whose in-flight count is M: all M)."""
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.costmodels.memory import schedule_order
 from autopar.costmodels.schedules import Schedule
 from autopar.dryrun_results import RankResult
 from autopar.passes.costing import carrying_gradient
-from autopar.passes.placements import local_shape, local_slice
+from autopar.passes.placements import local_shape
 from autopar.runtime.pipeline import PipelineModule
 
 
@@ -37,8 +36,12 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     that many, each of the plan's size; default all, see ``replayed_micro_batches``)."""
     pp = pm.plan.pipeline
     replayed = micro_batches or pp.micro_batches
-    pm._build_loss(target.chunk(pp.micro_batches)[0])
+    pm._build_loss(target.chunk(pp.micro_batches)[0])  # reads the shape alone
     pm.zero_grad()
+    # what the runtime moves to this rank's device for the step: the first stage's rows of the
+    # inputs, the last stage's of the target (the whole batch: host memory, not tracked)
+    inputs = pm._stage_inputs(inputs) if pm.stages[0].is_first else None
+    target = pm._stage_target(target) if pm.stages[-1].is_last else None
     stages = {stage.stage_index: (stage, program) for stage, program in zip(pm.stages, pm.programs)}
     in_flight: dict[tuple[int, int], tuple] = {}
     order = schedule_order(pp.schedule, pp.stages, replayed, pp.chunks_per_rank)[pm.pp_rank]
@@ -102,20 +105,14 @@ def _numbered(order: tuple[tuple[bool, int], ...]) -> list[tuple[bool, int, int]
 
 
 def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -> list[torch.Tensor]:
-    """What stage ``index`` receives for micro-batch ``mb``: this rank's shard of the user
-    inputs (stage 0), or fake activations of the local shapes the stage's program expects."""
+    """What stage ``index`` receives for micro-batch ``mb``: its piece of the first stage's
+    rows of the user inputs (``inputs``, as ``PipelineModule._stage_inputs`` makes them;
+    stage 0), or fake activations of the local shapes the stage's program expects."""
+    if index == 0:
+        return [x.chunk(pm.plan.pipeline.micro_batches)[mb] for x in inputs]  # as the schedule splits them
     cap = pm.captured
     held = {*cap.params, *cap.buffers, *cap.constant_values}  # state: the stage's own, not received
     received = [n for n in pm.parts[index].inputs if n.name not in held]
-    if index == 0:
-        flat = pytree.tree_leaves(inputs)
-        out = []
-        for x, node in zip(flat, received[-len(flat):]):
-            piece = x.chunk(pm.plan.pipeline.micro_batches)[mb]
-            spec = program.input_specs.get(node.name)
-            out.append(local_slice(piece, spec, pm.intra.shape, pm.intra.get_coordinate())
-                       if pm.intra is not None and spec is not None else piece)
-        return out
     intra = tuple(pm.intra.shape) if pm.intra is not None else ()
     # as torch's PipelineStage: a received value needs a gradient where the sender made it with
     # one (rotary cos/sin made from buffers do not; their backward would keep q and k)
@@ -130,11 +127,8 @@ def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -
 
 
 def _micro_target(pm: PipelineModule, target: torch.Tensor, mb: int) -> torch.Tensor:
-    piece = target.chunk(pm.plan.pipeline.micro_batches)[mb]
-    if pm.intra is None:
-        return piece
-    program, cap = pm._loss
-    return local_slice(piece, program.input_specs[cap.user_inputs[-1]], pm.intra.shape, pm.intra.get_coordinate())
+    """Micro-batch ``mb``'s piece of the last stage's rows of the target (``_stage_target``)."""
+    return target.chunk(pm.plan.pipeline.micro_batches)[mb]
 
 
 def _shape(t: torch.Tensor) -> tuple:

@@ -77,7 +77,10 @@ class DryRunResult:
 
     @property
     def predicted_total(self) -> float:
-        return float(sum(self.predicted.values()))
+        """The largest prediction among the ranks run (each rank's own where the plan predicts
+        per pipeline rank), so that a dry run of some ranks compares like with like."""
+        own = [sum(r.predicted.values()) for r in self.ranks if r.ok and r.predicted]
+        return float(max(own)) if own else float(sum(self.predicted.values()))
 
     @property
     def ratio(self) -> float:

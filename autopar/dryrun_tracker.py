@@ -26,6 +26,9 @@ _KIND_OF = {
     _MemRefType.OTH: "temporary",
 }
 CPU = torch.device("cpu")  # the fake tensors' device (the ranks' real device does not matter to shapes)
+# a real run's host memory (a pipeline's whole batch): a fake device apart, whose bytes
+# ``peak_memory`` does not count, and views of it charge no device the whole batch's storage
+HOST = torch.device("meta")
 
 
 class FakeState:

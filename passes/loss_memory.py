@@ -96,9 +96,12 @@ class _LossOfFirst(nn.Module):
 
 
 def best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> dict[fx.Node, int]:
-    """Lay the target out however makes the loss cheapest (usually: like the outputs' batch):
-    the choice the runtime's loss program makes (``autopar.runtime.loss.build_loss_program``)."""
-    best, best_cost = None, math.inf
+    """Lay the target out however makes the loss cheapest (usually: like the outputs' batch),
+    and of layouts that move as little, the one that holds the least of it on a device (a
+    replicated target moves nothing either, and holds all of it on every device): the choice
+    the runtime's loss program makes (``autopar.runtime.loss.build_loss_program``)."""
+    best, best_key = None, (math.inf, math.inf)
+    meta = TensorMeta.of(target.meta["val"])
     for strategy in graph[target].strategies:
         choice = choose_by_propagation(graph, {**fixed, target: strategy.output})
         cost = 0.0
@@ -109,8 +112,9 @@ def best_target_layout(graph: StrategyGraph, fixed: dict, target: fx.Node) -> di
             for src, need in zip(tensor_inputs(node), chosen.inputs):
                 spec = output_spec(graph, src, choice[src])
                 cost += reshard_bytes(TensorMeta.of(src.meta["val"]), spec, need, graph.mesh_shape)
-        if cost < best_cost:
-            best, best_cost = choice, cost
+        key = (cost, math.prod(local_shape(meta.shape, strategy.output, graph.mesh_shape)))
+        if key < best_key:
+            best, best_key = choice, key
     return best
 
 

@@ -71,6 +71,20 @@ def test_replaying_fewer_micro_batches_gives_every_ranks_peak_and_kinds(gpt, sch
     assert fewer.ranks[0].peak < every.ranks[0].peak, (fewer.table(), every.table())
 
 
+def test_a_dry_run_of_some_ranks_compares_them_with_their_own_predictions(gpt):
+    """A pipeline's ranks differ: the overall ratio of a dry run of the last pipeline rank alone
+    is that rank's own, not the plan's largest prediction (rank 0's) over its peak."""
+    model, inputs = gpt
+    plan = _pipelined(model, inputs, costmodels.Schedule.ONE_F_ONE_B)
+    by_rank = [sum(kinds.values()) for kinds in plan.predicted.memory_by_rank]
+    assert by_rank[0] != by_rank[1]
+    last = autopar.dry_run(plan, model, inputs, ranks=[3])
+    assert last.ok, last.table()
+    assert last.ranks[0].coordinate[0] == 1
+    assert last.predicted_total == pytest.approx(by_rank[1])
+    assert last.ratio == pytest.approx(last.ranks[0].ratio)
+
+
 def test_a_replay_count_outside_the_plans_is_refused(gpt):
     model, inputs = gpt
     plan = _pipelined(model, inputs, costmodels.Schedule.ONE_F_ONE_B)

@@ -13,7 +13,7 @@ import autopar
 from autopar.bench.workloads import lm_loss
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
-from autopar.passes.loss_memory import loss_memory
+from autopar.passes.loss_memory import best_target_layout, loss_memory
 from autopar.passes.state_costs import at_peak
 from autopar.runtime.loss import WithLoss
 
@@ -63,6 +63,17 @@ def test_the_loss_of_vocab_split_logits_holds_more_than_of_batch_split_ones():
     assert batch_split["temporary"] < vocab_split["temporary"]
     logits = 8 * 256 * 8192 * 2  # bytes of the whole bf16 logits: the kept log-softmax is as large
     assert whole["activations"] == pytest.approx(logits, rel=0.01)
+
+
+def test_a_whole_output_leaves_its_target_split():
+    """Where the output is whole on every device, the loss can read the target split or whole
+    with nothing moved either way: it keeps the split one (the whole target on every device
+    held wide-mlp's last pipeline stage at 512 GPUs 16 GiB it did not need)."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(256, 256)
+    priced = loss_memory(capture(model, (torch.zeros(64, 256, device="meta"),)), (8,))
+    choice = best_target_layout(priced.graph, {priced.output: (Replicate(),)}, priced.target)
+    assert priced.graph[priced.target].strategies[choice[priced.target]].output == (Shard(0),)
 
 
 def test_a_graph_that_ends_in_its_loss_prices_no_default_loss():

@@ -325,8 +325,9 @@ class PipelineModule(nn.Module):
         return tuple(a for a, p in enumerate(spec) if isinstance(p, Partial))
 
     def _micro_batched(self, x: torch.Tensor, spec) -> torch.Tensor:
-        """This rank's shard of each micro-batch, stacked so the schedule's chunking finds them."""
-        pieces = x.to(self.device).chunk(self.plan.pipeline.micro_batches)
+        """This rank's shard of each micro-batch, stacked so the schedule's chunking finds them,
+        cut where ``x`` lies (host memory in a real run): the caller moves only these rows."""
+        pieces = x.chunk(self.plan.pipeline.micro_batches)
         if self.intra is None or spec is None:
             return torch.cat(pieces)
         return torch.cat([local_slice(p, spec, self.intra.shape, self.intra.get_coordinate()) for p in pieces])
@@ -351,16 +352,16 @@ class PipelineModule(nn.Module):
         return [n for n in self.captured.user_inputs if first and shapes[n] and shapes[n][0] == first[0]]
 
     def _whole_batch(self, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-        """Per-rank rows (``local=True``) put together over the data-parallel axes: the
-        stages cut micro-batches from the whole batch (inputs are small next to activations)."""
+        """Per-rank rows (``local=True``) put together over the data-parallel axes, in host
+        memory: the stages cut their rows from the whole batch there and move only those
+        (``_micro_batched``), so the device holds the whole batch only while it is gathered."""
         spec = self.data_parallel.spec(self.mesh.ndim)
         batch = set(self._batch_inputs)
 
         def gathered(x: torch.Tensor, carries_batch: bool = True) -> torch.Tensor:
-            x = x.to(self.device)
             if not carries_batch or not self.data_parallel.axes:
-                return x
-            return DTensor.from_local(x, self.mesh, spec, run_check=False).full_tensor()
+                return x  # the whole batch already, or the same on every rank: cut where it lies
+            return DTensor.from_local(x.to(self.device), self.mesh, spec, run_check=False).full_tensor().cpu()
 
         flat, tree = pytree.tree_flatten(inputs)
         flat = [gathered(x, name in batch) for x, name in zip(flat, self.captured.user_inputs)]
@@ -512,24 +513,32 @@ class PipelineModule(nn.Module):
         """One run of the running stages' schedule over the batch ``inputs`` (forward only
         when ``target`` is None); this rank's micro-batch losses (the last stage's)."""
         warn_under_autocast("running the compiled pipeline", stacklevel=4)
-        flat = pytree.tree_leaves(inputs)
-        if self.precision is not None:
-            flat = [self.precision.input(x) for x in flat]
-        first = self.programs[0]
-        args = [self._micro_batched(x, first.input_specs.get(n.name))
-                for x, n in zip(flat, self.parts[0].inputs[-len(flat):])]
         kwargs: dict[str, Any] = {}
         losses: list[torch.Tensor] = []
         if self.stages[-1].is_last and target is not None:
-            program, cap = self._loss
-            kwargs["target"] = self._micro_batched(target, program.input_specs[cap.user_inputs[-1]])
+            kwargs["target"] = self._stage_target(target)
             kwargs["losses"] = losses
         run = self.schedule.step if target is not None else self.schedule.eval
         if self.stages[0].is_first:
-            run(*args, **kwargs)
-        else:
+            run(*self._stage_inputs(inputs), **kwargs)
+        else:  # no stage here reads the inputs: nothing of them is moved to the device
             run(**kwargs)
         return losses
+
+    def _stage_inputs(self, inputs: tuple) -> list[torch.Tensor]:
+        """The first stage's arguments: this rank's rows of each input, on the device."""
+        flat = pytree.tree_leaves(inputs)
+        first = self.programs[0]
+        rows = [self._micro_batched(x, first.input_specs.get(n.name))
+                for x, n in zip(flat, self.parts[0].inputs[-len(flat):])]
+        if self.precision is not None:  # cast where the rows lie, as the whole batch was cast before
+            rows = [self.precision.input(x) for x in rows]
+        return [x.to(self.device) for x in rows]
+
+    def _stage_target(self, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's target: this rank's rows of it, on the device (after ``_build_loss``)."""
+        program, cap = self._loss
+        return self._micro_batched(target, program.input_specs[cap.user_inputs[-1]]).to(self.device)
 
     def forward(self, *inputs: Any) -> Any:
         """The model's outputs, whole, on every rank (a forward through the pipeline, no
