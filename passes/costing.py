@@ -110,6 +110,10 @@ class Costs:
     allowed: Mapping[fx.Node, np.ndarray] | None = None
     # values whose readers save them, each reader charged a share of one copy (``read_copies``)
     read_groups: tuple[ReadGroup, ...] = ()
+    # what backward keeps (``autopar.passes.saved``): per consumer, the inputs it saves as it
+    # reads them (position, value, bytes per byte with its share); and the values kept where made
+    saved_reads: Mapping[fx.Node, tuple] = field(default_factory=dict)
+    kept: frozenset[fx.Node] = frozenset()
 
     def read_copy_bytes(self, choice: Mapping[fx.Node, int]) -> dict[int, float]:
         """Problem node -> activation bytes beyond its costs where ``choice`` reads a saved value
@@ -423,7 +427,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     groups = read_groups(saved.reads, index, read_memory, kept, scale)
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
-                 groups)
+                 groups, saved.reads, frozenset(kept))
 
 
 def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list,

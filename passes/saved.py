@@ -123,10 +123,15 @@ def _same(saved: torch.Tensor, value: torch.Tensor) -> bool:
 
 def is_view(node: fx.Node) -> bool:
     """``node``'s output shares its input's memory: a view op, less a ``reshape`` or
-    ``contiguous`` whose input's strides make it a copy (checked on a meta tensor of them)."""
+    ``contiguous`` whose input's strides make it a copy (checked on a meta tensor of them),
+    and a cast to the dtype its input has."""
     name = str(node.target)
     if node.target is operator.getitem:
         return True
+    if node.target is torch.ops.aten.to.dtype:  # ``x.to(x.dtype)`` is ``x`` itself, another dtype a copy
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return isinstance(src, torch.Tensor) and node.meta.get("val") is not None and \
+            node.meta["val"].dtype == src.dtype
     if name not in VIEWS:
         return False
     if name not in MAYBE_COPIES:

@@ -77,6 +77,27 @@ def test_a_reshape_of_an_expanded_value_is_a_copy_and_of_a_contiguous_one_a_view
     assert views == {"unsqueeze": True, "expand": True, "reshape": False, "reshape_1": True}
 
 
+def test_a_cast_to_the_dtype_it_has_is_the_value_itself():
+    """``x.to(torch.float32)`` of a float32 ``x`` returns ``x`` (an RMSNorm in a float32 model):
+    readers that save the cast share ``x``'s bytes; a cast to another dtype is a copy."""
+
+    class Casts(torch.nn.Module):
+        def forward(self, x):
+            same, other = x.to(torch.float32), x.to(torch.bfloat16)
+            return (same * same).sum() + (other * other).sum().float() + (x * x).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(Casts(), (torch.zeros(4, 8, requires_grad=True),))
+    casts = [n for n in cap.nodes("call_function") if n.target is torch.ops.aten.to.dtype]
+    assert [is_view(n) for n in casts[:2]] == [True, False]
+    saved = saved_values(list(cap.graph.nodes), set(cap.nodes()))
+    same_reads = [r for reads in saved.reads.values() for r in reads if r[1] is casts[0]]
+    x_reads = [r for reads in saved.reads.values() for r in reads if r[1] is casts[0].args[0]]
+    # x is read by two saving products, itself and through its same-dtype cast: one copy shared
+    assert sum(share for _, _, share in same_reads + x_reads) == 1.0
+
+
 def test_a_saved_input_is_charged_to_its_reader_in_the_placement_it_reads():
     """A matmul that reads its input gathered (strategy input Replicate) keeps the gathered
     copy for backward, four times the shard its producer holds on a 4-way axis."""

@@ -46,10 +46,10 @@ from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.stage_io import output_bytes, stage_io
 from autopar.passes.placements import local_shape
 from autopar.passes.solve.pipeline_search import (LayerCosts, PipelineSearchResult, deeper_while_faster,
                                                   search_pipeline, useful_depths)
-from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.explain import duration
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 
@@ -65,7 +65,7 @@ class LayerNumbers:
     static: np.ndarray  # bytes
     kinds: np.ndarray  # [layers, 3]: parameters, gradients, optimizer bytes (``static`` = their sum)
     activation: np.ndarray  # bytes, whole batch
-    boundary: np.ndarray  # bytes leaving each layer, whole batch
+    boundary: np.ndarray  # bytes crossing after each layer (what a stage ending there sends), whole batch
     layer_of_node: dict  # graph node -> layer number
     forward: np.ndarray  # the forward compute of the repeated layer's own nodes (what recomputing it runs again)
     recomputable: np.ndarray  # bytes, whole batch: the part of ``activation`` a repeated layer's own nodes keep
@@ -79,17 +79,34 @@ class LayerNumbers:
     # run (``ZeroThreeBucket``); None: none
     gather: np.ndarray | None = None
     scatter: np.ndarray | None = None
+    # bytes, whole batch, per stage of layers [a, b): what it holds per micro-batch of the values
+    # it receives and sends beyond its layers' activations, and of them what its recomputed
+    # layers' kept inputs charge too (``stage_io``); None: none
+    stage_io: np.ndarray | None = None
+    io_credit: np.ndarray | None = None
+    # bytes per micro-batch, the values without a batch dim apart (``stage_io.StageIO``): what
+    # crosses after each layer, and what a stage holds of them; None: none
+    boundary_fixed: np.ndarray | None = None
+    stage_io_fixed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temporary", "largest_gradient", "gather", "scatter"):
+        for name in ("temporary", "largest_gradient", "gather", "scatter", "boundary_fixed"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
+        for name in ("stage_io", "io_credit", "stage_io_fixed"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros((len(self.static) + 1,) * 2))
 
     def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
-        """Seconds to send each layer's output (one micro-batch of it) to the next stage,
-        point to point on ``profile``'s axis 0 (the last layer's output goes nowhere)."""
-        return [costmodels.collective_time("send_recv", b / micro_batches, 0, profile, in_step=True)
-                for b in self.boundary[:-1]]
+        """Seconds to send what crosses after each layer (one micro-batch of it) to the next
+        stage, point to point on ``profile``'s axis 0 (after the last layer, nothing)."""
+        return [costmodels.collective_time("send_recv", b / micro_batches + fixed, 0, profile, in_step=True)
+                for b, fixed in zip(self.boundary[:-1], self.boundary_fixed[:-1])]
+
+    def stage_held(self, micro_batches: int) -> np.ndarray:
+        """Per stage of layers [a, b): bytes per micro-batch it holds of the values it receives
+        and sends beyond its layers' activations (``stage_io``)."""
+        return self.stage_io / micro_batches + self.stage_io_fixed
 
     def step_overhead(self, stages: int) -> float:
         """Seconds once per step outside the schedule: each stage syncs and steps its own
@@ -140,7 +157,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     # sums in Python floats (numpy element updates cost ten times more), arrays at the end
     act, compute, param, optimizer = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     forward = [0.0] * count
-    static, activation, boundary = [0.0] * count, [0.0] * count, [0.0] * count
+    static, activation = [0.0] * count, [0.0] * count
     recomputable, inputs, temporary, largest = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     # per layer: its ZeRO-3 parameters, gathered per use as codegen buckets them: the repeated
     # layer's apart from those of the stretch around it (an embedding, a head)
@@ -196,24 +213,19 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             param[where[dst]] += t
         else:
             act[where[dst]] += t
-        if where[src] < where[dst] and src.op != "placeholder":
-            spec = graph.nodes[src].strategies[choice[src]].outputs[0] if graph.nodes[src].follows is None else None
-            if spec is not None:
-                meta = TensorMeta.of(src.meta["val"])
-                nbytes = math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize
-                for layer in range(where[src], where[dst]):
-                    boundary[layer] = max(boundary[layer], nbytes)
         entering = repeated.get(dst)
         state = src.op == "placeholder" and src.name not in user_inputs  # weights, buffers, constants
         if entering is not None and repeated.get(src) != entering and not state and src not in kept_by:
             kept_by[src] = entering
-            inputs[entering] += _output_bytes(graph, src, choice, mesh)
+            inputs[entering] += output_bytes(costs, src, choice)
+    io = stage_io(costs, choice, where, count, kept_by)
     array = np.array
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
-                        array(activation), array(boundary, dtype=np.float64), where, array(forward),
+                        array(activation), io.crossing, where, array(forward),
                         array(recomputable), array(inputs), array(temporary), array(largest),
                         *(array([max(b.working(costs.precision)[i] for b in g.values()) for g in gathered])
-                          for i in (0, 1)))
+                          for i in (0, 1)), stage_io=io.held, io_credit=io.credit,
+                        boundary_fixed=io.crossing_fixed, stage_io_fixed=io.held_fixed)
 
 
 @dataclass
@@ -267,19 +279,6 @@ def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[s
     return state_breakdown(numel, min(level, 1), shards, precision)
 
 
-def _output_bytes(graph, node, choice, mesh) -> float:
-    """Bytes of ``node``'s (tensor) output on one device under its chosen placement."""
-    val = node.meta.get("val")
-    if not hasattr(val, "shape"):
-        return 0.0
-    ns = graph.nodes.get(node)
-    if ns is None:
-        return 0.0
-    producer, index = ns.follows if ns.follows is not None else (node, 0)
-    spec = graph.nodes[producer].strategies[choice[producer]].outputs[index]
-    return float(math.prod(local_shape(tuple(val.shape), spec, mesh)) * val.dtype.itemsize)
-
-
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
            memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank: Sequence[int] | None = None):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
@@ -300,7 +299,8 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             step_overhead=num.step_overhead(p),
             recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
-            gather_memory=num.gather, scatter_memory=num.scatter,
+            gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
+            io_credit=num.io_credit / m,
         )
 
     def run(schedules, depths) -> PipelineSearchResult:

@@ -50,6 +50,10 @@ class LayerCosts:
     temporary_memory: Sequence[float] | None = None  # the part of static_memory alive only in a backward (``stages``)
     gather_memory: Sequence[float] | None = None  # per layer: what its ZeRO-3 gather holds while it runs (``stages``)
     scatter_memory: Sequence[float] | None = None  # ... and its gradients' reduce-scatter (``stages``)
+    # per stage of layers [a, b) ([L + 1, L + 1]): bytes per micro-batch it holds of the values it
+    # receives and sends beyond activation_memory, and of them what its recomputed layers free (``stages``)
+    stage_io: np.ndarray | None = None
+    io_credit: np.ndarray | None = None
 
 
 @dataclass
@@ -96,11 +100,16 @@ def search_pipeline(
 
 def useful_depths(layers: int, stages: int) -> list[int]:
     """Interleaved depths worth trying for ``layers`` layers on ``stages`` ranks, ascending: the
-    fewest chunks per rank that hold c layers a chunk at most, for each c. A depth between two
-    of these holds as many layers in its largest chunk as the next one up, so it has the same
-    bubble (P - 1 slots of that chunk) and more sends: never faster on alike layers."""
+    fewest chunks per rank that hold c layers a chunk at most, for each c, and the deepest. A
+    depth between two of the first holds as many layers in its largest chunk as the next one
+    up, so it has the same bubble (P - 1 slots of that chunk) and more sends: never faster
+    where time alone decides. Where memory decides how many layers recompute, deeper holds
+    fewer layers' activations in flight (rank 0 keeps about L (1 + (1 - 2/P) / v) layers of
+    micro-batches under Megatron's warm-up), so the deepest is tried too (llama3-16k: 7 chunks
+    per rank recompute fewer layers than 4, both with 2-layer chunks at most)."""
     deepest = layers // stages  # a chunk holds a layer at least
-    return sorted(v for v in {math.ceil(layers / (stages * c)) for c in range(1, deepest + 1)} if 2 <= v <= deepest)
+    fewest = {math.ceil(layers / (stages * c)) for c in range(1, deepest + 1)}
+    return sorted(v for v in fewest | {deepest} if 2 <= v <= deepest)
 
 
 def deeper_while_faster(found: PipelineSearchResult, depths: Sequence[int],
@@ -194,7 +203,7 @@ def _cut(costs: LayerCosts, stages: int, in_flight, graded, limit: float | None)
         gradient_memory=costs.gradient_memory, accumulating=costs.accumulating,
         temporary_memory=costs.temporary_memory,
         gather_memory=costs.gather_memory, scatter_memory=costs.scatter_memory,
-        in_flight_with_gradients=graded,
+        in_flight_with_gradients=graded, stage_io=costs.stage_io, io_credit=costs.io_credit,
     )
 
 
@@ -212,7 +221,8 @@ def _describer(costs: LayerCosts, starts: list[int], in_flight, graded) -> Calla
     def describe(recomputed: Sequence[int]) -> StageCut:
         return describe_cut(starts, time, static, activation, in_flight, send, saving, redo, gradients=gradients,
                             in_flight_with_gradients=graded, accumulating=accumulating, temporary=temporary,
-                            gather=gather, scatter=scatter, recomputed=recomputed)
+                            gather=gather, scatter=scatter, recomputed=recomputed, stage_io=costs.stage_io,
+                            io_credit=costs.io_credit)
 
     return describe
 

@@ -31,6 +31,12 @@ layers once more:
 model; ``recomputed_layers`` picks the ``k`` with the largest saving, which save at
 least the mean).
 
+A stage also holds, per micro-batch in flight, the values it receives and sends (torch's
+``PipelineStage`` keeps them until that micro-batch's backward) beyond what its layers'
+activations charge: ``io[a, b]`` for a stage of layers [a, b), added to ``A``; of it,
+``credit[a, b]`` is what its recomputed layers' kept inputs charge too (the received tensor is
+that input), added to the stage's saving (``autopar.passes.planner.stage_io``).
+
 A rank's peak (``rank_peaks``) replays the order torch's schedule runs its stages in with
 each stage's parts apart (held always, gradients from its first backward, one micro-batch's
 activations per micro-batch in flight, and what exists only during one of its backwards:
@@ -142,6 +148,8 @@ def cut_stages(
     temporary_memory: Sequence[float] | None = None,
     gather_memory: Sequence[float] | None = None,
     scatter_memory: Sequence[float] | None = None,
+    stage_io: np.ndarray | None = None,
+    io_credit: np.ndarray | None = None,
 ) -> StageCut | None:
     """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory.
     ``recompute_saving`` / ``recompute_time``: per layer and micro-batch, the bytes a
@@ -153,7 +161,9 @@ def cut_stages(
     its backwards runs (``rank_peaks`` tells them apart; the cut holds it throughout);
     ``gather_memory`` / ``scatter_memory``: per layer, what its ZeRO-3 gather and its gradients'
     reduce-scatter hold while they run (module docstring; the cut holds a stage's largest
-    throughout)."""
+    throughout); ``stage_io`` / ``io_credit``: per stage of layers [a, b), ``[a, b]`` of an
+    ``[L + 1, L + 1]`` matrix: what it holds per micro-batch of the values it receives and sends
+    beyond ``activation_memory``, and of them what recomputing its layers frees (module docstring)."""
     time = np.asarray(layer_time, dtype=np.float64)
     num_layers = len(time)
     if not 1 <= num_stages <= num_layers:
@@ -188,9 +198,10 @@ def cut_stages(
     sent = np.concatenate([[0.0], send])  # sent[b] = send[b - 1], the send after layer b - 1
     span_time = time_prefix[b] - time_prefix[a]
     span_static = static_prefix[b] - static_prefix[a]
-    span_activation = activation_prefix[b] - activation_prefix[a]
+    span_activation = activation_prefix[b] - activation_prefix[a] + _per_span(stage_io, num_layers, "stage_io")
     span_layers = np.maximum(b - a, 1)
-    span_saving, span_redo = saving_prefix[b] - saving_prefix[a], redo_prefix[b] - redo_prefix[a]
+    span_saving = saving_prefix[b] - saving_prefix[a] + _per_span(io_credit, num_layers, "io_credit")
+    span_redo = redo_prefix[b] - redo_prefix[a]
     span_gradients = gradient_prefix[b] - gradient_prefix[a]
     span_peak, span_adding = _span_max(saving), _span_max(adding)
     span_static = span_static + _span_max(np.maximum(gather, scatter))  # one running, held throughout
@@ -214,13 +225,14 @@ def cut_stages(
         b = starts[-1]
     starts.reverse()
     return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap, gradients, graded, adding,
-                        _per_layer(temporary_memory, num_layers, "temporary_memory"), gather, scatter)
+                        _per_layer(temporary_memory, num_layers, "temporary_memory"), gather, scatter,
+                        stage_io=stage_io, io_credit=io_credit)
 
 
 def describe_cut(starts, time, static, activation, in_flight, send, saving=None, redo=None,
                  memory_limit: float = math.inf, gradients=None, in_flight_with_gradients=None,
                  accumulating=None, temporary=None, gather=None, scatter=None,
-                 recomputed: Sequence[int] | None = None) -> StageCut:
+                 recomputed: Sequence[int] | None = None, stage_io=None, io_credit=None) -> StageCut:
     """Times and memories of a given cut, each stage recomputing the fewest layers that fit
     ``memory_limit`` (used by the DP and by brute-force tests), or ``recomputed[s]`` of them
     where given (whatever that holds: ``solve.rank_fit`` picks them by the ranks' replayed
@@ -240,7 +252,10 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
     total, most = partial(np.add.reduceat, indices=first), partial(np.maximum.reduceat, indices=first)
     running = most(np.maximum(gather, scatter))  # a gather or reduce-scatter, as the DP holds it
     largest_adding = most(adding)
-    k, memory, grads = stage_peak(total(static) + running, total(gradients), total(activation), total(saving),
+    # what each stage holds of the values it receives and sends, and what recomputing frees of it
+    io, credit = (_per_span(x, n, name)[first, ends] for x, name in ((stage_io, "stage_io"), (io_credit, "io_credit")))
+    activations, savings = total(activation) + io, total(saving) + credit
+    k, memory, grads = stage_peak(total(static) + running, total(gradients), activations, savings,
                                   most(saving), sizes, np.asarray(in_flight, dtype=np.float64)[:len(first)],
                                   np.asarray(graded, dtype=np.float64)[:len(first)],
                                   memory_limit if recomputed is None else math.inf, largest_adding, recomputed)
@@ -252,7 +267,7 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
     # recomputed layers keep the mean saving less per micro-batch, one of them rebuilt while a
     # backward runs; a ZeRO-3 gather or reduce-scatter runs in a backward, and in a forward,
     # beyond its micro-batch's activations (module docstring)
-    fewer_kept = k * total(saving) / sizes  # per micro-batch, what its k recomputed layers do not keep
+    fewer_kept = k * savings / sizes  # per micro-batch, what its k recomputed layers do not keep
     kept = activation - saving * np.repeat(k / sizes, ends - first)  # per layer, one micro-batch's
     suffix = np.append(np.cumsum(kept[::-1])[::-1], 0.0)
     onward = suffix[:n] - np.repeat(suffix[ends], ends - first)  # its stage's layers l onward
@@ -261,7 +276,7 @@ def describe_cut(starts, time, static, activation, in_flight, send, saving=None,
                     np.where(grads > 0, largest_adding, 0.0).tolist(),
                     held_always=(total(static) - total(gradients) - total(temporary)).tolist(),
                     gradient_bytes=total(gradients).tolist(),
-                    per_micro_batch=(total(activation) - fewer_kept).tolist(),
+                    per_micro_batch=(activations - fewer_kept).tolist(),
                     in_backward=(total(temporary) + np.maximum(0.0, most(np.maximum(gather - after,
                                                                                     scatter - onward)))).tolist(),
                     rebuilt=np.where(k > 0, most(saving), 0.0).tolist(),
@@ -385,6 +400,16 @@ def _per_stage(values, default: np.ndarray, stages: int, name: str) -> np.ndarra
     array = np.asarray(values, dtype=np.float64)
     if len(array) != stages:
         raise ValueError(f"autopar: expected {name} for {stages} stages, found {len(array)}.")
+    return array
+
+
+def _per_span(values, layers: int, name: str) -> np.ndarray:
+    if values is None:
+        return np.zeros((layers + 1, layers + 1))
+    array = np.asarray(values, dtype=np.float64)
+    if array.shape != (layers + 1, layers + 1):
+        raise ValueError(f"autopar: expected {name} of shape {(layers + 1, layers + 1)} (a stage's first layer "
+                         f"by its end), found {array.shape}.")
     return array
 
 

@@ -1,0 +1,123 @@
+"""What a pipeline stage holds of the values it receives and sends, per micro-batch in flight.
+
+``autopar.runtime.stages.stage_parts`` makes every value cross each stage boundary between
+the layer that makes it and the last layer that reads it, and torch's ``PipelineStage`` keeps
+a micro-batch's received inputs and its outputs until that micro-batch's backward. So a stage
+of layers ``[a, b)`` holds, per micro-batch in flight, one tensor for every value made before
+``a`` and read at ``a`` or later (received, whether it reads it or passes it on: a Llama's
+attention mask and rotary tables reach every stage) and one for every value it makes that a
+later layer reads (sent: its last layer's hidden state). Its layers' activation memory
+already charges some of these bytes: readers that save a value as it lies (each its share of
+one copy, ``autopar.passes.saved``) and a producer that keeps its own output. ``held[a, b]``
+is the rest: per value, its bytes less what the stage's layers are charged for it.
+
+A recomputed layer keeps its inputs (``layer_numbers``' ``inputs``, each value on its first
+reader's layer). Where a stage receives that value, the kept input is the received tensor
+itself: ``credit[a, b]`` is those bytes, which recomputing the layer frees again (the stage
+search adds them to the stage's recompute saving).
+
+``held`` and ``credit`` are indexed by a stage's first layer and its end (one past its last),
+as the stage DP takes spans (``autopar.passes.solve.stages.cut_stages``); ``crossing[l]`` is the
+bytes crossing after layer ``l``: what a stage ending there sends. All in bytes of the whole
+batch, as the other per-layer numbers, but for values without a batch dim (a Llama's rotary
+tables), which every micro-batch receives and sends whole: those apart, per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple
+
+import numpy as np
+from torch import fx
+
+from autopar.passes.costing import Costs
+from autopar.passes.loss_memory import output_spec
+from autopar.passes.placements import local_shape
+from autopar.passes.planner.microbatch import batch_dims, batch_size
+from autopar.passes.saved import root
+
+
+class StageIO(NamedTuple):
+    crossing: np.ndarray  # [L]: bytes of the values crossing after each layer, whole batch
+    held: np.ndarray  # [L + 1, L + 1]: bytes a stage [a, b) holds beyond its layers' activations, whole batch
+    credit: np.ndarray  # [L + 1, L + 1]: of them, what its recomputed layers' kept inputs charge too
+    # the same for values without a batch dim (rotary tables), which every micro-batch has
+    # whole: bytes per micro-batch
+    crossing_fixed: np.ndarray
+    held_fixed: np.ndarray
+
+
+def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node, int], count: int,
+             kept_by: Mapping[fx.Node, int]) -> StageIO:
+    """``choice``: the graph's chosen strategies; ``where``: node -> layer (``node_layers``);
+    ``kept_by``: value -> the layer whose ``inputs`` charge it (a recomputed layer's kept input)."""
+    graph = costs.graph
+    crossing, crossing_fixed = np.zeros(count), np.zeros(count)
+    held, held_fixed, credit = (np.zeros((count + 1, count + 1)) for _ in range(3))
+    charged = _charged_by_layer(costs, choice, where, count)
+    batch = batch_size(graph)
+    dims = batch_dims(graph, batch) if batch else None
+    a = np.arange(count + 1)[:, None]
+    b = np.arange(count + 1)[None, :]
+    user_inputs = set(graph.captured.user_inputs)
+    for value in graph.nodes:
+        if value not in where or (value.op == "placeholder" and value.name not in user_inputs):
+            continue  # state stays in the stage that reads it
+        made = -1 if value.op == "placeholder" else where[value]  # the user's inputs reach stage 0
+        last = max((where[u] for u in value.users if u in where), default=made)
+        nbytes = output_bytes(costs, value, choice)
+        if last <= max(made, 0) or not nbytes:
+            continue
+        batched = dims is None or bool(dims.get(value) and dims[value][0])
+        (crossing if batched else crossing_fixed)[max(made, 0):last] += nbytes
+        received = (made < a) & (a <= last) & (a < b)
+        sent = (a <= made) & (made < b) & (b <= last)
+        prefix = np.concatenate([[0.0], np.cumsum(charged.get(value, np.zeros(count)))])
+        in_stage = prefix[b] - prefix[a]
+        if batched:
+            held += np.where(received | sent, np.maximum(nbytes - in_stage, 0.0), 0.0)
+        else:  # its readers' shares are charged per whole batch: each micro-batch's copy is whole
+            held_fixed += np.where(received | sent, nbytes, 0.0)
+        if (kept := kept_by.get(value)) is not None:
+            credit += np.where(received & (a <= kept) & (kept < b), nbytes, 0.0)
+    return StageIO(crossing, held, credit, crossing_fixed, held_fixed)
+
+
+def output_bytes(costs: Costs, node: fx.Node, choice: Mapping[fx.Node, int]) -> float:
+    """Bytes of ``node``'s (tensor) output on one device under its chosen placement."""
+    val = node.meta.get("val")
+    if not hasattr(val, "shape") or node not in costs.graph.nodes:
+        return 0.0
+    spec = output_spec(costs.graph, node, choice[node])
+    return float(math.prod(local_shape(tuple(val.shape), spec, costs.graph.mesh_shape)) * val.dtype.itemsize)
+
+
+def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, np.ndarray]:
+    """Value -> bytes per layer its activation memory charges for the value as it lies: the
+    shares of readers that save it in its own placement (or a view of it that keeps its size),
+    and its producer's, where the producer keeps it."""
+    graph = costs.graph
+    out: dict[fx.Node, np.ndarray] = {}
+
+    def add(value: fx.Node, layer: int, nbytes: float) -> None:
+        out.setdefault(value, np.zeros(count))[layer] += nbytes
+
+    for value in costs.kept:
+        if value in where and value in graph.nodes and value.op != "placeholder":
+            add(value, where[value], output_bytes(costs, value, choice))
+    for name in graph.captured.user_inputs:  # charged where first read (``build_costs``)
+        value = next((n for n in where if n.op == "placeholder" and n.name == name), None)
+        if value is not None and value in graph.nodes:
+            add(value, where[value], output_bytes(costs, value, choice))
+    for reader, reads in costs.saved_reads.items():
+        if reader not in where or reader not in graph.nodes:
+            continue
+        inputs = graph.nodes[reader].strategies[choice[reader]].inputs
+        for position, src, per_byte in reads:
+            if per_byte > 1.0 or src not in graph.nodes or position >= len(inputs):
+                continue  # a tensor the op makes from its input (a converted mask) is its own
+            if inputs[position] != output_spec(graph, src, choice[src]):
+                continue  # moved for the reader: the saved copy is another tensor
+            add(root(src), where[reader], per_byte * output_bytes(costs, src, choice))
+    return out
