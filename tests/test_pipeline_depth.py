@@ -46,3 +46,23 @@ def test_depth_2_stays_where_deeper_is_slower():
     found = deeper_while_faster(first, useful_depths(24, 4), at_depth)
     assert found.best.step_time == first.best.step_time
     assert {o.chunks_per_rank for o in found.options if o.schedule.interleaved} == {2, 3}
+
+
+def test_the_deepest_depth_is_tried_where_memory_decides_the_recomputation():
+    """30 layers on 4 ranks: 4 and 7 chunks per rank both hold 2 layers in their largest chunk
+    (same bubble), but 7 keeps fewer layers' activations in flight, so under a tight limit it
+    recomputes less and wins; the depths between (5, 6) are slower than 4."""
+    layers, stages = 30, 4
+    costs = LayerCosts(time=np.ones(layers), static_memory=np.zeros(layers), activation_memory=np.ones(layers),
+                       boundary_time=np.full(layers - 1, 0.01), recompute_saving=np.full(layers, 0.9),
+                       recompute_time=np.full(layers, 0.3))
+
+    def at_depth(v):
+        return search_pipeline(lambda *_: costs, stage_counts=[stages], microbatch_counts=[8],
+                               schedules=(INTERLEAVED,), chunks_per_rank=(v,), memory_limit=9.0)
+
+    every = {v: at_depth(v).best.step_time for v in range(2, 8)}
+    assert useful_depths(layers, stages) == [2, 3, 4, 7]
+    assert every[7] < every[4] < min(every[5], every[6])
+    found = deeper_while_faster(at_depth(2), useful_depths(layers, stages), at_depth)
+    assert found.best.chunks_per_rank == 7 and found.best.step_time == pytest.approx(min(every.values()))
