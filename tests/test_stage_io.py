@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar import layouts
 from autopar.costmodels import preset
-from autopar.models import MODELS
+from autopar.models import GPT, MODELS, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
 from autopar.passes.planner.pipeline import layer_numbers, node_layers, pipeline_plan
@@ -70,3 +70,17 @@ def test_values_without_a_batch_dim_are_whole_in_every_micro_batch():
     # norm saves as it lies (through a cast to the dtype it has: the same tensor), charged there
     assert num.stage_io_fixed[2, 5] == 2 * 256 * 32 * 4
     assert num.stage_io[2, 5] == 16 * 256 * 256 + 16 * 256 * 128 * 4
+
+
+def test_a_received_value_its_first_norm_saves_is_not_held_twice():
+    """A GPT stage receives the hidden state and its first LayerNorm saves it as it lies (with
+    its mean and rstd: 1.004 bytes per byte): held once, by the norm; what the stage holds
+    beyond its layers is the hidden state it sends."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=32, dim=64, n_heads=4, n_layers=4))
+    graph = build_strategy_graph(capture(model, (torch.zeros(16, 32, dtype=torch.long, device="meta"),)), (2,))
+    costs = build_costs(graph, preset("h100", (2,)))
+    num = layer_numbers(costs, [0] * costs.problem.num_nodes, node_layers(costs))
+    hidden = 16 * 32 * 64 * 4  # float32, whole (strategy 0 keeps every value whole)
+    assert num.boundary[1] == hidden
+    assert num.stage_io[1, 3] == hidden

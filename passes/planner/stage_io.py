@@ -115,9 +115,12 @@ def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, 
             continue
         inputs = graph.nodes[reader].strategies[choice[reader]].inputs
         for position, src, per_byte in reads:
-            if per_byte > 1.0 or src not in graph.nodes or position >= len(inputs):
-                continue  # a tensor the op makes from its input (a converted mask) is its own
+            # per byte of the value: a share of it (at most 1), or all of it and the statistics
+            # the op makes from it (a norm's mean and rstd: 1 to 2); 2 or more is a wider copy
+            # the op makes instead (a boolean mask in the query's dtype), a tensor of its own
+            if per_byte >= 2.0 or src not in graph.nodes or position >= len(inputs):
+                continue
             if inputs[position] != output_spec(graph, src, choice[src]):
                 continue  # moved for the reader: the saved copy is another tensor
-            add(root(src), where[reader], per_byte * output_bytes(costs, src, choice))
+            add(root(src), where[reader], min(per_byte, 1.0) * output_bytes(costs, src, choice))
     return out
