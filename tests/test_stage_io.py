@@ -62,14 +62,14 @@ def test_values_without_a_batch_dim_are_whole_in_every_micro_batch():
     costs = build_costs(graph, preset("h100", (2,)))
     num = layer_numbers(costs, [0] * costs.problem.num_nodes, node_layers(costs))
     # cos and sin: 1 x 256 x 32 float32 each, whole (strategy 0 keeps every value whole)
-    assert num.boundary_fixed[3] == 2 * 256 * 32 * 4
+    assert num.io.crossing_fixed[3] == 2 * 256 * 32 * 4
     # the hidden state (16 x 256 x 128) and the boolean mask (16 x 1 x 256 x 256), whole batch
     assert num.boundary[3] == 16 * 256 * 128 * 4 + 16 * 256 * 256
     # a stage of layers 2-4 holds per micro-batch the tables whole and, of the whole batch, the
     # mask it receives and the hidden state it sends; the hidden state it receives its first
     # norm saves as it lies (through a cast to the dtype it has: the same tensor), charged there
-    assert num.stage_io_fixed[2, 5] == 2 * 256 * 32 * 4
-    assert num.stage_io[2, 5] == 16 * 256 * 256 + 16 * 256 * 128 * 4
+    assert num.io.held_fixed[2, 5] == 2 * 256 * 32 * 4
+    assert num.io.held[2, 5] == 16 * 256 * 256 + 16 * 256 * 128 * 4
 
 
 def test_a_received_value_its_first_norm_saves_is_not_held_twice():
@@ -83,4 +83,4 @@ def test_a_received_value_its_first_norm_saves_is_not_held_twice():
     num = layer_numbers(costs, [0] * costs.problem.num_nodes, node_layers(costs))
     hidden = 16 * 32 * 64 * 4  # float32, whole (strategy 0 keeps every value whole)
     assert num.boundary[1] == hidden
-    assert num.stage_io[1, 3] == hidden
+    assert num.io.held[1, 3] == hidden

@@ -46,7 +46,7 @@ from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.planner.stage_io import output_bytes, stage_io
+from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
 from autopar.passes.placements import local_shape
 from autopar.passes.solve.pipeline_search import (LayerCosts, PipelineSearchResult, deeper_while_faster,
                                                   search_pipeline, useful_depths)
@@ -79,34 +79,27 @@ class LayerNumbers:
     # run (``ZeroThreeBucket``); None: none
     gather: np.ndarray | None = None
     scatter: np.ndarray | None = None
-    # bytes, whole batch, per stage of layers [a, b): what it holds per micro-batch of the values
-    # it receives and sends beyond its layers' activations, and of them what its recomputed
-    # layers' kept inputs charge too (``stage_io``); None: none
-    stage_io: np.ndarray | None = None
-    io_credit: np.ndarray | None = None
-    # bytes per micro-batch, the values without a batch dim apart (``stage_io.StageIO``): what
-    # crosses after each layer, and what a stage holds of them; None: none
-    boundary_fixed: np.ndarray | None = None
-    stage_io_fixed: np.ndarray | None = None
+    # what the stages receive and send (``stage_io.StageIO``: per stage of layers [a, b), what
+    # it holds per micro-batch beyond its layers' activations); None: nothing
+    io: StageIO | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temporary", "largest_gradient", "gather", "scatter", "boundary_fixed"):
+        for name in ("temporary", "largest_gradient", "gather", "scatter"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
-        for name in ("stage_io", "io_credit", "stage_io_fixed"):
-            if getattr(self, name) is None:
-                setattr(self, name, np.zeros((len(self.static) + 1,) * 2))
+        if self.io is None:
+            self.io = no_stage_io(len(self.static))
 
     def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
         """Seconds to send what crosses after each layer (one micro-batch of it) to the next
         stage, point to point on ``profile``'s axis 0 (after the last layer, nothing)."""
         return [costmodels.collective_time("send_recv", b / micro_batches + fixed, 0, profile, in_step=True)
-                for b, fixed in zip(self.boundary[:-1], self.boundary_fixed[:-1])]
+                for b, fixed in zip(self.boundary[:-1], self.io.crossing_fixed[:-1])]
 
     def stage_held(self, micro_batches: int) -> np.ndarray:
         """Per stage of layers [a, b): bytes per micro-batch it holds of the values it receives
         and sends beyond its layers' activations (``stage_io``)."""
-        return self.stage_io / micro_batches + self.stage_io_fixed
+        return self.io.held / micro_batches + self.io.held_fixed
 
     def step_overhead(self, stages: int) -> float:
         """Seconds once per step outside the schedule: each stage syncs and steps its own
@@ -150,10 +143,14 @@ def node_layers(costs: Costs) -> tuple[dict, int]:
     return where, count
 
 
-def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = None) -> LayerNumbers:
-    """``layers``: ``node_layers(costs)``, when the caller sums several assignments of ``costs``."""
+def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = None,
+                  dims: dict | None = None) -> LayerNumbers:
+    """``layers``: ``node_layers(costs)``, and ``dims``: the graph's batch dims
+    (``microbatch.batch_dims``; empty: no batch), when the caller has them."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
     where, count = node_layers(costs) if layers is None else layers
+    if dims is None:
+        dims = batch_dims(graph, batch) if (batch := batch_size(graph)) else {}
     # sums in Python floats (numpy element updates cost ten times more), arrays at the end
     act, compute, param, optimizer = [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count
     forward = [0.0] * count
@@ -218,14 +215,13 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         if entering is not None and repeated.get(src) != entering and not state and src not in kept_by:
             kept_by[src] = entering
             inputs[entering] += output_bytes(costs, src, choice)
-    io = stage_io(costs, choice, where, count, kept_by)
+    io = stage_io(costs, choice, where, count, kept_by, dims)
     array = np.array
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
                         array(activation), io.crossing, where, array(forward),
                         array(recomputable), array(inputs), array(temporary), array(largest),
                         *(array([max(b.working(costs.precision)[i] for b in g.values()) for g in gathered])
-                          for i in (0, 1)), stage_io=io.held, io_credit=io.credit,
-                        boundary_fixed=io.crossing_fixed, stage_io_fixed=io.held_fixed)
+                          for i in (0, 1)), io=io)
 
 
 @dataclass
@@ -300,7 +296,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
-            io_credit=num.io_credit / m,
+            io_credit=num.io.credit / m,
         )
 
     def run(schedules, depths) -> PipelineSearchResult:
@@ -406,7 +402,7 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     searched: dict[tuple, tuple] = {}  # layouts that complete alike (tp+dp, tp+sp) are searched once
     for label, assignment in candidates:
         if (key := tuple(assignment)) not in searched:
-            num = layer_numbers(costs, assignment, layers)
+            num = layer_numbers(costs, assignment, layers, dims)
             if len(num.act_time) < p:
                 return None, f"{len(num.act_time)} layers for {p} stages"
             split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1

@@ -25,16 +25,16 @@ tables), which every micro-batch receives and sends whole: those apart, per micr
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, NamedTuple
 
 import numpy as np
+import torch
 from torch import fx
 
 from autopar.passes.costing import Costs
+from autopar.passes.edge_costs import local_bytes
 from autopar.passes.loss_memory import output_spec
-from autopar.passes.placements import local_shape
-from autopar.passes.planner.microbatch import batch_dims, batch_size
+from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.saved import root
 
 
@@ -48,16 +48,22 @@ class StageIO(NamedTuple):
     held_fixed: np.ndarray
 
 
+def no_stage_io(count: int) -> StageIO:
+    """Nothing crossing ``count`` layers."""
+    span = np.zeros((count + 1, count + 1))
+    return StageIO(np.zeros(count), span, span, np.zeros(count), span)
+
+
 def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node, int], count: int,
-             kept_by: Mapping[fx.Node, int]) -> StageIO:
+             kept_by: Mapping[fx.Node, int], dims: Mapping[fx.Node, list]) -> StageIO:
     """``choice``: the graph's chosen strategies; ``where``: node -> layer (``node_layers``);
-    ``kept_by``: value -> the layer whose ``inputs`` charge it (a recomputed layer's kept input)."""
+    ``kept_by``: value -> the layer whose ``inputs`` charge it (a recomputed layer's kept input);
+    ``dims``: the batch dims of every node (``microbatch.batch_dims``; empty: the graph has no
+    batch, every value is the batch's)."""
     graph = costs.graph
     crossing, crossing_fixed = np.zeros(count), np.zeros(count)
     held, held_fixed, credit = (np.zeros((count + 1, count + 1)) for _ in range(3))
     charged = _charged_by_layer(costs, choice, where, count)
-    batch = batch_size(graph)
-    dims = batch_dims(graph, batch) if batch else None
     a = np.arange(count + 1)[:, None]
     b = np.arange(count + 1)[None, :]
     user_inputs = set(graph.captured.user_inputs)
@@ -69,7 +75,7 @@ def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node
         nbytes = output_bytes(costs, value, choice)
         if last <= max(made, 0) or not nbytes:
             continue
-        batched = dims is None or bool(dims.get(value) and dims[value][0])
+        batched = not dims or bool(dims.get(value) and dims[value][0])
         (crossing if batched else crossing_fixed)[max(made, 0):last] += nbytes
         received = (made < a) & (a <= last) & (a < b)
         sent = (a <= made) & (made < b) & (b <= last)
@@ -87,10 +93,9 @@ def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node
 def output_bytes(costs: Costs, node: fx.Node, choice: Mapping[fx.Node, int]) -> float:
     """Bytes of ``node``'s (tensor) output on one device under its chosen placement."""
     val = node.meta.get("val")
-    if not hasattr(val, "shape") or node not in costs.graph.nodes:
+    if not isinstance(val, torch.Tensor) or node not in costs.graph.nodes:
         return 0.0
-    spec = output_spec(costs.graph, node, choice[node])
-    return float(math.prod(local_shape(tuple(val.shape), spec, costs.graph.mesh_shape)) * val.dtype.itemsize)
+    return local_bytes(TensorMeta.of(val), output_spec(costs.graph, node, choice[node]), costs.graph.mesh_shape)
 
 
 def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, np.ndarray]:
@@ -106,9 +111,9 @@ def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, 
     for value in costs.kept:
         if value in where and value in graph.nodes and value.op != "placeholder":
             add(value, where[value], output_bytes(costs, value, choice))
-    for name in graph.captured.user_inputs:  # charged where first read (``build_costs``)
-        value = next((n for n in where if n.op == "placeholder" and n.name == name), None)
-        if value is not None and value in graph.nodes:
+    user_inputs = set(graph.captured.user_inputs)
+    for value in graph.captured.nodes("placeholder"):  # the user's inputs: charged where first read
+        if value.name in user_inputs and value in where and value in graph.nodes:
             add(value, where[value], output_bytes(costs, value, choice))
     for reader, reads in costs.saved_reads.items():
         if reader not in where or reader not in graph.nodes:
