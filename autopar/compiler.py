@@ -12,12 +12,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.runtime.inference import InferenceModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy, warn_under_autocast
 from autopar.costmodels.profiler import profile_mesh
 from autopar.passes.capture import capture
+from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
 from autopar.passes.strategy_graph import build_strategy_graph
 
@@ -34,7 +36,8 @@ def compile(  # noqa: A001  (the public name users expect)
     hardware: Any = None,  # a HardwareProfile or preset name for planning; None: measure this mesh
     check_inputs: bool = True,
     mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
-) -> ParallelModule:
+    inference: Inference | None = None,
+) -> ParallelModule | PipelineModule | InferenceModule:
     """Capture ``model``, plan it for ``mesh`` (or replay ``plan``) and build this rank's part.
 
     Call it on every rank with the same model weights (same seed, or loaded from the
@@ -66,6 +69,13 @@ def compile(  # noqa: A001  (the public name users expect)
             f"autopar: expected a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh), "
             f"found {type(mesh).__name__}; to plan without devices use autopar.plan(model, shape, ...)"
         )
+    if inference is not None or (plan is not None and plan.inference is not None):
+        if plan is None:
+            plan = plan_once(model, mesh, (), hardware, inference=inference)
+        elif inference is not None and Inference.of(plan.inference) != inference:
+            raise ValueError(f"autopar: compile(inference={inference}) was given a plan made for {plan.inference}; "
+                             "pass one of the two")
+        return InferenceModule(model, plan, mesh)
     if optimizer is not None:
         optimizer = _checked_factory(optimizer)
     planned_here = plan is None

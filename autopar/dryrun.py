@@ -69,7 +69,7 @@ from autopar.runtime.precision import Precision, capture_cast, recorded_policy
 from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
 from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
 from autopar.dryrun_tracker import CPU, HOST, FakeState, create_optimizer_state, peak_memory, tracker_for
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured, capture, on_device
 from autopar.passes.loss_memory import cross_entropy, default_loss
 from autopar.passes.plan import Plan, choice_from_plan
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
@@ -197,8 +197,8 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
     precision = Precision.of(recorded_policy(plan.mp_policy))  # a plan priced under a policy runs under it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = _on_cpu(capture(model, capture_inputs) if precision is None
-                           else capture_cast(capture, model, precision)(capture_inputs))
+        captured = on_device(capture(model, capture_inputs) if precision is None
+                             else capture_cast(capture, model, precision)(capture_inputs), CPU)
     if plan.pipeline is not None:
         _check_stage_order(captured, plan.pipeline.stage_of)
     flat = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
@@ -251,20 +251,6 @@ def _micro_batch(inputs: tuple, micro_batches: int) -> tuple:
             )
     return pytree.tree_unflatten([x.chunk(micro_batches)[0] if isinstance(x, torch.Tensor) else x for x in flat],
                                  spec)
-
-
-def _on_cpu(captured: Captured) -> Captured:
-    """The capture with tensors made or moved onto the meta device (a meta model's
-    ``arange(device=...)``, ``x.to(device)``) made on the fake tensors' device instead."""
-    def cpu(v: Any) -> Any:
-        return CPU if isinstance(v, torch.device) and v.type == "meta" else v
-
-    for node in captured.gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = tuple(cpu(v) for v in node.args)
-            node.kwargs = {k: cpu(v) for k, v in node.kwargs.items()}
-    captured.gm.recompile()
-    return captured
 
 
 def _default_loss(captured: Captured, inputs: list[torch.Tensor], micro_batches: int) -> tuple[Callable, torch.Tensor]:

@@ -20,16 +20,18 @@ from autopar.costmodels.precision import META_KEY
 from autopar.runtime.loss import WithLoss
 from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
 from autopar.passes.capture import capture
+from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import plan_captured
+from autopar.passes.planner.serving import SERVING_LAYOUTS, plan_serving
 from autopar.passes.strategy_graph import NoRuleWarning
 
 
 def plan(
     model: torch.nn.Module,
     mesh_or_shape: Any,
-    example_inputs: tuple,
+    example_inputs: tuple = (),
     *,
     example_kwargs: dict[str, Any] | None = None,
     hardware: costmodels.HardwareProfile | str = "h100",
@@ -42,6 +44,7 @@ def plan(
     axis_names: Sequence[str] | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
     mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
+    inference: Inference | None = None,
 ) -> Plan:
     """The fastest predicted Plan that fits in memory (or, with ``layout``, that manual layout).
 
@@ -63,7 +66,19 @@ def plan(
     as it computes under the policy: compute, activations and parameter gathers in
     ``param_dtype``; float32 masters, gradients and AdamW state; reductions in
     ``reduce_dtype``: ``autopar.costmodels.precision``); the plan records it (``mp_policy``).
+
+    ``inference``: plan serving instead of training (``autopar.Inference``: batch, prompt and
+    cache lengths, objective): a Hugging Face causal LM's prefill and decode over one layout
+    of its weights and key-value cache (``autopar.passes.planner.serving``), no example
+    inputs (the workload gives their shapes); ``layout`` one of the serving layouts
+    (``replicated``, ``dp``, ``tp``, ``tp+dp``). ``autopar.compile(..., plan=)`` runs it
+    (``autopar.runtime.inference.InferenceModule``: ``generate``).
     """
+    if inference is not None:
+        return _plan_serving(model, mesh_or_shape, example_inputs, inference, hardware=hardware,
+                             memory_limit=memory_limit, time_limit_s=time_limit_s, layout=layout,
+                             axis_names=axis_names, others={"loss_fn": loss_fn, "target": target,
+                                                            "example_kwargs": example_kwargs, "mp_policy": mp_policy})
     precision = Precision.of(mp_policy)
     warn_under_autocast("planning", stacklevel=3)
     shape, names = _mesh(mesh_or_shape, axis_names)
@@ -105,6 +120,29 @@ def plan(
     if precision is not None:
         priced = next((n.meta[META_KEY] for n in captured.nodes("placeholder") if META_KEY in n.meta), None)
         result.mp_policy = precision.record(priced)
+    return result
+
+
+def _plan_serving(model: torch.nn.Module, mesh_or_shape: Any, example_inputs: tuple, inference: Inference, *,
+                  hardware: Any, memory_limit: float | None, time_limit_s: float, layout: str | None,
+                  axis_names: Sequence[str] | None, others: dict[str, Any]) -> Plan:
+    """``plan(..., inference=)``: the serving plan (training's own options refused by name)."""
+    if not isinstance(inference, Inference):
+        raise TypeError(f"autopar: plan(inference=) expected an autopar.Inference(batch=, prompt_len=, max_len=, "
+                        f"objective=); found {type(inference).__name__}")
+    given = [name for name, value in others.items() if value is not None] + (["example_inputs"] if example_inputs else [])
+    if given:
+        raise ValueError(f"autopar: plan(inference=...) plans serving, which takes no {', '.join(given)} (the workload "
+                         "gives the inputs' shapes; weights serve in the model's dtype); leave them out")
+    shape, names = _mesh(mesh_or_shape, axis_names)
+    request = PlanRequest(mesh_shape=shape, hardware=hardware, memory_limit=memory_limit, time_limit_s=time_limit_s,
+                          layouts=SERVING_LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names,
+                          pipeline=False)
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoRuleWarning)
+        result = plan_serving(model, inference, request)
+    result.solver["planning_seconds"] = time.perf_counter() - started
     return result
 
 

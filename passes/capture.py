@@ -11,6 +11,9 @@ stay whole, which is the level sharding rules are written for). Then:
 - a tied parameter (one tensor under two names) becomes one placeholder;
 - an in-place op whose mutated input nothing reads afterwards becomes its functional twin;
 - a mean cross-entropy becomes sum / count, so that both can be split across devices;
+- a ``reshape`` that must copy (its input's strides allow no view: grouped-query attention's
+  ``repeat_kv`` of an expanded key or value) becomes ``clone`` then ``view``, so that the copy
+  is priced where it runs;
 - a mixture-of-experts region (transformers' grouped-matmul experts) becomes one
   ``autopar::moe_experts`` op (``autopar.passes.moe_region``), which can split tokens and
   experts on one axis (all-to-all dispatch).
@@ -167,6 +170,21 @@ class CaptureError(RuntimeError):
     pass
 
 
+def on_device(captured: Captured, device: torch.device) -> Captured:
+    """``captured`` with what it makes or moves onto the meta device (a meta model's
+    ``arange(device=...)``, ``x.to(device)``) made on ``device`` instead, in place: a program
+    captured from a meta model that runs on real (or fake) tensors."""
+    def moved(v: Any) -> Any:
+        return device if isinstance(v, torch.device) and v.type == "meta" else v
+
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = tuple(moved(v) for v in node.args)
+            node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+    captured.gm.recompile()
+    return captured
+
+
 def _distinct_tensors(tree: Any) -> Any:
     """One tensor given as two inputs (Hugging Face's ``labels=input_ids``) would be traced
     as one input feeding both: each later use gets its own copy, so each is an input."""
@@ -215,6 +233,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     _drop_metadata_asserts(gm)
     _functionalize_inplace(gm)
     _mean_loss_as_sum_over_count(gm)
+    _copying_reshapes(gm)
     fuse_moe_experts(gm)  # mixture-of-experts regions as one op: expert parallelism can dispatch all-to-all
     return captured
 
@@ -324,6 +343,26 @@ def _mean_loss_as_sum_over_count(gm: fx.GraphModule) -> None:
         mean.meta = {**node.meta, "val": mean.meta["val"]}
         node.replace_all_uses_with(mean)
         gm.graph.erase_node(node)
+
+
+def _copying_reshapes(gm: fx.GraphModule) -> None:
+    """``reshape(x, shape)`` -> ``view(clone(x), shape)`` where ``x``'s strides allow no view:
+    the same value, with the copy ``reshape`` makes at run time an op of its own."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.reshape.default:
+            continue
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(x, torch.Tensor):
+            continue
+        try:
+            torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta").view(node.args[1])
+            continue  # a view: nothing is copied
+        except RuntimeError:
+            pass
+        with gm.graph.inserting_before(node):
+            copy = _meta_call(gm, aten.clone.default, (node.args[0],), {"memory_format": torch.contiguous_format})
+            node.target, node.args = aten.view.default, (copy, node.args[1])
 
 
 def _meta_call(gm: fx.GraphModule, op: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:

@@ -78,6 +78,9 @@ ZERO_LEVELS = (0, 1, 2)
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
            "aten.matmul.default", "aten.baddbmm.default", *GROUPED_MM_OPS}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
+# In-place writes of some positions of their first input (a static key-value cache's new
+# keys): they move the values they write, not the whole destination
+SCATTER_WRITES = {"aten.index_copy_.default", "aten.index_put_.default"}
 LINEAR = "aten.linear.default"
 # Ops whose output aliases their input (no compute, nothing new saved): autopar.passes.saved.VIEWS
 
@@ -185,7 +188,7 @@ def carrying_gradient(captured: Captured, grad_inputs: Iterable[str] = ()) -> se
     return out
 
 
-class _Pricer(EdgePricer):
+class Pricer(EdgePricer):
     """Caches of per-strategy prices (and, as an ``EdgePricer``, of edge prices): repeated
     layers repeat the same keys."""
 
@@ -289,6 +292,8 @@ class _Pricer(EdgePricer):
                                            on_grad_path)
             return t, t_forward, out_bytes if on_grad_path else 0.0
         moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas)) + out_bytes
+        if name in SCATTER_WRITES:  # reads what it writes and writes it in place: the destination is not streamed
+            moved = 2.0 * sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins[1:], in_metas[1:]))
         flops = heads = 0.0
         if name in MATMULS and ins:
             flops = 2.0 * math.prod(outs[0]) * ins[0][-1] * rows_share(info, strategy, self.mesh)
@@ -307,7 +312,7 @@ class _Pricer(EdgePricer):
 
 def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, memory_limit: float | None = None,
                 tie_layers: bool = True, follow_operands: bool = True, recompute: bool | Iterable[int] = False,
-                pricer: "_Pricer | None" = None, grad_inputs: Iterable[str] = (),
+                pricer: "Pricer | None" = None, grad_inputs: Iterable[str] = (),
                 allowed: Mapping[fx.Node, np.ndarray] | None = None) -> Costs:
     """The SolveProblem of ``graph`` on ``profile`` (see the module docstring).
 
@@ -325,7 +330,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         )
     reuse = pricer is not None and pricer.profile is profile and pricer.graph is graph
     precision = precision_of(graph)
-    pricer = pricer if reuse else _Pricer(graph, profile, precision)
+    pricer = pricer if reuse else Pricer(graph, profile, precision)
     grad_inputs = tuple(grad_inputs)
     grad_nodes = pricer.once(("grad", grad_inputs), lambda: requires_grad(graph, grad_inputs))
     params = graph.captured.params
@@ -364,11 +369,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             comm.append(pricer.op_comm(ns, node in grad_nodes))
             read_memory[index[node]] = pricer.reads(ns, saved.reads.get(node, ()))
             activation.append((own if node in kept else zeros) + read_memory[index[node]])
-            leader = _follow_operand(graph, node, t, pricer.follow) if follow_operands else None
-            if leader is None and graph.in_place:  # on an in-place write's path a reader follows its value
-                first = next(iter(tensor_inputs(node)), None)
-                if (first, node) in graph.in_place:
-                    leader = (first, graph.in_place_choices(first, node, t))
+            leader = leader_of(graph, node, t, pricer, follow_operands)
             if leader is not None:
                 followers.append(Follower(index[node], index[leader[0]], leader[1]))
     shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
@@ -470,7 +471,19 @@ def checkpoint_inputs(nodes, layer_of: dict[fx.Node, int], recomputed: set[int])
     return held
 
 
-def _follow_operand(graph: StrategyGraph, node: fx.Node, time: np.ndarray, cache: dict):
+def leader_of(graph: StrategyGraph, node: fx.Node, time: np.ndarray, pricer: Pricer, follow_operands: bool = True):
+    """(leader, index map) of an op that follows another's strategy, else None: a view or
+    unary op its operand (``follow_operand``), a reader on an in-place write's path the value
+    it writes into (``StrategyGraph.in_place``)."""
+    leader = follow_operand(graph, node, time, pricer.follow) if follow_operands else None
+    if leader is None and graph.in_place:
+        first = next(iter(tensor_inputs(node)), None)
+        if (first, node) in graph.in_place:
+            leader = (first, graph.in_place_choices(first, node, time))
+    return leader
+
+
+def follow_operand(graph: StrategyGraph, node: fx.Node, time: np.ndarray, cache: dict):
     """(operand, index map) when a one-operand op can take its operand's placement as it is.
 
     A view or unary pointwise op then follows its operand (the cheapest strategy that

@@ -9,7 +9,7 @@ where the data-parallel all-reduce and the ZeRO-3 reduce-scatter of parameter
 gradients are counted, exactly as codegen runs them. An activation's collectives are
 priced as a step meets them, right after compute (the profile's ``in_step`` fits); a
 parameter's (bucketed gathers, reduce-scatters and gradient all-reduces) as timed
-back to back. One function prices an edge (``_Pricer.price``): an ``EdgePrice``, its
+back to back. One function prices an edge (``Pricer.price``): an ``EdgePrice``, its
 ``Charge`` items (each collective, each bucket's packing copies) and their total, which
 is the table's entry; ``Costs.edge_price`` gives the items of a chosen edge, and
 ``explain()`` (``autopar.passes.planner.reasons``) reads them rather than pricing again.
@@ -133,7 +133,7 @@ NO_MOVE = EdgePrice((), 0.0)
 @dataclass(frozen=True)
 class EdgeInput:
     """What prices one problem edge (producer's value -> one consumer's input position):
-    the arguments of ``_Pricer.price``, kept so that ``Costs.edge_price`` itemises exactly
+    the arguments of ``Pricer.price``, kept so that ``Costs.edge_price`` itemises exactly
     what the table holds."""
 
     meta: TensorMeta
@@ -287,9 +287,12 @@ class EdgePricer:
 
 def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int], grad_nodes: set[fx.Node],
                 shares: dict[fx.Node, Shares], alike: dict, pricer: EdgePricer,
-                allowed: Mapping[fx.Node, np.ndarray] | None = None) -> tuple[list, list, list]:
+                allowed: Mapping[fx.Node, np.ndarray] | None = None,
+                training: bool = True) -> tuple[list, list, list]:
     """(problem edges with their tables, (producer, consumer, position) of each, its ``EdgeInput``);
-    ``allowed``: the strategies each node may take (``EdgePricer.edge``'s masks), None: all."""
+    ``allowed``: the strategies each node may take (``EdgePricer.edge``'s masks), None: all.
+    ``training`` False (serving): a parameter moved for its consumer is moved once per step,
+    like any value (no backward to gather it again for)."""
     edges, edge_inputs, edge_prices = [], [], []
     params = graph.captured.params
     for node in nodes:
@@ -302,7 +305,7 @@ def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node,
             src_ns = graph.nodes[src]
             out = src_ns.follows[1] if src_ns.follows is not None else 0
             edge = EdgeInput(TensorMeta.of(src.meta["val"]), src_ns, out, ns, position, src in grad_nodes,
-                             regather=src.name in params, shares=shares.get(src, UNPACKED),
+                             regather=training and src.name in params, shares=shares.get(src, UNPACKED),
                              alike=alike.get((src, node, position), 1))
             table = pricer.edge(edge) if allowed is None else pricer.edge(edge, allowed[src], allowed[node])
             if position == 0 and (src, node) in graph.in_place:  # an in-place write's path: never moved

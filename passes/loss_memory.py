@@ -163,6 +163,7 @@ def loss_memory(captured: Captured, mesh_shape: tuple[int, ...]) -> LossMemory |
     return LossMemory(graph, output, target_node)
 
 
+@torch.enable_grad()  # a backward is measured, whatever grad mode the caller plans under
 def _measure(graph: StrategyGraph, choice: dict[fx.Node, int]) -> dict[str, float]:
     """Run the laid-out loss graph on fake tensors of its local shapes, forward and backward,
     under torch's MemTracker: its peak by kind. The model's output is the loss's to hold:

@@ -18,11 +18,15 @@ from typing import Any
 from torch import fx
 
 from autopar.costmodels.schedules import Schedule
+from autopar.passes.capture import Captured
 from autopar.passes.explain import diff as plan_diff, explain as explain_plan
+from autopar.passes.node_keys import node_keys
 from autopar.passes.placements import spec_str
 from autopar.passes.strategy_graph import StrategyGraph
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Plans of format 1 name their nodes only (no ``node_keys``): read, and matched by node name.
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(kw_only=True)
@@ -79,6 +83,20 @@ class Prediction:
     # e.g. {"parameters": .., "gradients": .., "optimizer": .., "activations": ..}
     # a pipeline's: ``memory`` of each pipeline rank at its peak (``memory`` is the fullest's)
     memory_by_rank: list[dict[str, float]] = field(default_factory=list)
+    # a serving plan's (``Plan.inference``): ``step_time`` is one whole generation, the prefill
+    # (time to first token) and every decode step after it (time per output token)
+    time_to_first_token: float = 0.0
+    time_per_output_token: float = 0.0
+    tokens_per_second_per_device: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Program:
+    """Another program of the model that the plan lays out beside the one it was made from
+    (a serving plan's decode step): its nodes' strategies and identities, as ``Plan`` keeps them."""
+
+    strategies: dict[str, str]
+    node_keys: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -87,6 +105,8 @@ class Plan:
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     strategies: dict[str, str]  # node name -> printed ShardingStrategy
+    # node name -> its identity across captures (``autopar.passes.node_keys``); empty: match by name
+    node_keys: dict[str, str] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)  # qualified name -> short spec, e.g. "S(0)R"
     # qualified name -> ZeRO level. ``params`` gives where a parameter is STORED (and its
     # optimizer state with it). Level 1 uses it whole, as its ops need it (gradients
@@ -98,6 +118,8 @@ class Plan:
     recompute: list[str] = field(default_factory=list)  # layers recomputed in backward
     predicted: Prediction = field(default_factory=Prediction)
     kind: str = "auto"  # "auto", or the manual layout's name ("dp", "fsdp", "megatron-tp", ...)
+    # what it was priced on: a preset's name ("h100"), or a measured profile's machine; "" unknown
+    hardware: str = ""
     # The plan covers the model followed by its loss (``autopar.plan(..., loss_fn=, target=)``):
     # the planned graph takes the target as its last input and outputs the loss.
     includes_loss: bool = False
@@ -106,6 +128,10 @@ class Plan:
     # "cast_forward_inputs": true, "priced": "bf16 compute, fp32 master, fp32 reduce"};
     # ``autopar.compile(..., mp_policy=)`` runs it
     mp_policy: dict[str, Any] | None = None
+    # A serving plan: the workload (``autopar.Inference`` as a dict, its batch resolved) and
+    # its other programs by name ("decode"); ``strategies`` are the prefill's. None: training.
+    inference: dict[str, Any] | None = None
+    programs: dict[str, Program] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # For explain(): per node {"compute": s, "comm": s, "memory": bytes, "layer": i (if in a layer)}
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -143,13 +169,14 @@ class Plan:
     def from_dict(data: dict[str, Any]) -> "Plan":
         data = dict(data)
         version = data.pop("format", None)
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"autopar: plan format {version!r} is not the one this autopar reads ({FORMAT_VERSION}); "
-                "re-plan with this version"
+                f"autopar: plan format {version!r} is not one this autopar reads "
+                f"({', '.join(map(str, READABLE_VERSIONS))}); re-plan with this version"
             )
         pipeline = data.pop("pipeline", None)
         predicted = data.pop("predicted", {})
+        programs = {name: Program(**program) for name, program in data.pop("programs", {}).items()}
         # Plans saved before ``includes_loss`` existed said so by the module planned: the
         # runtime's model-and-loss wrapper, ``autopar.runtime.loss.WithLoss``.
         data.setdefault("includes_loss", data.get("model") == "WithLoss")
@@ -157,6 +184,7 @@ class Plan:
             **data,
             pipeline=Pipeline(**pipeline) if pipeline else None,
             predicted=Prediction(**predicted),
+            programs=programs,
         )
 
     def to_json(self) -> str:
@@ -190,11 +218,24 @@ def plan_from_choice(graph: StrategyGraph, choice: dict[fx.Node, int], *, kind: 
             params[captured.params[node.name]] = spec_str(strategy.output)
     zero = {fqn: 0 for fqn in params}
     return Plan(model=captured.model_name, mesh_shape=graph.mesh_shape, axis_names=axis_names,
-                strategies=strategies, params=params, zero=zero, kind=kind)
+                strategies=strategies, node_keys=node_keys(captured), params=params, zero=zero, kind=kind)
 
 
-def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
-    """Find each node's strategy by its printed form; a clear error if the plan does not fit."""
+def planned_names(captured: Captured, plan: Plan, program: str | None = None) -> dict[str, str | None]:
+    """Each node of ``captured`` (by name) -> the plan's node of the same identity (its name in
+    ``plan.strategies``, or in ``plan.programs[program].strategies``), or None where the plan
+    names none. A plan that records no identities (format 1, or written by hand) is matched
+    by node name."""
+    laid = plan if program is None else plan.programs[program]
+    if not laid.node_keys:
+        return {n.name: n.name if n.name in laid.strategies else None for n in captured.nodes()}
+    by_key = {key: name for name, key in laid.node_keys.items()}
+    return {name: by_key.get(key) for name, key in node_keys(captured).items()}
+
+
+def check_mesh(graph: StrategyGraph, plan: Plan) -> None:
+    """A clear error unless ``graph`` is on the mesh the plan's strategies are for (a
+    pipeline's: the mesh without its pipeline axis)."""
     expected = tuple(plan.mesh_shape)
     if plan.pipeline is not None:  # stages' strategies live on the mesh without the pipeline axis
         expected = tuple(s for i, s in enumerate(expected) if i != plan.pipeline.axis)
@@ -203,9 +244,16 @@ def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
             f"autopar: the plan's strategies are for a mesh of shape {expected}, found {graph.mesh_shape}; "
             "re-plan for this mesh, or run on the mesh the plan was made for"
         )
+
+
+def choice_from_plan(graph: StrategyGraph, plan: Plan) -> dict[fx.Node, int]:
+    """Find each node's strategy by its identity; a clear error unless the plan lays out every
+    node of ``graph`` as it is (the dry run's check: the plan was made from this capture)."""
+    check_mesh(graph, plan)
     choice = {}
+    names = planned_names(graph.captured, plan)
     for node, ns in graph.nodes.items():
-        wanted = plan.strategies.get(node.name)
+        wanted = plan.strategies.get(names[node.name] or "")
         if wanted is None and plan.includes_loss:
             raise ValueError(
                 "autopar: this plan was made for the model and its loss together (autopar.plan(..., "

@@ -76,6 +76,7 @@ def _signature(a: Any) -> Any:
     return repr(a)
 
 
+@torch.enable_grad()  # what autograd saves, whatever grad mode the caller plans under (an eval forward's no_grad)
 def _probe(target, flat: list, spec, grad: tuple[bool, ...] | None, by_device: bool) -> Roles | None:
     mode = FakeTensorMode() if by_device else contextlib.nullcontext()
     device = "cpu" if by_device else "meta"

@@ -93,14 +93,16 @@ def read_after(path: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Nod
 
 def in_place_edges(graph: fx.Graph) -> frozenset[tuple[fx.Node, fx.Node]]:
     """(value, reader) edges that must read their value where it lies: along the path of
-    every in-place write whose values something reads afterwards (``write_path``), each
+    every in-place write whose values something reads afterwards (``write_path``), or that
+    writes into a placeholder (state the next call reads: a static key-value cache), each
     link from a value to the view or writer taken from it. Moved, the link would hand the
     writer a copy, and the readers after it would read the unwritten value."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     edges = set()
     for node in graph.nodes:
         path = write_path(node)
-        if path and read_after(path, position):
+        # a write into a placeholder (a static cache's buffer) is read by the program's next call
+        if path and (read_after(path, position) or path[-1].op == "placeholder"):
             edges.update((value, reader) for reader, value in zip(path, path[1:]))
     return frozenset(edges)
 

@@ -248,6 +248,13 @@ def index_put_sample(rng):
     return aten.index_put_.default, (_t(rng, t, h), [perm], _t(rng, t, h)), {}
 
 
+def index_copy_sample(rng):
+    """A static key-value cache's write: new positions' rows copied in along dim 2."""
+    b, h, d = _shape(rng, 3)
+    slots = torch.randperm(8, generator=torch.Generator().manual_seed(rng.randrange(2**31)))[:2]
+    return aten.index_copy_.default, (_t(rng, b, h, 8, d), 2, slots, _t(rng, b, h, 2, d)), {}
+
+
 def gather_sample(rng):
     a, b = _shape(rng, 2)
     return aten.gather.default, (_t(rng, a, b), 1, _ints(rng, b, a, rng.choice(SIZES))), {}
@@ -467,7 +474,8 @@ SAMPLERS = {
     "log_softmax": along_sample(aten.log_softmax.int), "cumsum": along_sample(aten.cumsum.default),
     "topk": topk_sample, "sort": sort_sample, "histc": histc_sample,
     "cross_entropy": cross_entropy_sample, "mse_loss": mse_sample,
-    "index": index_sample, "index_put_": index_put_sample, "gather": gather_sample,
+    "index": index_sample, "index_put_": index_put_sample, "index_copy_": index_copy_sample,
+    "gather": gather_sample,
     "empty_like": empty_like_sample, "new_ones": new_ones_sample, "grouped_mm": grouped_mm_sample,
     "min_other": binary(aten.min.other), "max_other": binary(aten.max.other),
     "minimum": binary(aten.minimum.default), "numpy_T": unary(aten.numpy_T.default),

@@ -1,4 +1,4 @@
-"""Micro-batches for accumulation and the batch sizes a plan's splits divide (autopar.runtime.batch).
+"""Micro-batches for accumulation and the input dims a compiled model takes (autopar.runtime.batch).
 
 The multi-rank runs (accumulated training, the loop written with ``no_sync()``, eval at
 other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_distributed.py.
@@ -7,8 +7,7 @@ other batch sizes) are the ``accum:`` and ``eval:`` cases of tests/test_train_di
 import pytest
 import torch
 
-from autopar.runtime.batch import check_divisible, split_batch
-from autopar.passes.placements import R, S
+from autopar.runtime.batch import check_dims, split_batch
 
 
 def test_split_batch_cuts_every_input_and_the_target_along_dim_0():
@@ -33,14 +32,8 @@ def test_split_batch_keeps_a_missing_target_and_refuses_uneven_batches():
         split_batch((x,), None, 0)
 
 
-def test_check_divisible_names_the_sizes_that_work():
-    specs = [(S(0), S(0))]  # the batch over both axes of a (2, 2) mesh
-    check_divisible([(4, 8)], specs, [(8, 8)], (2, 2))  # half the compiled batch: fine
-    with pytest.raises(ValueError, match=r"^autopar: input 0 of shape \(6, 8\) .* multiple of 4 \(sizes that work: "
-                                         r"4, 8, 12, \.\.\.; compiled with 8\)"):
-        check_divisible([(6, 8)], specs, [(8, 8)], (2, 2))
-    with pytest.raises(ValueError, match=r"multiple of 4 .* compiled with 8"):  # 2 micro-batches, each over 2 ranks
-        check_divisible([(6, 8)], [(S(0),)], [(8, 8)], (2,), micro_batches=2)
-    check_divisible([(3, 8)], [(R, R)], [(8, 8)], (2, 2))  # the batch not split: any size
-    with pytest.raises(ValueError, match=r"^autopar: expected input 0 with 2 dims"):
-        check_divisible([(8,)], specs, [(8, 8)], (2, 2))
+def test_check_dims_takes_any_sizes_of_the_compiled_dims():
+    check_dims([(3, 8), (1, 5)], [(8, 8), (8, 8)])  # any batch and length: the plan lays every capture out
+    with pytest.raises(ValueError, match=r"^autopar: expected input 1 with 2 dims, as in the example inputs "
+                                         r"\(\(8, 8\)\); found shape \(8,\)"):
+        check_dims([(8, 8), (8,)], [(8, 8), (8, 8)])

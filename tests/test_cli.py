@@ -102,7 +102,7 @@ def test_bad_arguments_exit_2_in_one_line(argv, match, capsys):
 @pytest.mark.parametrize("text, match", [
     ("{not json", "cannot read a plan from"),
     ("[1, 2]", "cannot read a plan from"),
-    ('{"format": 99}', "plan format 99 is not the one this autopar reads"),
+    ('{"format": 99}', "plan format 99 is not one this autopar reads (1, 2); re-plan"),
 ])
 def test_corrupt_plan_json_is_one_line(text, match, tmp_path, capsys):
     path = tmp_path / "plan.json"

@@ -14,7 +14,7 @@ from torch.nn.parallel import distributed as ddp
 from autopar import costmodels
 from autopar.costmodels import comm
 from autopar.passes.capture import capture
-from autopar.passes.costing import ZERO_LEVELS, _Pricer, build_costs, checkpoint_inputs
+from autopar.passes.costing import ZERO_LEVELS, Pricer, build_costs, checkpoint_inputs
 from autopar.passes.edge_costs import EdgeInput, parameter_shares
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.planner import layouts
@@ -280,7 +280,7 @@ def test_bucketed_parameter_moves_pay_their_packing_copies():
     assert costmodels.bucket_copy_bytes("all_reduce", 65536, 4) == 0.0
     assert costmodels.bucket_copy_bytes("all_gather", 65536, 1) == 0.0
     profile = costmodels.preset("h100", (4,))
-    pricer = _Pricer(SimpleNamespace(mesh_shape=(4,)), profile)
+    pricer = Pricer(SimpleNamespace(mesh_shape=(4,)), profile)
     meta = TensorMeta.of(torch.empty(256, 64))
     src, dst, grad = (Shard(0),), (Replicate(),), (costmodels.comm.Partial(),)
     plain = pricer.move(meta, src, dst, grad).seconds

@@ -1,8 +1,8 @@
 """A batch as a plan cuts it: each rank's share, per-rank data, accumulation's pieces.
 
 ``Cut`` is one rank's shard of a whole tensor (worked out once per shape); ``DataParallel``
-is the plan's data parallelism as a ``DistributedSampler`` sees it; ``check_divisible``
-and ``split_batch`` say which batch sizes a plan runs and cut a batch for accumulation;
+is the plan's data parallelism as a ``DistributedSampler`` sees it; ``check_dims`` and
+``split_batch`` check that inputs have the compiled dims and cut a batch for accumulation;
 ``SameInputs`` checks that every rank was given the same batch.
 """
 
@@ -18,31 +18,16 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.runtime.gradsync import Rider
-from autopar.passes.placements import Spec, is_partial, local_shape, shard_counts, shard_offset, spec_str
+from autopar.passes.placements import Spec, is_partial, local_shape, shard_offset, spec_str
 
 
-def check_divisible(shapes: Sequence[tuple[int, ...]], specs: Sequence[Spec], compiled: Sequence[tuple[int, ...]],
-                    mesh_shape: tuple[int, ...], micro_batches: int = 1) -> None:
-    """A clear error for whole inputs of ``shapes`` that the plan's splits of the compiled
-    inputs (``specs``, on ``mesh_shape``, of each of ``micro_batches`` equal parts of the
-    batch) do not divide."""
-    for i, (shape, spec, before) in enumerate(zip(shapes, specs, compiled)):
+def check_dims(shapes: Sequence[tuple[int, ...]], compiled: Sequence[tuple[int, ...]]) -> None:
+    """A clear error for inputs of ``shapes`` whose dims are not the compiled inputs' (any
+    sizes are laid out by the plan: ``autopar.passes.planner.relayout``)."""
+    for i, (shape, before) in enumerate(zip(shapes, compiled)):
         if len(shape) != len(before):
             raise ValueError(f"autopar: expected input {i} with {len(before)} dims, as in the example "
                              f"inputs ({before}); found shape {shape}")
-        counts = shard_counts(spec, mesh_shape, len(shape))
-        if counts:  # the micro-batches are cut along dim 0
-            counts[0] *= micro_batches
-        bad = [(d, c) for d, (size, c) in enumerate(zip(shape, counts)) if size % c or size < c]
-        if bad:
-            d, c = bad[0]
-            layout = f"{spec_str(spec)} on mesh {mesh_shape}" if mesh_shape else "whole on each stage"
-            parts = f"{micro_batches} micro-batches, each " if micro_batches > 1 else ""
-            raise ValueError(
-                f"autopar: input {i} of shape {shape} does not split as the plan splits it ({parts}{layout}): "
-                f"expected dim {d} to be a multiple of {c} (sizes that work: {c}, "
-                f"{2 * c}, {3 * c}, ...; compiled with {before[d]}); pass such a batch, or pad it"
-            )
 
 
 def split_batch(inputs: Any, target: torch.Tensor | None, k: int) -> list[tuple[Any, torch.Tensor | None]]:

@@ -8,9 +8,10 @@ computed on local shards and only its sum and count are reduced.
 
 A batch of another size, and eval mode (``pm.eval()``: dropout off), run programs of
 their own (``Variant``): the model captured again at those shapes or in eval mode and laid
-out by the same plan (its strategies are found by node name), on the same shards. So
+out by the same plan (its nodes found by identity, what it does not lay out re-solved with
+the weights fixed: ``autopar.passes.planner.relayout``), on the same shards. So
 ``train_step(accumulate=k)`` runs the program for 1/k of the batch k times and sums the
-gradients once, and ``pm(x)`` runs at any batch the plan's splits divide.
+gradients once, and ``pm(x)`` runs at any batch size.
 
 With a mixed-precision policy (``mp_policy``, FSDP2's ``MixedPrecisionPolicy``) every
 program is captured as the model computes in ``param_dtype`` and runs on the float32
@@ -31,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
-from autopar.runtime.batch import Cut, DataParallel, SameInputs, check_divisible, rows_text, split_batch
+from autopar.runtime.batch import Cut, DataParallel, SameInputs, check_dims, rows_text, split_batch
 from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
@@ -76,7 +77,6 @@ class ParallelModule(nn.Module):
             if not captured_under_policy(captured):  # (compile and the dry run capture under it themselves)
                 captured = self._recapture(captured)
                 graph = build_strategy_graph(captured, tuple(mesh.shape))
-            self._check_planned(graph)
         stored = stored_layouts(captured, plan)
         program, level1 = lower_plan(graph, captured, plan, mesh)
         self.coord = tuple(mesh.get_coordinate())
@@ -123,17 +123,6 @@ class ParallelModule(nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._capture(tuple(args), kwargs, train=True)
-
-    def _check_planned(self, graph: StrategyGraph) -> None:
-        """The plan names every node of the graph the model runs under the policy."""
-        missing = [node.name for node in graph.nodes if node.name not in self.plan.strategies]
-        if missing:
-            raise ValueError(
-                f"autopar: under mp_policy (param_dtype {self.precision.param_dtype}) the model's graph has nodes "
-                f"the plan does not name ({missing[:6]}{' ...' if len(missing) > 6 else ''}): casts the model makes "
-                "from its weights' dtype; expected the plan of that graph. Plan the model in param_dtype "
-                "(a copy with model.to(param_dtype), on the meta device) and compile with that plan"
-            )
 
     def _apply_policy_then_recompute(self, program: RankProgram, captured: Captured) -> None:
         """The policy's casts, then the plan's recomputation (``recompute_plan``: in that order)."""
@@ -209,7 +198,7 @@ class ParallelModule(nn.Module):
         train = self.training
 
         def build() -> Variant:
-            self._check_divisible(shapes)
+            check_dims(shapes, [self._compiled.input_shapes[n] for n in self._compiled.tensor_names])
             return self._build_variant(shapes, [t.dtype for t in tensors], settings, train=train)
 
         return self._variants.get((shapes, settings_key(settings), train), build)
@@ -232,17 +221,10 @@ class ParallelModule(nn.Module):
             return shape
         return (shape[0] * self.data_parallel.num_replicas, *shape[1:])
 
-    def _check_divisible(self, shapes: tuple[tuple[int, ...], ...]) -> None:
-        compiled = self._compiled
-        names = compiled.tensor_names
-        check_divisible(shapes, [compiled.program.input_specs[n] for n in names],
-                        [compiled.input_shapes[n] for n in names], tuple(self.mesh.shape))
-
     def _build_variant(self, shapes: tuple[tuple[int, ...], ...], dtypes: list[torch.dtype],
                        settings: dict[str, Any], train: bool) -> Variant:
         """The model captured at ``shapes`` with the non-tensor inputs ``settings`` (in train
-        or eval mode) and laid out by the plan: the same strategies, found by node name, on
-        the same shards (checked)."""
+        or eval mode) and laid out by the plan (``lower_plan``) on the same shards (checked)."""
         args, kwargs = self._examples(self._compiled.captured, shapes, dtypes, settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -392,8 +374,8 @@ class ParallelModule(nn.Module):
         return pytree.tree_leaves(outs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The model's outputs, whole, on every rank, for a batch of any size the plan's
-        splits divide (a program is captured and laid out for each new size, once). In eval
+        """The model's outputs, whole, on every rank, for a batch of any size (a program
+        is captured and laid out for each new size, once). In eval
         mode (``pm.eval()``; ``pm.train()`` to go back) the program captured with the model
         in eval mode runs (dropout off), under ``torch.no_grad()``: nothing is kept for backward.
         Keyword inputs as compiled (``example_kwargs``) are passed as keywords."""

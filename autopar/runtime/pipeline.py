@@ -40,14 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
 from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
-from autopar.runtime.batch import DataParallel, check_divisible, split_batch
+from autopar.runtime.batch import DataParallel, check_dims, split_batch
 from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.precision import Precision, capture_cast, masters_reduce_dtype, output_under, warn_under_autocast
@@ -57,8 +57,9 @@ from autopar.runtime.variants import Variants, backward_order, stored_layouts
 from autopar.runtime.zero1 import OptimizerSlices, slice_axes
 from autopar.passes.capture import Captured, capture
 from autopar.passes.lowering.codegen import Part, RankProgram
-from autopar.passes.placements import Spec, local_slice, parse_spec
-from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.placements import Spec, local_slice
+from autopar.passes.plan import Plan
+from autopar.passes.planner.relayout import relayout
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -114,7 +115,7 @@ class PipelineModule(nn.Module):
         self.shard_names: list[str] = []
         # placeholder -> this rank's shard of a state tensor and its placement, shared by every variant
         self.state: dict[str, tuple[torch.Tensor, Any]] = {}
-        choice = choice_from_plan(graph, plan)
+        choice = relayout(graph, plan).choice
         placeholders = {n.name: n for n in captured.nodes("placeholder")}
         self._input_specs = [graph[placeholders[n]].strategies[choice[placeholders[n]]].output
                              for n in captured.user_inputs]  # each micro-batch's split on the intra-op mesh
@@ -125,7 +126,7 @@ class PipelineModule(nn.Module):
         self._reduce_dtype = masters_reduce_dtype(
             self.precision, [t for t, _ in self.state.values() if isinstance(t, nn.Parameter)])
         micro = tuple(tuple(placeholders[n].meta["val"].shape) for n in captured.user_inputs)
-        self._variants = Variants((micro, True), self._compiled)
+        self._variants = Variants((micro, plan.pipeline.micro_batches, True), self._compiled)
         self._variant = self._compiled
         self.optimizer_slices, self._stored = self._optimizer_slices()
         # what the optimizer steps: the stages' parameters, or (ZeRO-1/2) this rank's slices of them
@@ -252,25 +253,37 @@ class PipelineModule(nn.Module):
         return self.state[name][0]
 
     @contextlib.contextmanager
-    def _running(self, inputs: Any) -> Iterator[Stages]:
-        """Inside: the stages for ``inputs``' (whole batch) micro-batches in this mode."""
-        previous, self._variant = self._variant, self._variant_for(inputs)
+    def _running(self, inputs: Any, trains: bool) -> Iterator[Stages]:
+        """Inside: the stages for ``inputs``' (whole batch) micro-batches in this mode; a step
+        that trains cuts the batch into the plan's micro-batches, a forward alone into as many
+        as the batch allows (``_micro_batches_for``)."""
+        previous, self._variant = self._variant, self._variant_for(inputs, trains)
         try:
             yield self._variant
         finally:
             self._variant = previous
 
-    def _variant_for(self, inputs: Any) -> Stages:
+    def _micro_batches_for(self, batch: int, trains: bool) -> int:
+        m = self.plan.pipeline.micro_batches
+        if not trains:  # a forward alone: the most micro-batches up to the plan's that divide the batch
+            return max(d for d in range(1, m + 1) if batch % d == 0)
+        if batch % m:
+            raise ValueError(
+                f"autopar: a training step of this pipeline cuts the batch into the plan's {m} micro-batches; found "
+                f"a batch of {batch}; pass a batch that is a multiple of {m} (or accumulate=k over k such batches)")
+        return m
+
+    def _variant_for(self, inputs: Any, trains: bool) -> Stages:
         flat = pytree.tree_leaves(inputs)
         names = self._compiled.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
                 f"autopar: expected {len(names)} input tensor(s), as in the example inputs; found {len(flat)}"
             )
-        m = self.plan.pipeline.micro_batches
         compiled = [tuple(n.meta["val"].shape) for n in self._compiled.captured.nodes("placeholder") if n.name in names]
         shapes = [tuple(t.shape) for t in flat]
-        check_divisible(shapes, self._input_specs, [(s[0] * m, *s[1:]) for s in compiled], self._intra_shape, m)
+        check_dims(shapes, compiled)
+        m = self._micro_batches_for(shapes[0][0] if shapes and shapes[0] else 1, trains)
         micro = tuple((s[0] // m, *s[1:]) for s in shapes)
         train = self.training
 
@@ -281,23 +294,27 @@ class PipelineModule(nn.Module):
                 warnings.simplefilter("ignore")
                 captured = self._capture_stages(examples, train=train)
             graph = build_strategy_graph(captured, self._intra_shape)
-            return lower_stages(captured, graph, choice_from_plan(graph, self.plan), self.plan, self._place,
-                                self._shared_state, self.precision)
+            return lower_stages(captured, graph, relayout(graph, self.plan).choice, self.plan, self._place,
+                                self._shared_state, self.precision, micro_batches=m)
 
-        return self._variants.get((micro, train), build)
+        return self._variants.get((micro, m, train), build)
 
     def _build_schedule(self, target_micro: torch.Tensor | None) -> None:
         """The schedule of the running stages; with ``target_micro`` None, one for forward
         only (no loss). Gradients are not scaled by the schedule: each micro-batch's loss is
         (``_loss_scale``), so that several schedule runs can accumulate in ``.grad``."""
         pp = self.plan.pipeline
-        if target_micro is not None:
-            self._build_loss(target_micro)
+        if target_micro is None:  # forward only: each micro-batch through every stage, in order
+            looped = len(self.stages) > 1
+            self.schedule = (ScheduleLoopedBFS(self.stages, self._variant.micro_batches) if looped
+                             else ScheduleGPipe(self.stages[0], self._variant.micro_batches))
+            self._variant.trains = False
+            return
+        self._build_loss(target_micro)
         schedule_cls = SCHEDULES[Schedule.parse(pp.schedule)]
         stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False,
-                                     loss_fn=self._micro_loss if target_micro is not None else None)
-        self._variant.trains = target_micro is not None
+        self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False, loss_fn=self._micro_loss)
+        self._variant.trains = True
 
     def _build_loss(self, target_micro: torch.Tensor) -> None:
         """The last stage's loss program for one micro-batch's target (this rank holds the
@@ -327,7 +344,7 @@ class PipelineModule(nn.Module):
     def _micro_batched(self, x: torch.Tensor, spec) -> torch.Tensor:
         """This rank's shard of each micro-batch, stacked so the schedule's chunking finds them,
         cut where ``x`` lies (host memory in a real run): the caller moves only these rows."""
-        pieces = x.chunk(self.plan.pipeline.micro_batches)
+        pieces = x.chunk(self._variant.micro_batches)
         if self.intra is None or spec is None:
             return torch.cat(pieces)
         return torch.cat([local_slice(p, spec, self.intra.shape, self.intra.get_coordinate()) for p in pieces])
@@ -339,7 +356,8 @@ class PipelineModule(nn.Module):
         a ``rank``); ``axes`` are axes of the whole mesh."""
         if self.intra is None:
             return DataParallel(1, 0, ())
-        specs = [parse_spec(self.plan.strategies[name].split("->")[-1].strip()) for name in self._batch_inputs]
+        specs = [spec for name, spec in zip(self._compiled.captured.user_inputs, self._input_specs)
+                 if name in self._batch_inputs]
         dp = DataParallel.of(specs, tuple(self.intra.shape), tuple(self.intra.get_coordinate()))
         intra_axes = [a for a in range(self.mesh.ndim) if a != self.plan.pipeline.axis]
         return DataParallel(dp.num_replicas, dp.rank, tuple(intra_axes[a] for a in dp.axes))
@@ -450,7 +468,7 @@ class PipelineModule(nn.Module):
         ``.grad``; this rank's micro-batch losses (the last stage's)."""
         pp = self.plan.pipeline
         self._loss_scale = scale / pp.micro_batches
-        with self._running(inputs):
+        with self._running(inputs, trains=True):
             if not self._variant.trains:  # none yet, or one made for forward only (a call before training)
                 self._build_schedule(target.chunk(pp.micro_batches)[0])
             losses = self._run_schedule(inputs, target)
@@ -545,7 +563,7 @@ class PipelineModule(nn.Module):
         gradients), for a batch of any size that splits into the plan's micro-batches as
         its splits need. In eval mode (``pm.eval()``; ``pm.train()`` to go back) the stages
         captured with the model in eval mode run (dropout off)."""
-        with torch.no_grad(), self._running(inputs):
+        with torch.no_grad(), self._running(inputs, trains=False):
             if self.schedule is None:
                 self._build_schedule(None)
             self._run_schedule(inputs, None)

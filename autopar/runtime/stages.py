@@ -25,6 +25,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.lowering.codegen import Part, RankProgram, lower
 from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
 from autopar.passes.plan import Plan
+from autopar.passes.planner.relayout import relayout_stages
 from autopar.passes.strategy_graph import StrategyGraph
 from autopar.runtime.precision import Precision, apply_precision
 
@@ -43,6 +44,7 @@ class Stages:
     schedule: Any = None
     loss: tuple[RankProgram, Captured] | None = None
     trains: bool = False  # the schedule runs backward (made with a loss), not forward only
+    micro_batches: int = 1  # the batch's micro-batches a schedule run of these stages cuts
 
 
 # torch's class that runs each schedule (a Plan names it by ``Schedule.display``: ``Schedule.parse``)
@@ -141,18 +143,20 @@ class StagePlace:
 
 
 def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: Plan, place: StagePlace,
-                 take: Callable[[Captured, str, Any], torch.Tensor], precision: Precision | None = None) -> Stages:
+                 take: Callable[[Captured, str, Any], torch.Tensor], precision: Precision | None = None,
+                 micro_batches: int | None = None) -> Stages:
     """This rank's stages of ``captured``, cut where the plan cuts and lowered by the
     strategies ``choice`` (of ``graph``) on the intra-op mesh; ``take(captured, placeholder,
     spec)`` gives each stage's state. Under ``precision`` (``captured`` as the model computes
     under it: ``capture_cast``) each stage computes on cast copies of the master state it
-    is given (``apply_precision``), so what crosses a boundary is in ``param_dtype``."""
+    is given (``apply_precision``), so what crosses a boundary is in ``param_dtype``.
+    ``micro_batches``: how many a schedule run cuts the batch into (None: the plan's)."""
     pp = plan.pipeline
     n_stages = pp.stages * pp.chunks_per_rank
-    parts = stage_parts(captured, pp.stage_of, n_stages)
+    parts = stage_parts(captured, relayout_stages(captured, plan), n_stages)
     layer_of = plan_layers(plan)
     state_names = {*captured.params, *captured.buffers, *captured.constant_values}
-    variant = Stages(captured, parts, [], [], [])
+    variant = Stages(captured, parts, [], [], [], micro_batches=micro_batches or pp.micro_batches)
     # ZeRO-3 parameters are gathered per use and freed, gathered again in backward: a stage
     # does not keep a gathered copy for each micro-batch in flight
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)

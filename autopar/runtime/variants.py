@@ -1,7 +1,7 @@
 """A model's programs per input shapes and mode, each laid out by one plan.
 
-``lower_plan`` lays a capture out as the plan says (strategies found by node name, the
-same for every capture of one model: any batch size, train or eval mode), with ZeRO-1
+``lower_plan`` lays a capture out as the plan says (``autopar.passes.planner.relayout``: any
+capture of the plan's model, any batch size, train or eval mode, ``no_grad``), with ZeRO-1
 parameters held as their ops use them where they can be (``zero1_layouts``). A
 ``Variant`` is one such program with what running it needs; ``Variants`` keeps the
 compiled one and the most recently used others.
@@ -27,7 +27,8 @@ from autopar.runtime.zero1 import slice_axes
 from autopar.passes.capture import Captured
 from autopar.passes.lowering.codegen import RankProgram, lower
 from autopar.passes.placements import Spec, local_shape, local_slice, parse_spec
-from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.plan import Plan
+from autopar.passes.planner.relayout import relayout
 from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
@@ -97,12 +98,12 @@ def settings_key(settings: dict[str, Any]) -> tuple:
 
 def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
                mesh: DeviceMesh) -> tuple[RankProgram, set[str]]:
-    """This rank's program for ``plan`` (strategies found by node name: the same for every
-    capture of one model, at any batch size and in eval mode), and the ZeRO-1 parameters
-    it holds as their ops use them."""
+    """This rank's program for ``plan`` (any capture of the plan's model: its nodes found by
+    identity, what the plan does not lay out re-solved with the weights fixed, ``relayout``),
+    and the ZeRO-1 parameters it holds as their ops use them."""
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     stored = stored_layouts(captured, plan)
-    choice = choice_from_plan(graph, plan)
+    choice = relayout(graph, plan).choice
     # ZeRO-1 parameters are held as their ops use them (autopar.runtime.zero1); ZeRO-2 ones
     # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
     level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()

@@ -41,6 +41,7 @@ from autopar.costmodels.memory import gather_working_bytes, scatter_working_byte
 from autopar.costmodels.precision import MixedPrecision
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.state_costs import state_breakdown
+from autopar.passes.node_keys import node_keys
 from autopar.passes.plan import Pipeline, Plan, Prediction
 from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers, storage_specs, zero_levels
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
@@ -461,6 +462,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     plan = Plan(
         model=graph.captured.model_name, mesh_shape=(p,) + tuple(intra), axis_names=names,
         strategies={n.name: str(ns.strategies[picked.choice[n]]) for n, ns in graph.nodes.items()},  # intra-op mesh
+        node_keys=node_keys(graph.captured),
         params=storage_specs(costs, picked),
         zero=zero_levels(costs, picked),
         pipeline=Pipeline(axis=0, stages=p, micro_batches=m, schedule=option.schedule.display,

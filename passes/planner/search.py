@@ -233,6 +233,7 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     if clock_cut:
         best.solver["clock_cut"] = True  # a safety net, not the budget, left options out
     best.candidates = candidates
+    best.hardware = request.preset or request.profile.machine
     best.solver["planning_seconds"] = time.perf_counter() - started
     best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started  # this process's, solver threads included
     best.solver["memory_limit"] = limit

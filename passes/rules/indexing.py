@@ -1,5 +1,5 @@
 """Gathers and scatters by index tensors: ``x[idx]``, ``index_put_``, ``gather``,
-``index_select``.
+``index_select``, ``index_copy_`` (a static key-value cache's write).
 
 A dim of ``x`` that is not indexed can stay split. The index tensors can be split
 together along a dim of theirs (each device gathers its own rows of the result) while
@@ -70,6 +70,17 @@ def index_put(info: OpInfo) -> list[AxisOption]:
         v = Shard(k) if k >= 0 and values.shape[k] == x.shape[d] and x.shape[d] > 1 else R
         options.append(AxisOption((Shard(d),) + (R,) * n_ix + (v,), (Shard(d),)))
     options.append(AxisOption((Partial(),) + (R,) * n_ix + (Partial(),), (Partial(),)))
+    return options
+
+
+@register(aten.index_copy_.default, aten.index_copy.default)
+def index_copy(info: OpInfo) -> list[AxisOption]:
+    """Write ``source``'s slices into ``x`` at ``index`` along ``dim``: every other dim can be
+    split, ``source`` (x's dims, ``dim`` as long as the index) split alike."""
+    x = info.inputs[0]
+    dim = norm(info.args[1], x.ndim)
+    options = [AxisOption((Shard(d), R, Shard(d)), (Shard(d),)) for d in range(x.ndim) if d != dim]
+    options.append(AxisOption((Partial(), R, Partial()), (Partial(),)))
     return options
 
 

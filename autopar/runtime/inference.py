@@ -1,0 +1,217 @@
+"""InferenceModule: one rank's share of a causal LM served by a plan.
+
+A serving plan (``Plan.inference``) lays out two programs of the model over one layout of
+its weights and key-value cache (``autopar.passes.generation``): the prefill, run once per
+batch of prompts, and the decode step, run once per generated token. This rank holds its
+shard of every weight (in the model's dtype, nothing for training) and of the cache, both
+captured once at the planned batch, prompt length and cache length: a generation never
+captures again, whatever its prompts' lengths or its number of rows (up to the planned
+ones). Prompts are left-padded to the planned length as Hugging Face pads them, rows
+beyond the given ones are padding the outputs drop. Every rank gets the whole logits and
+so picks the same tokens; sampling draws from a generator every rank seeds alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.runtime.batch import Cut
+from autopar.runtime.meshes import mesh_device, whole
+from autopar.passes.capture import Captured, on_device
+from autopar.passes.generation import Inference, capture_programs, is_cache, state_name, step_inputs
+from autopar.passes.lowering.codegen import RankProgram, lower
+from autopar.passes.placements import Spec, local_shape, local_slice
+from autopar.passes.plan import Plan
+from autopar.passes.planner.relayout import relayout
+from autopar.passes.strategy_graph import build_strategy_graph
+
+
+@dataclass
+class Step:
+    """One program laid out on this rank: its capture, its program, this rank's cut of each
+    input, and the constants export lifted (this rank's shards)."""
+
+    captured: Captured
+    program: RankProgram
+    cuts: dict[str, Cut]
+    constants: dict[str, torch.Tensor]
+
+
+class InferenceModule(nn.Module):
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh):
+        super().__init__()
+        if plan.inference is None:
+            raise ValueError("autopar: InferenceModule expected a serving plan (autopar.plan(..., inference=...)); "
+                             "found a training plan; plan with inference=autopar.Inference(...)")
+        if plan.pipeline is not None:
+            raise ValueError("autopar: this serving plan has a pipeline, which InferenceModule does not run yet; "
+                             "plan without pipeline stages (autopar.plan(..., pipeline=False))")
+        self.plan, self.mesh = plan, mesh
+        self.workload = Inference.of(plan.inference)
+        self.device = mesh_device(mesh)
+        self.coord = tuple(mesh.get_coordinate())
+        work = self.workload
+        programs = capture_programs(model, work.batch, work.prompt_len, work.max_len)
+        self.state: dict[str, torch.Tensor] = {}  # qualified name (CachedStep's) -> this rank's shard
+        self.specs: dict[str, Spec] = {}
+        sources = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        self.prefill = self._lay_out(programs.prefill, None, sources)
+        self.decode = self._lay_out(programs.decode, "decode", sources)
+        self.generator = torch.Generator().manual_seed(_agreed_seed(self.device))
+
+    # --- laying out -----------------------------------------------------------------
+    def _lay_out(self, captured: Captured, program: str | None, sources: dict[str, torch.Tensor]) -> Step:
+        graph = build_strategy_graph(on_device(captured, self.device), tuple(self.mesh.shape))
+        laid = lower(graph, relayout(graph, self.plan, program=program).choice, self.mesh)
+        shape = tuple(self.mesh.shape)
+        metas = {n.name: n.meta["val"] for n in captured.nodes("placeholder")}
+        for ph, fqn in {**captured.params, **captured.buffers}.items():
+            self._hold(fqn, tuple(metas[ph].shape), laid.input_specs.get(ph), sources)
+        cuts = {name: Cut.of(tuple(metas[name].shape), laid.input_specs.get(name) or (), shape, self.coord)
+                for name in captured.user_inputs}
+        constants = {name: (value if laid.input_specs.get(name) is None
+                            else local_slice(value, laid.input_specs[name], shape, self.coord)).to(self.device)
+                     for name, value in captured.constant_values.items()}
+        return Step(captured, laid, cuts, constants)
+
+    def _hold(self, fqn: str, shape: tuple[int, ...], spec: Spec | None, sources: dict[str, torch.Tensor]) -> None:
+        """This rank's shard of state tensor ``fqn`` (made once; a second program must hold it alike)."""
+        if fqn in self.state:
+            if self.specs[fqn] != spec:
+                raise ValueError(f"autopar: the serving plan's programs hold {fqn} in two layouts "
+                                 f"({self.specs[fqn]} and {spec}); expected one; re-plan")
+            return
+        mesh = tuple(self.mesh.shape)
+        if is_cache(fqn):  # zeros, made as this rank's shard: the whole cache is never held
+            local = local_shape(shape, spec, mesh) if spec is not None else shape
+            dtype = next(t.dtype for name, t in sources.items() if t.is_floating_point())
+            value = torch.zeros(local, dtype=dtype, device=self.device)
+        else:
+            whole_value = sources[state_name(fqn)].detach()
+            value = (whole_value if spec is None else local_slice(whole_value, spec, mesh, self.coord))
+            value = value.to(self.device, copy=True)
+        self.state[fqn], self.specs[fqn] = value, spec
+
+    # --- running -------------------------------------------------------------------
+    @torch.no_grad()
+    def _run(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The step's logits, whole on every rank; the cache shards written in place."""
+        captured = step.captured
+        values = {ph: self.state[fqn] for ph, fqn in {**captured.params, **captured.buffers}.items()}
+        values.update(step.constants)
+        for name, x in zip(captured.user_inputs, inputs):
+            values[name] = step.cuts[name].take(x.to(self.device))
+        outs = step.program.gm(*[values[n] for n in captured.placeholders])
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        index = captured.user_outputs[0]
+        spec = step.program.output_specs[index]
+        return outs[index] if spec is None else whole(outs[index], spec, self.mesh)
+
+    def _padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts left-padded to the planned batch and prompt length: (ids, mask)."""
+        work = self.workload
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(f"autopar: expected input_ids of shape (batch, length) and an integer dtype; found "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        rows, length = input_ids.shape
+        if rows > work.batch or length > work.prompt_len:
+            raise ValueError(
+                f"autopar: this serving plan takes up to {work.batch} prompts of up to {work.prompt_len} tokens; found "
+                f"{rows} of {length}; split the batch, or plan for it (autopar.Inference(batch=, prompt_len=))")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"autopar: expected attention_mask of the shape of input_ids {tuple(input_ids.shape)}; "
+                             f"found {tuple(mask.shape)}")
+        ids = torch.zeros((work.batch, work.prompt_len), dtype=torch.long)
+        padded = torch.zeros((work.batch, work.prompt_len), dtype=torch.long)
+        ids[:rows, work.prompt_len - length:] = input_ids.cpu()
+        padded[:rows, work.prompt_len - length:] = mask.cpu()
+        padded[rows:, -1] = 1  # rows beyond the given ones: one token each, their outputs dropped
+        return ids, padded
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``input_ids`` (up to the planned batch and prompt length; shorter
+        rows left-padded by ``attention_mask``'s zeros), whole on every rank: the prefill."""
+        rows, length = input_ids.shape[:2]
+        ids, mask = self._padded(input_ids, attention_mask)
+        logits = self._run(self.prefill, step_inputs(ids, mask, self.workload.max_len))
+        return logits[:rows, self.workload.prompt_len - length:]
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 seed: int | None = None) -> torch.Tensor:
+        """Hugging Face's ``generate`` on left-padded prompts: ``input_ids`` followed by up to
+        ``max_new_tokens`` tokens (default: as many as the cache holds), greedy unless
+        ``do_sample`` (``temperature``, ``top_k``; ``seed`` reseeds the generator every rank
+        shares). A row that emits ``eos_token_id`` is continued with ``pad_token_id`` (default
+        the eos token), and generation stops once every row has."""
+        work = self.workload
+        room = work.max_len - work.prompt_len
+        steps = room if max_new_tokens is None else max_new_tokens
+        if not isinstance(steps, int) or not 1 <= steps <= room:
+            raise ValueError(f"autopar: expected max_new_tokens from 1 to {room} (the planned max_len {work.max_len} "
+                             f"minus prompt_len {work.prompt_len}); found {max_new_tokens!r}; plan a longer max_len")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"autopar: expected a positive temperature for sampling; found {temperature}")
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        rows = input_ids.shape[0]
+        ids, mask = self._padded(input_ids, attention_mask)
+        first = step_inputs(ids, mask, work.max_len)
+        slots, positions = first[1], first[2][:, -1:]
+        pad = eos_token_id if pad_token_id is None else pad_token_id
+        done = torch.zeros(work.batch, dtype=torch.bool)
+        tokens = []
+        logits = self._run(self.prefill, first)[:, -1]
+        for t in range(steps):
+            token = self._pick(logits.cpu(), do_sample, temperature, top_k)
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, pad), token)
+                done |= token == eos_token_id
+            tokens.append(token)
+            if t == steps - 1 or (eos_token_id is not None and bool(done[:rows].all())):
+                break
+            positions = positions + 1
+            offset = torch.tensor(work.prompt_len + t, dtype=torch.long)
+            logits = self._run(self.decode, (token[:, None], slots, positions, offset))[:, -1]
+        return torch.cat([input_ids.cpu(), torch.stack(tokens, dim=1)[:rows]], dim=1)
+
+    def _pick(self, logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None) -> torch.Tensor:
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        scores = logits.to(torch.float64) / temperature
+        if top_k is not None:
+            kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
+
+    # --- state ---------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights and buffers whole, by its own names, on every rank (collectives)."""
+        return {state_name(fqn): whole(t, self.specs[fqn], self.mesh) if self.specs[fqn] is not None else t
+                for fqn, t in self.state.items() if not is_cache(fqn)}
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes by kind: the weights and buffers it holds, and its cache shard."""
+        held = {"parameters": 0, "kv_cache": 0}
+        for fqn, t in self.state.items():
+            held["kv_cache" if is_cache(fqn) else "parameters"] += t.numel() * t.element_size()
+        return held
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """A seed every rank shares: rank 0's, broadcast (so that sampling picks the same tokens
+    on every rank however each was seeded)."""
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long, device=device)
+    if dist.is_initialized():
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
