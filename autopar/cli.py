@@ -3,6 +3,7 @@
     autopar plan llama-70b --mesh 8x8 --hardware h100     # plan, explain, write plan.json + pictures
     autopar plan mypkg.models:build --mesh 2x4 --out plans/run1
     autopar plan gpt-small --mesh 8x8 --dry-run               # and step every distinct rank on fake tensors
+    autopar plan llama-70b --mesh 1x8 --inference --batch 1 --prompt 128 --max-len 2048 --objective latency
     autopar explain autopar-plan/plan.json --pictures pics/
     autopar diff a.json b.json
     autopar bench --models gpt-small --meshes gloo-4 --quick
@@ -35,6 +36,7 @@ from autopar.costmodels.report import profile_table
 from autopar.coverage import coverage
 from autopar.dryrun import dry_run
 from autopar.models import MODELS
+from autopar.passes.generation import OBJECTIVES, Inference
 from autopar.passes.plan import Plan
 from autopar.planning import plan
 from autopar.runtime.precision import POLICIES
@@ -183,7 +185,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-
+    if args.inference:
+        return _plan_serving(args)
     model, inputs = load_model(args.model, args.batch, args.seq)
     hardware = _hardware(args.hardware)
     with _PhaseBar(enabled=not args.no_progress) as bar:
@@ -202,6 +205,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         checked = dry_run(result, model, inputs)
         print(checked.table())
         checked.raise_if_failed()  # an autopar: line naming the rank, exit status 1
+    return 0
+
+
+def _plan_serving(args: argparse.Namespace) -> int:
+    """``autopar plan --inference``: the serving plan, explained and written as plan.json."""
+    if args.dry_run or args.mp or args.no_pipeline or args.seq:
+        given = [flag for flag, on in (("--dry-run", args.dry_run), ("--mp", args.mp), ("--seq", args.seq),
+                                       ("--no-pipeline", args.no_pipeline)) if on]
+        raise _UsageError(f"--inference plans serving, which takes no {', '.join(given)} (the prompt and cache "
+                          "lengths are --prompt and --max-len); leave them out")
+    batch = args.batch if args.batch or args.objective == "throughput" else 1
+    workload = Inference(batch=batch, prompt_len=args.prompt, max_len=args.max_len, objective=args.objective)
+    model, _ = load_model(args.model)
+    result = plan(model, args.mesh, inference=workload, hardware=_hardware(args.hardware),
+                  time_limit_s=args.time_limit, layout=args.layout)
+    print(result.explain())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.save(out / "plan.json")
+    print(f"\nplan: {out / 'plan.json'}")
     return 0
 
 
@@ -353,6 +376,15 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="then run one training step of every distinct rank at "
                    "the mesh's full size on fake tensors (autopar.dry_run): check it and measure its peak memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--inference", action="store_true", help="plan serving instead of training: prefill and "
+                   "decode with a key-value cache (a Hugging Face causal LM); --batch sequences (default 1; with "
+                   "--objective throughput, the largest that fits)")
+    p.add_argument("--prompt", type=_positive, default=128, metavar="N", help="with --inference: prompt tokens "
+                   "(default: 128)")
+    p.add_argument("--max-len", type=_positive, default=2048, metavar="N", help="with --inference: positions cached, "
+                   "prompt and generated tokens (default: 2048)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="latency", help="with --inference: latency (time to "
+                   "first token + tokens x time per output token) or throughput (tokens/s per device)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("explain", help="print the explanation of a saved plan (and its pictures)",

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
 
+from autopar.runtime.contract import TrainingModule
 from autopar.passes.capture import Captured
-from autopar.runtime.module import ParallelModule
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 # MemTracker's reference types -> the plan's kinds. Buffers and constants are held state,
@@ -65,27 +65,20 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def tracker_for(module: nn.Module) -> "PeakTracker":
+def tracker_for(module: TrainingModule) -> "PeakTracker":
     """A MemTracker that knows the rank's state (parameters as parameters, buffers and
     constants as buffers) and optimizer state, and sees its gradients as gradients."""
     tracker = PeakTracker()
     params = list(module.parameters())
     seen = {id(p) for p in params}
     held = nn.Module()
-    for i, t in enumerate(state_tensors(module)):
+    for i, t in enumerate(module.state_tensors()):
         if id(t) not in seen:
             seen.add(id(t))
             held.register_buffer(f"b{i}", t)
     tracker.track_external(held, module, module.optimizer)
     tracker.watch_gradients(params)
     return tracker
-
-
-def state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    if isinstance(module, ParallelModule):
-        return list(module.local.values())
-    return [t for named in module.stage_state for t in named.values()] + [
-        t for stage in module.stages for t in stage.submod.state]
 
 
 class _ModulesHoldingNoGradients(ModTracker):

@@ -24,7 +24,8 @@ from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import plan_captured
-from autopar.passes.planner.serving import SERVING_LAYOUTS, plan_serving
+from autopar.passes.planner.serving import plan_serving
+from autopar.passes.planner.serving_layout import PIPELINED_LAYOUTS, SERVING_LAYOUTS
 from autopar.passes.strategy_graph import NoRuleWarning
 
 
@@ -76,7 +77,7 @@ def plan(
     """
     if inference is not None:
         return _plan_serving(model, mesh_or_shape, example_inputs, inference, hardware=hardware,
-                             memory_limit=memory_limit, time_limit_s=time_limit_s, layout=layout,
+                             memory_limit=memory_limit, time_limit_s=time_limit_s, layout=layout, pipeline=pipeline,
                              axis_names=axis_names, others={"loss_fn": loss_fn, "target": target,
                                                             "example_kwargs": example_kwargs, "mp_policy": mp_policy})
     precision = Precision.of(mp_policy)
@@ -125,7 +126,7 @@ def plan(
 
 def _plan_serving(model: torch.nn.Module, mesh_or_shape: Any, example_inputs: tuple, inference: Inference, *,
                   hardware: Any, memory_limit: float | None, time_limit_s: float, layout: str | None,
-                  axis_names: Sequence[str] | None, others: dict[str, Any]) -> Plan:
+                  pipeline: bool, axis_names: Sequence[str] | None, others: dict[str, Any]) -> Plan:
     """``plan(..., inference=)``: the serving plan (training's own options refused by name)."""
     if not isinstance(inference, Inference):
         raise TypeError(f"autopar: plan(inference=) expected an autopar.Inference(batch=, prompt_len=, max_len=, "
@@ -135,9 +136,13 @@ def _plan_serving(model: torch.nn.Module, mesh_or_shape: Any, example_inputs: tu
         raise ValueError(f"autopar: plan(inference=...) plans serving, which takes no {', '.join(given)} (the workload "
                          "gives the inputs' shapes; weights serve in the model's dtype); leave them out")
     shape, names = _mesh(mesh_or_shape, axis_names)
+    if layout is not None and layout not in SERVING_LAYOUTS + tuple(PIPELINED_LAYOUTS):
+        raise ValueError(f"autopar: {layout!r} is not a serving layout (ZeRO and FSDP gather the weights for every "
+                         f"token); expected one of {SERVING_LAYOUTS + tuple(PIPELINED_LAYOUTS)}, or layout=None")
     request = PlanRequest(mesh_shape=shape, hardware=hardware, memory_limit=memory_limit, time_limit_s=time_limit_s,
-                          layouts=SERVING_LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names,
-                          pipeline=False)
+                          layouts=SERVING_LAYOUTS + tuple(PIPELINED_LAYOUTS), hint_fn=layouts.hints, layout=layout,
+                          axis_names=names,
+                          pipeline=pipeline, outer_axis_only=_is_device_mesh(mesh_or_shape))
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)

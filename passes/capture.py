@@ -12,8 +12,8 @@ stay whole, which is the level sharding rules are written for). Then:
 - an in-place op whose mutated input nothing reads afterwards becomes its functional twin;
 - a mean cross-entropy becomes sum / count, so that both can be split across devices;
 - a ``reshape`` that must copy (its input's strides allow no view: grouped-query attention's
-  ``repeat_kv`` of an expanded key or value) becomes ``clone`` then ``view``, so that the copy
-  is priced where it runs;
+  ``repeat_kv`` of an expanded key or value) reads a ``clone`` of its input, so that the copy
+  is an op of its own, priced where it runs;
 - a mixture-of-experts region (transformers' grouped-matmul experts) becomes one
   ``autopar::moe_experts`` op (``autopar.passes.moe_region``), which can split tokens and
   experts on one axis (all-to-all dispatch).
@@ -346,8 +346,9 @@ def _mean_loss_as_sum_over_count(gm: fx.GraphModule) -> None:
 
 
 def _copying_reshapes(gm: fx.GraphModule) -> None:
-    """``reshape(x, shape)`` -> ``view(clone(x), shape)`` where ``x``'s strides allow no view:
-    the same value, with the copy ``reshape`` makes at run time an op of its own."""
+    """``reshape(x, shape)`` -> ``reshape(clone(x), shape)`` where ``x``'s strides allow no
+    view: the same value, with the copy ``reshape`` makes at run time an op of its own (and
+    still a ``reshape``, which copies again only where a resharded shard comes non-contiguous)."""
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.reshape.default:
@@ -362,7 +363,8 @@ def _copying_reshapes(gm: fx.GraphModule) -> None:
             pass
         with gm.graph.inserting_before(node):
             copy = _meta_call(gm, aten.clone.default, (node.args[0],), {"memory_format": torch.contiguous_format})
-            node.target, node.args = aten.view.default, (copy, node.args[1])
+            copy.meta = {**node.meta, "val": copy.meta["val"]}  # the reshape's module and layer: it runs there
+            node.args = (copy, node.args[1])
 
 
 def _meta_call(gm: fx.GraphModule, op: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:

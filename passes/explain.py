@@ -147,8 +147,45 @@ class _Strategy(NamedTuple):
     inputs: tuple
 
 
+def _serving_lines(plan) -> list[str]:
+    """A serving plan's head: the workload, its times, memory and where the cache lies."""
+    p, w = plan.predicted, plan.inference
+    new = w["max_len"] - w["prompt_len"]
+    caches = sorted({spec for fqn, spec in _cache_specs(plan).items()})
+    split = sum(1 for spec in plan.params.values() if "S(" in spec)
+    return [
+        f"serving plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
+        f"workload: {w['batch']} sequence(s), prompts up to {w['prompt_len']} tokens, {w['max_len']} positions cached "
+        f"({new} new tokens each), objective {w['objective']}",
+        f"predicted time to first token {duration(p.time_to_first_token)}, time per output token "
+        f"{duration(p.time_per_output_token)}; one generation {duration(p.step_time)} (the prefill and {new - 1} "
+        f"decode steps: compute {duration(p.compute)} + communication {duration(p.communication)}); "
+        f"{p.tokens_per_second_per_device:.4g} tokens/s per device",
+        "predicted memory per device: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.memory.items())
+        + f" (total {_bytes(sum(p.memory.values()))})",
+        f"weights: {split} of {len(plan.params)} parameters split over the mesh; key-value cache laid out as "
+        + (", ".join(caches) or "?"),
+    ]
+
+
+def _cache_specs(plan) -> dict[str, str]:
+    """The cache buffers' placements, from the prefill's strategies of their placeholders."""
+    return {name: text.split("->")[-1].strip() for name, text in plan.strategies.items()
+            if name.startswith("b_cache_keys_") or name.startswith("b_cache_values_")}
+
+
 def explain(plan) -> str:
     p = plan.predicted
+    if plan.inference is not None:
+        lines = _serving_lines(plan)
+        if plan.pipeline:
+            pl = plan.pipeline
+            lines.append(f"pipeline on axis {pl.axis}: {pl.stages} stages, each holding its layers' weights and cache; "
+                         "one batch through them in turn")
+        if plan.solver:
+            lines.append(_solver_line(plan.solver))
+        return "\n".join(lines + ["", "why:"] + [f"  {r}" for r in plan.reasons] + _candidate_lines(plan)
+                         + [f"  note: {n}" for n in plan.notes])
     lines = [
         f"plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
         f"predicted step {duration(p.step_time)} = compute {duration(p.compute)} + communication {duration(p.communication)}"
@@ -173,9 +210,7 @@ def explain(plan) -> str:
     if zero:
         lines.append("ZeRO levels: " + ", ".join(f"{n} parameters at {lvl}" for lvl, n in sorted(zero.items())))
     if plan.solver:
-        s = plan.solver
-        lines.append(f"solver: {s.get('status')} by {s.get('method')}, gap {s.get('gap', math.nan):.2%}, "
-                     f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+        lines.append(_solver_line(plan.solver))
     rows = layer_rows(plan)
     if rows:
         lines += ["", f"{'layers':<16} {'compute':>12} {'comm':>12} {'memory':>10}  parameters"]
@@ -194,14 +229,28 @@ def explain(plan) -> str:
                 lines.append(f"{'other':<16} {duration(r[1]):>12} {duration(r[2]):>12} {_bytes(r[3]):>10}")
     lines += ["", "why:"]
     lines += [f"  {r}" for r in plan.reasons]
-    if plan.candidates:
-        best = min(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))
-        ratio = p.step_time / best[1] if best[1] > 0 else math.nan
-        lines.append(f"  best manual layout: {best[0]} at {duration(best[1])}; auto / best = {ratio:.3f}")
-        lines.append("  manual layouts that fit: " + ", ".join(
-            f"{k} {duration(v)}" for k, v in sorted(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))))
+    lines += _candidate_lines(plan)
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _solver_line(s: dict) -> str:
+    if s.get("status") is None:  # a layout priced as given: nothing was searched
+        return "solver: none (a manual layout, priced as given)"
+    return (f"solver: {s.get('status')} by {s.get('method')}, gap {s.get('gap', math.nan):.2%}, "
+            f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+
+
+def _candidate_lines(plan) -> list[str]:
+    """The best manual layout against the plan, and every layout that fits (their predicted
+    step, or for a serving plan one generation)."""
+    if not plan.candidates:
+        return []
+    best = min(plan.candidates.items(), key=lambda kv: (kv[1], kv[0]))
+    ratio = plan.predicted.step_time / best[1] if best[1] > 0 else math.nan
+    return [f"  best manual layout: {best[0]} at {duration(best[1])}; {plan.kind} / best = {ratio:.3f}",
+            "  manual layouts that fit: " + ", ".join(
+                f"{k} {duration(v)}" for k, v in sorted(plan.candidates.items(), key=lambda kv: (kv[1], kv[0])))]
 
 
 def diff(a, b) -> str:

@@ -189,6 +189,7 @@ class Programs:
 def meta_twin(model: nn.Module) -> nn.Module:
     """``model`` on the meta device, built anew from its config where it holds real weights:
     capture reads shapes only, and a real model's twin costs no memory (nor does its cache)."""
+    _text_config(model)  # a Hugging Face causal LM, or a clear error
     if all(p.device.type == "meta" for p in model.parameters()):
         return model
     config = getattr(model, "config", None)
@@ -214,6 +215,7 @@ def capture_programs(model: nn.Module, batch: int, prompt_len: int, max_len: int
     step = CachedStep(meta_twin(model), batch, max_len)
     prefill = capture(step, example_inputs(batch, prompt_len, max_len), train=False)
     decode = capture(step, example_inputs(batch, 1, max_len), train=False)
+    prefill.model_name = decode.model_name = type(model).__name__  # the model served, not its wrapper
     return Programs(prefill, decode, batch, prompt_len, max_len)
 
 

@@ -59,11 +59,10 @@ from safetensors.torch import save_file
 
 from autopar.runtime.checkpoint_files import (MARKER, agreed, barrier, check_checksums, file_checksums, gathered,
                                                 short, this_rank, world_size, write_marker)
-from autopar.runtime.pipeline import PipelineModule
-from autopar.runtime.module import ParallelModule
+from autopar.runtime.contract import TrainingModule
 from autopar.passes.placements import Spec
 
-Module = ParallelModule | PipelineModule
+Module = TrainingModule  # a checkpoint holds a training module's parameters, optimizer and data position
 
 PER_RANK = "extra_per_rank"  # extra states that differ between ranks, under each rank
 PLAN_FILE = "plan.json"
@@ -83,34 +82,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-# --- what a rank holds ----------------------------------------------------------------
-Held = tuple[torch.Tensor, Spec | None, DeviceMesh | None]  # local tensor, its placement, the mesh
-
-
-def _parameters(pm: Module) -> dict[str, Held]:
-    """Qualified name -> what the optimizer steps of each parameter this rank holds."""
-    if isinstance(pm, PipelineModule):
-        return {name: (t, spec, pm.intra) for name, (t, spec) in pm.optimizer_shards().items()}
-    specs = pm.parameter_specs()
-    return {name: (shard, specs[name], pm.mesh) for name, shard in zip(pm.shard_names, pm.shards)}
-
-
-def _buffers(pm: Module) -> dict[str, Held]:
-    """Qualified name -> this rank's shard of each buffer it holds."""
-    buffers = pm.captured.buffers
-    if isinstance(pm, PipelineModule):
-        return {buffers[ph]: (t, spec, pm.intra) for ph, (t, spec) in pm.state.items() if ph in buffers}
-    return {fqn: (pm.local[ph], pm.program.input_specs.get(ph), pm.mesh) for ph, fqn in buffers.items()}
-
-
-def _after_load(pm: Module) -> None:
-    """ZeRO-1/2: the whole parameters gathered from the loaded slices."""
-    if isinstance(pm, PipelineModule):
-        pm.optimizer_slices.gather()
-    else:
-        pm.parameters_updated()
-
-
 def _saved(local: torch.Tensor, spec: Spec | None, mesh: DeviceMesh | None) -> torch.Tensor:
     """As DCP stores it: a DTensor (its placement on the mesh), or a plain tensor where whole."""
     if spec is None or mesh is None:
@@ -128,7 +99,7 @@ def _state_dict(pm: Module, temporaries: bool) -> dict[str, Any]:
     layouts (a load fills these, and they are copied in only once all has been read)."""
     fresh = torch.empty_like if temporaries else (lambda t: t)
     model, optim = {}, {}
-    for name, (local, spec, mesh) in _parameters(pm).items():
+    for name, (local, spec, mesh) in pm.held_parameters().items():
         model[name] = _saved(fresh(local.detach()), spec, mesh)
         if pm.optimizer is None:
             continue
@@ -140,7 +111,7 @@ def _state_dict(pm: Module, temporaries: bool) -> dict[str, Any]:
             else (fresh(value) if isinstance(value, torch.Tensor) else value)
             for key, value in state.items()
         }
-    buffers = {name: _saved(fresh(local), spec, mesh) for name, (local, spec, mesh) in _buffers(pm).items()}
+    buffers = {name: _saved(fresh(local), spec, mesh) for name, (local, spec, mesh) in pm.held_buffers().items()}
     groups = [] if pm.optimizer is None else [
         {key: value for key, value in group.items() if key != "params"} for group in pm.optimizer.param_groups]
     return {"model": model, "buffers": buffers, "optim": optim, "param_groups": groups}
@@ -178,8 +149,7 @@ def _same_rows(pm: Module) -> tuple[int, int]:
     dropout masks from each rank's default generator, so these ranks' generators must agree:
     on an activation they all hold whole they must draw the same mask, or their copies of
     replicated parameters drift apart (and a checkpoint keeps only one copy)."""
-    stage = pm.pp_rank if isinstance(pm, PipelineModule) else 0
-    return stage, pm.data_parallel.rank
+    return pm.pipeline_rank, pm.data_parallel.rank
 
 
 def _check_rng_agrees(pm: Module) -> None:
@@ -398,7 +368,7 @@ def _extra_request(path: Path, saved, extra: dict[str, Stateful] | None) -> tupl
 def _commit(pm: Module, state: dict[str, Any]) -> None:
     """Copy what was read (all of it, checked) into the module's tensors and optimizer."""
     with torch.no_grad():
-        for name, (local, _, _) in _parameters(pm).items():
+        for name, (local, _, _) in pm.held_parameters().items():
             local.copy_(_local(state["model"][name]))
             if pm.optimizer is None:
                 continue
@@ -410,12 +380,12 @@ def _commit(pm: Module, state: dict[str, Any]) -> None:
                     opt_state[key].copy_(_local(value))
                 else:
                     opt_state[key] = _local(value).clone()
-        for name, (local, _, _) in _buffers(pm).items():
+        for name, (local, _, _) in pm.held_buffers().items():
             local.copy_(_local(state["buffers"][name]))
     if pm.optimizer is not None:
         for group, saved in zip(pm.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
-    _after_load(pm)
+    pm.parameters_updated()  # ZeRO-1/2: the whole parameters gathered from the loaded slices
 
 
 # --- one folder -----------------------------------------------------------------------

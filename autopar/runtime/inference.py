@@ -13,72 +13,98 @@ so picks the same tokens; sampling draws from a generator every rank seeds alike
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
 
-from autopar.runtime.batch import Cut
+from autopar.runtime.batch import Cut, DataParallel
+from autopar.runtime.contract import CompiledModule, Held
 from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.relay import Relay
+from autopar.runtime.stages import stage_parts
 from autopar.passes.capture import Captured, on_device
 from autopar.passes.generation import Inference, capture_programs, is_cache, state_name, step_inputs
 from autopar.passes.lowering.codegen import RankProgram, lower
-from autopar.passes.placements import Spec, local_shape, local_slice
+from autopar.passes.placements import Spec, local_slice
 from autopar.passes.plan import Plan
-from autopar.passes.planner.relayout import relayout
+from autopar.passes.planner.relayout import relayout, relayout_stages
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
 @dataclass
 class Step:
-    """One program laid out on this rank: its capture, its program, this rank's cut of each
-    input, and the constants export lifted (this rank's shards)."""
+    """One program laid out on this rank (under a pipeline: this rank's stage of it): its
+    capture and program, the order it takes its values in, this rank's cut of each input it
+    reads, the constants export lifted (this rank's shards), what it receives from the stage
+    before (name, local shape, dtype), and where its logits are among its outputs (None: it
+    sends its outputs on to the next stage)."""
 
     captured: Captured
     program: RankProgram
+    order: list[str]
     cuts: dict[str, Cut]
     constants: dict[str, torch.Tensor]
+    received: list[tuple[str, tuple[int, ...], torch.dtype]]
+    logits: int | None
 
 
-class InferenceModule(nn.Module):
+class InferenceModule(CompiledModule):
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh):
         super().__init__()
         if plan.inference is None:
             raise ValueError("autopar: InferenceModule expected a serving plan (autopar.plan(..., inference=...)); "
                              "found a training plan; plan with inference=autopar.Inference(...)")
-        if plan.pipeline is not None:
-            raise ValueError("autopar: this serving plan has a pipeline, which InferenceModule does not run yet; "
-                             "plan without pipeline stages (autopar.plan(..., pipeline=False))")
+        if tuple(mesh.shape) != tuple(plan.mesh_shape):
+            raise ValueError(f"autopar: the serving plan is for a mesh of shape {plan.mesh_shape}, found "
+                             f"{tuple(mesh.shape)}; re-plan for this mesh, or run on the mesh the plan was made for")
         self.plan, self.mesh = plan, mesh
         self.workload = Inference.of(plan.inference)
         self.device = mesh_device(mesh)
-        self.coord = tuple(mesh.get_coordinate())
+        self.place = Relay.of(mesh, plan)
         work = self.workload
         programs = capture_programs(model, work.batch, work.prompt_len, work.max_len)
         self.state: dict[str, torch.Tensor] = {}  # qualified name (CachedStep's) -> this rank's shard
         self.specs: dict[str, Spec] = {}
         sources = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
+        self._parameters = set(programs.prefill.params.values())
         self.prefill = self._lay_out(programs.prefill, None, sources)
         self.decode = self._lay_out(programs.decode, "decode", sources)
         self.generator = torch.Generator().manual_seed(_agreed_seed(self.device))
 
     # --- laying out -----------------------------------------------------------------
     def _lay_out(self, captured: Captured, program: str | None, sources: dict[str, torch.Tensor]) -> Step:
-        graph = build_strategy_graph(on_device(captured, self.device), tuple(self.mesh.shape))
-        laid = lower(graph, relayout(graph, self.plan, program=program).choice, self.mesh)
-        shape = tuple(self.mesh.shape)
-        metas = {n.name: n.meta["val"] for n in captured.nodes("placeholder")}
-        for ph, fqn in {**captured.params, **captured.buffers}.items():
-            self._hold(fqn, tuple(metas[ph].shape), laid.input_specs.get(ph), sources)
-        cuts = {name: Cut.of(tuple(metas[name].shape), laid.input_specs.get(name) or (), shape, self.coord)
-                for name in captured.user_inputs}
+        """The program as the plan lays it out (``relayout``), this rank's stage of it under a pipeline."""
+        place = self.place
+        graph = build_strategy_graph(on_device(captured, self.device), place.shape)
+        choice = relayout(graph, self.plan, program=program).choice
+        if program is None:  # the batch's split, for data_parallel
+            ids = next(n for n in graph.nodes if n.name == captured.user_inputs[0])
+            self._ids_spec = graph.nodes[ids].strategies[choice[ids]].output
+        part = None
+        if self.plan.pipeline is not None:
+            part = stage_parts(captured, relayout_stages(captured, self.plan), place.stages, shared_state=True)[place.stage]
+        laid = lower(graph, choice, place.grid, part=part)
+        order = [n.name for n in part.inputs] if part is not None else list(captured.placeholders)
+        metas = {n.name: n.meta["val"] for n in captured.nodes() if "val" in n.meta}
+        state = {**captured.params, **captured.buffers}
+        for ph in order:
+            if ph in state:
+                self._hold(state[ph], tuple(metas[ph].shape), laid.input_specs.get(ph), sources)
+        cuts = {name: Cut.of(tuple(metas[name].shape), laid.input_specs.get(name) or (), place.shape, place.coord)
+                for name in captured.user_inputs if name in order}
         constants = {name: (value if laid.input_specs.get(name) is None
-                            else local_slice(value, laid.input_specs[name], shape, self.coord)).to(self.device)
-                     for name, value in captured.constant_values.items()}
-        return Step(captured, laid, cuts, constants)
+                            else local_slice(value, laid.input_specs[name], place.shape, place.coord)).to(self.device)
+                     for name, value in captured.constant_values.items() if name in order}
+        received = [(name, place.local(tuple(metas[name].shape), laid.input_specs.get(name)), metas[name].dtype)
+                    for name in order if name not in state and name not in cuts and name not in constants]
+        last = place.stage == place.stages - 1
+        return Step(captured, laid, order, cuts, constants, received, captured.user_outputs[0] if last else None)
 
     def _hold(self, fqn: str, shape: tuple[int, ...], spec: Spec | None, sources: dict[str, torch.Tensor]) -> None:
         """This rank's shard of state tensor ``fqn`` (made once; a second program must hold it alike)."""
@@ -87,31 +113,45 @@ class InferenceModule(nn.Module):
                 raise ValueError(f"autopar: the serving plan's programs hold {fqn} in two layouts "
                                  f"({self.specs[fqn]} and {spec}); expected one; re-plan")
             return
-        mesh = tuple(self.mesh.shape)
+        place = self.place
         if is_cache(fqn):  # zeros, made as this rank's shard: the whole cache is never held
-            local = local_shape(shape, spec, mesh) if spec is not None else shape
             dtype = next(t.dtype for name, t in sources.items() if t.is_floating_point())
-            value = torch.zeros(local, dtype=dtype, device=self.device)
+            value = torch.zeros(place.local(shape, spec), dtype=dtype, device=self.device)
         else:
             whole_value = sources[state_name(fqn)].detach()
-            value = (whole_value if spec is None else local_slice(whole_value, spec, mesh, self.coord))
+            value = (whole_value if spec is None else local_slice(whole_value, spec, place.shape, place.coord))
             value = value.to(self.device, copy=True)
         self.state[fqn], self.specs[fqn] = value, spec
 
     # --- running -------------------------------------------------------------------
     @torch.no_grad()
     def _run(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The step's logits, whole on every rank; the cache shards written in place."""
-        captured = step.captured
-        values = {ph: self.state[fqn] for ph, fqn in {**captured.params, **captured.buffers}.items()}
+        """The step's logits, whole on every rank; the cache shards written in place. Under a
+        pipeline each stage receives from the one before, runs its part and sends on; the
+        last stage's logits are broadcast along the pipeline."""
+        captured, place = step.captured, self.place
+        values = {ph: self.state[fqn] for ph, fqn in {**captured.params, **captured.buffers}.items()
+                  if ph in step.order}
         values.update(step.constants)
         for name, x in zip(captured.user_inputs, inputs):
-            values[name] = step.cuts[name].take(x.to(self.device))
-        outs = step.program.gm(*[values[n] for n in captured.placeholders])
+            if name in step.cuts:
+                values[name] = step.cuts[name].take(x.to(self.device))
+        for name, shape, dtype in step.received:
+            values[name] = place.receive(shape, dtype, self.device)
+        outs = step.program.gm(*[values[n] for n in step.order])
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        index = captured.user_outputs[0]
-        spec = step.program.output_specs[index]
-        return outs[index] if spec is None else whole(outs[index], spec, self.mesh)
+        logits = None
+        if step.logits is None:
+            for t in outs:
+                place.send(t.contiguous())
+        else:
+            spec = step.program.output_specs[step.logits]
+            logits = outs[step.logits] if spec is None else whole(outs[step.logits], spec, place.grid)
+        if place.stages > 1:
+            meta = next(iter(captured.nodes("output"))).args[0]
+            meta = pytree.tree_leaves(meta)[captured.user_outputs[0]].meta["val"]
+            logits = place.from_last(logits, tuple(meta.shape), meta.dtype, self.device)
+        return logits
 
     def _padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts left-padded to the planned batch and prompt length: (ids, mask)."""
@@ -194,10 +234,39 @@ class InferenceModule(nn.Module):
         return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
 
     # --- state ---------------------------------------------------------------------
+    @functools.cached_property
+    def data_parallel(self) -> DataParallel:
+        """How the plan splits the batch of sequences (the prefill's token ids' placement on
+        the intra-op mesh; a pipeline's stages share it)."""
+        spec = self._ids_spec
+        return DataParallel.of([spec] if spec is not None else [], self.place.shape, self.place.coord)
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.place.stage
+
+    def held_parameters(self) -> dict[str, Held]:
+        return {state_name(fqn): (t, self.specs[fqn], self.place.grid) for fqn, t in self.state.items()
+                if fqn in self._parameters}
+
+    def held_buffers(self) -> dict[str, Held]:
+        return {state_name(fqn): (t, self.specs[fqn], self.place.grid) for fqn, t in self.state.items()
+                if fqn not in self._parameters}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.state.values())
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights and buffers whole, by its own names, on every rank (collectives)."""
-        return {state_name(fqn): whole(t, self.specs[fqn], self.mesh) if self.specs[fqn] is not None else t
+        """The model's weights and buffers whole, by its own names, on every rank (collectives
+        over the intra-op mesh, then along the pipeline)."""
+        grid = self.place.grid
+        mine = {state_name(fqn): whole(t, self.specs[fqn], grid) if self.specs[fqn] is not None else t
                 for fqn, t in self.state.items() if not is_cache(fqn)}
+        if self.place.stages == 1:
+            return mine
+        every: list[dict] = [None] * self.place.stages
+        dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=self.place.group)
+        return {k: v for d in every for k, v in d.items()}
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes by kind: the weights and buffers it holds, and its cache shard."""

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
 from autopar.runtime.batch import Cut, DataParallel, SameInputs, check_dims, rows_text, split_batch
-from autopar.runtime.clipping import clip_grad_norm_, replicas
+from autopar.runtime.contract import Held, TrainingModule
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss
 from autopar.runtime.meshes import mesh_device, whole
@@ -50,7 +50,7 @@ from autopar.passes.plan import Plan
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(TrainingModule):
     def __init__(
         self,
         model: nn.Module,
@@ -91,14 +91,14 @@ class ParallelModule(nn.Module):
             self.precision, [t for t in self.local.values() if isinstance(t, nn.Parameter)])
         self._apply_policy_then_recompute(program, captured)
         order = backward_order(program.gm)
-        self.zero1 = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
-                                     mesh, order)
+        self.optimizer_slices = OptimizerSlices({ph: self.local[ph] for ph in level1}, program.input_specs, stored,
+                                                mesh, order)
         self._stored = {ph: stored[ph] for ph in level1}  # where the optimizer's slices lie
         # what the optimizer steps: the parameters, or (ZeRO-1) this rank's slices of them
         self.shards = nn.ParameterList()
         self.shard_names: list[str] = []  # qualified parameter name per entry of ``shards``
         for ph in [ph for ph in self.local if ph in captured.params]:
-            self.shards.append(self.zero1.slices.get(ph, self.local[ph]))
+            self.shards.append(self.optimizer_slices.slices.get(ph, self.local[ph]))
             self.shard_names.append(captured.params[ph])
         self.optimizer = optimizer(list(self.shards)) if optimizer is not None else None
         self._level1 = level1
@@ -109,7 +109,7 @@ class ParallelModule(nn.Module):
                                     tuple(mesh.shape), self.coord, self.device)
         self._variants = Variants((self._compiled.shapes, self._compiled.setting_key, True), self._compiled)
         self._variant = self._compiled
-        self._sync_gradients = True  # False inside ``no_sync()``
+        self._sync = True  # False inside ``no_sync()``
 
     # --- mixed precision ------------------------------------------------------------
     def _recapture(self, captured: Captured) -> Captured:
@@ -399,14 +399,13 @@ class ParallelModule(nn.Module):
         with self._running(inputs, local) as variant:
             value, spec = self._local_loss(inputs, target, local, observe)
         if value.requires_grad:  # its backward sums the gradients, unless inside no_sync() (decided here, as DDP does)
-            value = _AtBackward.apply(value, functools.partial(self._at_backward, variant, self._sync_gradients))
+            value = _AtBackward.apply(value, functools.partial(self._at_backward, variant, self._sync))
         return whole(value, spec, self.mesh)
 
-    def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
-                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int = 1,
-                   observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
-        """Forward, backward and optimizer step; returns the global mean loss on every rank.
-        With ``max_norm``, the summed gradients are clipped first (``clip_grad_norm_``).
+    def forward_backward(self, inputs: tuple, target: torch.Tensor, local: bool = False, accumulate: int = 1, *,
+                         observe: Callable[[torch.Tensor, bool], None] | None = None) -> torch.Tensor:
+        """``train_step``'s forward and backward (``TrainingModule``): the global mean loss,
+        the gradients summed.
 
         ``inputs`` and ``target`` are the whole batch, the same on every rank; with
         ``local=True`` each rank passes its rows of the batch (``data_parallel``: a
@@ -421,9 +420,6 @@ class ParallelModule(nn.Module):
         the micro-batches' losses: for a mean loss over equal micro-batches (and equal counts
         of counted targets) that is the whole batch's mean, and the step is the whole-batch step.
         """
-        if self.optimizer is None:
-            raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
-        self.zero_grad()
         check = self._check(inputs, target, local)
         micro = split_batch(inputs, target, accumulate)
         loss = None
@@ -442,38 +438,7 @@ class ParallelModule(nn.Module):
         self._gradients_synced(variant)
         if check is not None:
             check.confirm()
-        # --- the gradients are summed; clipping goes here, before the optimizer step ---
-        if max_norm is not None:
-            self.clip_grad_norm_(max_norm, norm_type)
-        self.step()
         return loss
-
-    def step(self) -> None:
-        """The optimizer step on the summed gradients, then what the layout needs after it
-        (ZeRO-1: the whole parameters gathered from the updated slices). Every rank calls it."""
-        if self.optimizer is None:
-            raise ValueError("autopar: this ParallelModule was compiled without an optimizer factory")
-        self.optimizer.step()
-        self.parameters_updated()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients: the shards' and (ZeRO-1) the whole parameters' they are views of."""
-        super().zero_grad(set_to_none)
-        self.zero1.zero_grad()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """As DDP's ``no_sync``: the backward of a loss computed inside (``pm.loss``) leaves
-        this rank's gradient shares in the shards' ``.grad``, summed there across backwards,
-        without sending them; the backward of the next loss computed outside sums everything
-        accumulated, once. Then ``clip_grad_norm_``, ``step()``, ``zero_grad()``. (ZeRO-2/3
-        parameters' gradients are reduce-scattered as each backward leaves their gathers,
-        and those shards accumulate: the same sum, sent once per backward.)"""
-        before, self._sync_gradients = self._sync_gradients, False
-        try:
-            yield
-        finally:
-            self._sync_gradients = before
 
     def _at_backward(self, variant: Variant, sync: bool) -> None:
         """As a loss's backward starts: outside ``no_sync()``, start summing the gradients as
@@ -489,27 +454,7 @@ class ParallelModule(nn.Module):
         """After the last backward: the data-parallel shares summed, and (ZeRO-1) the
         optimizer's slices of the summed gradients taken (views)."""
         variant.grads.finish()
-        self.zero1.take_gradients()
-
-    def parameters_updated(self) -> None:
-        """After ``shards`` were written (by the optimizer, or a checkpoint's load): ZeRO-1's
-        whole parameters gathered from the updated slices. Every rank calls it."""
-        self.zero1.gather()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every
-        parameter's summed gradient, each element counted once over all shards and ranks,
-        returned (the same on every rank); the local gradient shards scaled in place.
-        A collective: every rank calls it, after backward (outside ``no_sync``)."""
-        if not self._sync_gradients:
-            raise ValueError(
-                "autopar: clip_grad_norm_ was called inside no_sync(), where the gradients are this rank's unsummed "
-                "shares; expected it after the last backward, outside no_sync() (DDP's order), before step()"
-            )
-        self.zero1.take_gradients()  # ZeRO-1: the optimizer's slices of the summed gradients (views)
-        specs = self.parameter_specs()
-        copies = [replicas(specs[name], self.mesh.shape) for name in self.shard_names]
-        return clip_grad_norm_(list(self.shards), copies, self.mesh, max_norm, norm_type, self.device)
+        self.optimizer_slices.take_gradients()
 
     def measure_memory(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> dict[str, int]:
         """Run one ``train_step`` and return this rank's bytes by kind, as measured on any
@@ -535,8 +480,8 @@ class ParallelModule(nn.Module):
 
         self.train_step(inputs, target, local, observe=observe)
         # ZeRO-1 keeps whole gradients: count those rather than the slices' views of them
-        slices = {id(s) for s in self.zero1.slices.values()}
-        grads = [p.grad for p in (*self.shards, *self.zero1.wholes.values())
+        slices = {id(s) for s in self.optimizer_slices.slices.values()}
+        grads = [p.grad for p in (*self.shards, *self.optimizer_slices.wholes.values())
                  if p.grad is not None and id(p) not in slices]
         state = [t for s in self.optimizer.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -629,6 +574,18 @@ class ParallelModule(nn.Module):
         by_name = {fqn: ph for ph, fqn in self.captured.params.items()}
         return {name: self._stored.get(by_name[name]) or self.program.input_specs[by_name[name]]
                 for name in self.shard_names}
+
+    def held_parameters(self) -> dict[str, Held]:
+        specs = self.parameter_specs()
+        return {name: (shard, specs[name], self.mesh) for name, shard in zip(self.shard_names, self.shards)}
+
+    def held_buffers(self) -> dict[str, Held]:
+        compiled = self._compiled
+        return {fqn: (self.local[ph], compiled.program.input_specs.get(ph), self.mesh)
+                for ph, fqn in compiled.captured.buffers.items()}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.local.values())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's ``state_dict()`` with every tensor whole: its parameter and persistent

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
-from autopar.runtime.clipping import clip_grad_norm_, replicas
+from autopar.runtime.contract import Held, TrainingModule
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, check_dims, split_batch
 from autopar.runtime.loss import build_loss_program
@@ -78,7 +78,7 @@ class _HeldGradients(torch.autograd.Function):
         return None, None, None
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(TrainingModule):
     def __init__(
         self,
         model: nn.Module,
@@ -131,7 +131,7 @@ class PipelineModule(nn.Module):
         self.optimizer_slices, self._stored = self._optimizer_slices()
         # what the optimizer steps: the stages' parameters, or (ZeRO-1/2) this rank's slices of them
         self.optimizer = optimizer([self.optimizer_slices.slices.get(name, t) for name, (t, _) in self.state.items()
-                                    if isinstance(t, nn.Parameter)])
+                                    if isinstance(t, nn.Parameter)]) if optimizer is not None else None
         self._loss_scale = 1.0 / pp.micro_batches  # of each micro-batch's loss: 1 / micro-batches per step
         self._axes: tuple[int, ...] = ()  # the intra-op axes the loss is a pending sum over
         self._sync = True  # False inside no_sync()
@@ -385,27 +385,25 @@ class PipelineModule(nn.Module):
         flat = [gathered(x, name in batch) for x, name in zip(flat, self.captured.user_inputs)]
         return pytree.tree_unflatten(flat, tree), gathered(target)
 
-    def train_step(self, inputs: tuple, target: torch.Tensor, local: bool = False, *,
-                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int = 1) -> torch.Tensor:
-        """Forward and backward of every micro-batch, then the optimizer step; returns the
-        mean loss over micro-batches (the batch mean for equal micro-batches) on every rank.
-        With ``max_norm``, the summed gradients are clipped first (``clip_grad_norm_``).
+    @property
+    def pipeline_rank(self) -> int:
+        return self.pp_rank
+
+    def forward_backward(self, inputs: tuple, target: torch.Tensor, local: bool = False,
+                         accumulate: int = 1) -> torch.Tensor:
+        """``train_step``'s forward and backward (``TrainingModule``): every micro-batch's
+        through the schedule, the gradients summed once; the global mean loss on every rank.
         ``accumulate=k``: the batch runs as k schedule steps, each on 1/k of it (dim 0 of
         every input and of the target), their gradients summed in place and synchronised
-        once, then one optimizer step: for a mean loss, the whole batch's step.
-        ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
+        once: for a mean loss, the whole batch's step. ``local=True``: each rank passes its
+        rows of the batch (``data_parallel``)."""
         if local:
             inputs, target = self._whole_batch(inputs, target)
-        self.zero_grad()
         losses: list[torch.Tensor] = []
         for micro_inputs, micro_target in split_batch(inputs, target, accumulate):
             losses += self._forward_backward(micro_inputs, micro_target, 1.0 / accumulate)
         # each loss is its micro-batch's / (micro-batches in the step): their sum is the mean
         total = self._sum_gradients(self._stacked(losses))
-        # --- the gradients are summed; clipping goes here, before the optimizer step ---
-        if max_norm is not None:
-            self.clip_grad_norm_(max_norm, norm_type)
-        self.step()
         return self._on_every_rank(total)
 
     def loss(self, inputs: tuple, target: torch.Tensor, local: bool = False) -> torch.Tensor:
@@ -504,28 +502,9 @@ class PipelineModule(nn.Module):
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it
         return total
 
-    def step(self) -> None:
-        """The optimizer step on the summed gradients, then (ZeRO-1/2) every rank's whole
-        parameters gathered from the updated slices. Every rank calls it."""
-        self.optimizer_slices.take_gradients()  # ZeRO-1: views of the whole gradients as they are now
-        self.optimizer.step()
-        self.optimizer_slices.gather()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.optimizer_slices.zero_grad()  # ZeRO-1/2: the whole parameters' gradients too
+        super().zero_grad(set_to_none)
         self._summed = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """As ``ParallelModule.no_sync``: the backward of a loss computed inside (``loss``)
-        adds its gradients without summing them over ranks; the backward of the next loss
-        computed outside sums everything accumulated, once."""
-        before, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = before
 
     def _run_schedule(self, inputs: tuple, target: torch.Tensor | None) -> list[torch.Tensor]:
         """One run of the running stages' schedule over the batch ``inputs`` (forward only
@@ -588,23 +567,6 @@ class PipelineModule(nn.Module):
             wholes.append(output_under(self.precision, torch.cat(pieces).cpu()))
         return wholes
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every stage's
-        summed gradients, each element counted once (replicas on the intra-op axes once),
-        summed over the whole mesh and returned on every rank; this rank's gradient shards
-        scaled in place. A collective: every rank calls it, after the gradients are summed."""
-        if not self._sync:
-            raise ValueError(
-                "autopar: clip_grad_norm_ was called inside no_sync(), where the gradients are this rank's unsummed "
-                "shares; expected it after the last backward, outside no_sync() (DDP's order), before step()"
-            )
-        # what the optimizer steps, where it lies (ZeRO-1/2: the slices, as stored)
-        self.optimizer_slices.take_gradients()
-        held = [(self.optimizer_slices.slices.get(name, shard), self._stored.get(name, spec))
-                for name, (shard, spec) in self.state.items() if isinstance(shard, nn.Parameter)]
-        copies = [replicas(spec, self._intra_shape) for _, spec in held]
-        return clip_grad_norm_([shard for shard, _ in held], copies, self.mesh, max_norm, norm_type, self.device)
-
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on every rank (collectives over the whole mesh)."""
         mine = {}
@@ -630,9 +592,17 @@ class PipelineModule(nn.Module):
         held = self.full_parameters() | {k: v for d in gathered for k, v in d.items()}
         return in_state_dict_order(self._capture.args[0], held)
 
-    def optimizer_shards(self) -> dict[str, tuple[torch.Tensor, Any]]:
+    def held_parameters(self) -> dict[str, Held]:
         """Qualified name -> what the optimizer steps of each of this rank's parameters
-        (ZeRO-1/2: its slice) and its placement on the intra-op mesh (None: whole)."""
+        (ZeRO-1/2: its slice), its placement on the intra-op mesh (None: whole) and that mesh."""
         params = self._compiled.captured.params
-        return {params[name]: (self.optimizer_slices.slices.get(name, shard), self._stored.get(name, spec))
+        return {params[name]: (self.optimizer_slices.slices.get(name, shard), self._stored.get(name, spec), self.intra)
                 for name, (shard, spec) in self.state.items() if isinstance(shard, nn.Parameter)}
+
+    def held_buffers(self) -> dict[str, Held]:
+        buffers = self._compiled.captured.buffers
+        return {buffers[ph]: (t, spec, self.intra) for ph, (t, spec) in self.state.items() if ph in buffers}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for named in self.stage_state for t in named.values()] + [
+            t for stage in self.stages for t in stage.submod.state]

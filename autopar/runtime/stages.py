@@ -52,9 +52,11 @@ SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
              Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
 
 
-def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> list[Part]:
+def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int, shared_state: bool = False) -> list[Part]:
     """Cut the graph into stages; every value crosses each boundary between where it is
-    made and where it is last used."""
+    made and where it is last used. A parameter read by two stages (a tied embedding and
+    head) is refused, unless ``shared_state`` (serving: no gradient to sum, each stage holds
+    its own copy)."""
     order = {n: i for i, n in enumerate(captured.nodes())}
     stage: dict[fx.Node, int] = {}
     for node in captured.nodes("call_function"):
@@ -81,7 +83,7 @@ def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int) -> 
         last_use[node] = n_stages
     for node in state:  # state lives in the one stage that uses it
         users = {stage[u] for u in node.users if u in stage}
-        if len(users) > 1 and captured.params.get(node.name):
+        if len(users) > 1 and captured.params.get(node.name) and not shared_state:
             raise ValueError(
                 f"autopar: parameter {captured.params[node.name]} is used by stages {sorted(users)}; "
                 "a pipeline needs each parameter in one stage (untie it, or cut elsewhere)"

@@ -115,12 +115,18 @@ def relayout(graph: StrategyGraph, plan: Plan, profile: costmodels.HardwareProfi
 
 def relayout_stages(captured: Captured, plan: Plan) -> dict[str, int]:
     """Each op of ``captured`` (by name) -> its pipeline stage: the plan's for the op of the same
-    identity; an op the plan does not name runs in the latest stage of the values it reads, or,
-    reading none (a factory op), in the earliest stage of its users: values flow forward only."""
+    identity, the rest by ``flow_stages``."""
     names = planned_names(captured, plan)
     planned = plan.pipeline.stage_of
+    return flow_stages(captured, {n: planned[p] for n, p in names.items() if p in planned})
+
+
+def flow_stages(captured: Captured, fixed: dict[str, int]) -> dict[str, int]:
+    """Each op of ``captured`` (by name) -> its stage: ``fixed``'s where it names one; another
+    runs in the latest stage of the values it reads, or, reading none (a factory op), in the
+    earliest stage of its users: values flow forward only."""
     ops = list(captured.nodes("call_function"))
-    out = {n.name: planned[names[n.name]] for n in ops if names[n.name] in planned}
+    out = {n.name: fixed[n.name] for n in ops if n.name in fixed}
     unplaced = []
     for node in ops:
         if node.name not in out:

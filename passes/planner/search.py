@@ -59,6 +59,19 @@ def pipeline_factorisations(request: PlanRequest) -> list[tuple[int, tuple[int, 
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
 
 
+def pipeline_options(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations the request may pipeline over (none without ``request.pipeline`` or
+    with a fixed ``layout``); ``request.outer_axis_only``: the whole outermost axis only (a
+    plan for a given device mesh keeps its shape)."""
+    if not request.pipeline or request.layout is not None:
+        return []
+    options = pipeline_factorisations(request)
+    if request.outer_axis_only:
+        shape = request.mesh_shape
+        options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
+    return options
+
+
 def repeated_layer_count(captured) -> int:
     """How many repeated layers the model has (``autopar.passes.layers``): a pipeline of more stages
     than that has a stage without a layer, so it is not tried."""
@@ -181,9 +194,7 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     net = SafetyNet.start(request.time_limit_s)
     report = request.progress or (lambda phase, done, total: None)
     shape, limit, time_limit_s = request.mesh_shape, request.memory_bytes, request.time_limit_s
-    options = pipeline_factorisations(request) if request.pipeline and request.layout is None else []
-    if request.outer_axis_only:
-        options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
+    options = pipeline_options(request)
     layers = repeated_layer_count(captured)
     too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
     options = [(p, intra) for p, intra in options if p <= max(layers, 1)]

@@ -32,12 +32,12 @@ def join(parts: Sequence[tuple[SolveProblem, float]],
     edge_memory: dict[int, np.ndarray] = {}
     for k, (problem, weight) in enumerate(parts):
         base = offsets[k]
-        time += [t * weight for t in problem.node_time]
+        time += [_weighted(t, weight) for t in problem.node_time]
         memory += [m.copy() for m in problem.node_memory]
         for e, (u, v, r) in enumerate(problem.edges):
             if e in problem.edge_memory:
                 edge_memory[len(edges)] = problem.edge_memory[e]
-            edges.append((base + u, base + v, r * weight))
+            edges.append((base + u, base + v, _weighted(r, weight)))
         ties += [[base + v for v in group] for group in problem.ties]
         followers += [Follower(base + f.node, base + f.leader, f.index_map) for f in problem.followers]
         names += [f"{k}:{problem.name(v)}" for v in range(problem.num_nodes)]
@@ -56,6 +56,12 @@ def join(parts: Sequence[tuple[SolveProblem, float]],
     joint = SolveProblem(node_time=time, node_memory=memory, edges=edges, memory_limit=memory_limit, ties=ties,
                          followers=followers, node_names=names, edge_memory=edge_memory)
     return joint, offsets
+
+
+def _weighted(costs: np.ndarray, weight: float) -> np.ndarray:
+    """``costs`` times ``weight``, a forbidden (inf) choice staying forbidden at weight 0 (a
+    program that runs no time still may not take it)."""
+    return np.where(np.isinf(costs), costs, costs * weight)
 
 
 def part_time(problem: SolveProblem, assignment: Sequence[int], offset: int = 0) -> float:

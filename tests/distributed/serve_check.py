@@ -25,11 +25,24 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from tests.models import gpt2, llama, mixtral
+from autopar.models import MODELS as REGISTRY
+from tests.distributed.plans import made_once
+from tests.models import BATCH, SEQ, TINY, gpt2, llama, mixtral
+
+
+def llama4():
+    """The tiny Llama with 4 layers: a pipeline of 4 stages, a layer each."""
+    torch.manual_seed(0)
+    config = {**TINY["llama"], "num_hidden_layers": 4}
+    model = REGISTRY["llama"].build(config, SEQ)
+    args, _ = REGISTRY["llama"].inputs(config, BATCH, SEQ, generator=torch.Generator().manual_seed(0))
+    return model, args
+
 
 # float64 where the model allows: greedy tokens then match to the last digit; Mixtral's
 # grouped matmuls take float32 only
-MODELS = {"llama": (llama, torch.float64), "gpt2": (gpt2, torch.float64), "mixtral": (mixtral, torch.float32)}
+MODELS = {"llama": (llama, torch.float64), "llama4": (llama4, torch.float64), "gpt2": (gpt2, torch.float64),
+          "mixtral": (mixtral, torch.float32)}
 WORKLOAD = autopar.Inference(batch=4, prompt_len=6, max_len=16)
 NEW_TOKENS = 10
 
@@ -45,6 +58,12 @@ def prompts(tokens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask
 
 
+@made_once
+def serving_plan(model, mesh, layout):
+    """The plan on rank 0 (capture and the joint solve take seconds), given to every rank."""
+    return autopar.plan(model, mesh, inference=WORKLOAD, hardware="h100", time_limit_s=2, layout=layout)
+
+
 def serve_case(spec: str) -> dict:
     mesh_text, model_name, layout = spec.split(":")
     shape = tuple(int(x) for x in mesh_text.split("x"))
@@ -53,8 +72,7 @@ def serve_case(spec: str) -> dict:
     model, (tokens,) = factory()
     model = model.to(dtype).eval()
     torch.manual_seed(1234 + dist.get_rank())  # each rank seeded its own way, as training scripts do
-    plan = autopar.plan(model, mesh, inference=WORKLOAD, hardware="h100", time_limit_s=2,
-                        layout=None if layout == "auto" else layout)
+    plan = serving_plan(model, mesh, None if layout == "auto" else layout)
     pm = autopar.compile(model, mesh, plan=plan)
     result = {"case": spec, "kind": plan.kind, "params": {k: v for k, v in plan.params.items() if "proj" in k or "attn" in k}}
     mismatched = []
@@ -94,8 +112,7 @@ def error_cases() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, (tokens,) = llama()
     model = model.to(torch.float64).eval()
-    plan = autopar.plan(model, mesh, inference=WORKLOAD, hardware="h100", time_limit_s=2, layout="tp")
-    pm = autopar.compile(model, mesh, plan=plan)
+    pm = autopar.compile(model, mesh, plan=serving_plan(model, mesh, "tp"))
     messages = {}
 
     def expect(name, fn):
