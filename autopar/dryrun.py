@@ -67,6 +67,7 @@ from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy
 from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
+from autopar.dryrun_serving import dry_run_serving
 from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
 from autopar.dryrun_tracker import CPU, HOST, FakeState, create_optimizer_state, peak_memory, tracker_for
 from autopar.passes.capture import Captured, capture, on_device
@@ -80,7 +81,7 @@ __all__ = ["dry_run", "distinct_ranks", "DryRunResult", "DryRunError", "RankResu
 def dry_run(
     plan: Plan,
     model: nn.Module,
-    example_inputs: tuple,
+    example_inputs: tuple = (),
     *,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     target: torch.Tensor | None = None,
@@ -107,6 +108,9 @@ def dry_run(
 
     Needs no process group of its own: it starts torch's fake one per rank and destroys it
     after; one already initialised here is an error (run the dry run outside torchrun).
+
+    A serving plan (``Plan.inference``) takes no example inputs: each distinct rank runs its
+    prefill and a decode step (``autopar.dryrun_serving``).
     """
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
@@ -117,6 +121,12 @@ def dry_run(
     started = time.perf_counter()
     shape = tuple(plan.mesh_shape)
     chosen = list(ranks) if ranks is not None else distinct_ranks(plan)
+    if plan.inference is not None:  # a serving plan: its prefill and decode step (autopar.dryrun_serving)
+        coordinates = [_coordinate(r, shape) for r in chosen]
+        result = dry_run_serving(plan, model, chosen, coordinates, [_predicted_for(plan, c) for c in coordinates])
+        if raise_on_failure:
+            result.raise_if_failed()
+        return result
     results = [RankResult(r, _coordinate(r, shape)) for r in chosen]
     processes = _workers(workers, len(results))
     replayed = _replayed(plan, micro_batches)

@@ -110,10 +110,10 @@ class DryRunResult:
                  f"{len(self.ranks)} distinct run{self.replayed()}) in {self.seconds:.1f} s"]
         for r in self.ranks:
             if r.ok:
-                kinds = ", ".join(f"{k} {_gib(r.memory.get(k, 0))}" for k in KINDS)
+                kinds = ", ".join(f"{k} {_gib(v)}" for k, v in _kinds(r.memory).items())
                 lines.append(f"  {r.where()}: ok, peak {_gib(r.peak)} ({kinds}), {r.seconds:.1f} s")
                 if r.predicted:
-                    predicted = ", ".join(f"{k} {_gib(r.predicted.get(k, 0))}" for k in KINDS if k in r.predicted)
+                    predicted = ", ".join(f"{k} {_gib(v)}" for k, v in _kinds(r.predicted).items())
                     lines.append(f"    predicted {_gib(sum(r.predicted.values()))} ({predicted}); "
                                  f"predicted / dry run {r.ratio:.2f}")
                 lines.extend(f"    warning: {w}" for w in r.warnings)
@@ -127,6 +127,12 @@ class DryRunResult:
 
 class DryRunError(ValueError):
     """A plan failed its dry run (``DryRunResult.raise_if_failed``)."""
+
+
+def _kinds(memory: dict) -> dict:
+    """``memory`` by kind, a training plan's kinds (``KINDS``) first, a serving plan's (its cache) after."""
+    return {k: memory.get(k, 0) for k in KINDS if k in memory or k in ("parameters", "activations")} | {
+        k: v for k, v in memory.items() if k not in KINDS}
 
 
 def _gib(nbytes: float) -> str:

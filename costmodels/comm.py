@@ -60,7 +60,12 @@ def collective_time(collective: str, nbytes: float, axis: int | str, profile: Ha
     fit = (ax.in_step.get(collective) if in_step else None) or ax.collectives.get(collective)
     if fit is None:
         raise KeyError(f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}.")
-    return _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)
+    time = _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)
+    small = ax.low_latency.get(collective)  # the library picks the faster protocol for the size
+    if small is not None:
+        time = min(time, _collective_fn(collective)(small.alpha_s * latency_share, small.beta_bytes_per_s, ax.size,
+                                                    nbytes))
+    return time
 
 
 def bucket_copy_bytes(collective: str, nbytes: float, size: int) -> float:

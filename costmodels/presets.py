@@ -53,6 +53,16 @@ NCCL_STEP_LATENCY_S = {
     "intra_node": 3.4e-6,  # NCCL tuning.cc hwLat[NVLINK][Ring][Simple]
     "inter_node": 9.6e-6,  # NCCL tuning.cc hwLat[NET][Ring][Simple]
 }
+# NCCL's LL protocol, which it picks for small buffers (tuning.cc of NVIDIA/nccl at commit
+# 01afd20, ncclTopoTuneModel: baseLat[Ring][LL] 3.6 us, hwLat[NVLINK|NET][Ring][LL] 0.47 |
+# 2.7 us a step, the intra-node step x 1.8 across nodes; the ring's bus bandwidth x 1/4 for
+# all-reduce and across nodes, x 1/3 otherwise): a decode step's tensor-parallel all-reduces
+# of a few kilobytes pay this latency, not Simple's
+NCCL_TUNING_LL = "NCCL src/graph/tuning.cc (commit 01afd20), Ring/LL"
+NCCL_LL_BASE_LATENCY_S = 3.6e-6
+NCCL_LL_STEP_LATENCY_S = {"intra_node": 0.47e-6, "inter_node": 2.7e-6}
+NCCL_LL_CROSS_NODE_INTRA_FACTOR = 1.8
+NCCL_LL_BANDWIDTH_SHARE = {"all_reduce": 1 / 4, "cross_node": 1 / 4, "other": 1 / 3}
 RING_STEPS: dict[str, Callable[[int], int]] = {
     "all_reduce": lambda n: 2 * (n - 1),
     "all_gather": lambda n: n - 1,
@@ -278,12 +288,15 @@ def axis_links(mesh_shape: Sequence[int], gpus_per_node: int) -> list[str]:
     return links[::-1]
 
 
-def ring_latency(steps: Callable[[int], int], size: int, nodes: int) -> float:
+def ring_latency(steps: Callable[[int], int], size: int, nodes: int, low_latency: bool = False) -> float:
     """NCCL's ring latency for ``size`` ranks on ``nodes`` nodes (tuning.cc: latency =
     baseLat + (nsteps - nInterSteps) * intraLat + nInterSteps * interLat, nInterSteps the
     ring's steps over the nodes): only the steps that leave a node pay the network's
-    latency, the others NVLink's."""
+    latency, the others NVLink's. ``low_latency``: the LL protocol's."""
     inter = steps(nodes) if nodes > 1 else 0
+    if low_latency:
+        intra = NCCL_LL_STEP_LATENCY_S["intra_node"] * (NCCL_LL_CROSS_NODE_INTRA_FACTOR if nodes > 1 else 1.0)
+        return NCCL_LL_BASE_LATENCY_S + (steps(size) - inter) * intra + inter * NCCL_LL_STEP_LATENCY_S["inter_node"]
     return (NCCL_BASE_LATENCY_S + (steps(size) - inter) * NCCL_STEP_LATENCY_S["intra_node"]
             + inter * NCCL_STEP_LATENCY_S["inter_node"])
 
@@ -305,17 +318,21 @@ def build(
     axes = []
     links = axis_links(mesh_shape, node.gpus_per_node)
     for i, (name, size, link) in enumerate(zip(names, mesh_shape, links)):
-        fits = {}
+        fits, small = {}, {}
         nics = group_nics(mesh_shape, i, node.gpus_per_node) if link == "inter_node" else 1
+        nodes = -(-size // nics) if link == "inter_node" else 1
         for coll, steps in RING_STEPS.items():
             bw, src = node.busbw[link][coll]
             if nics > 1:  # no faster than the NVLink ring it also runs through
                 bw, src = min(nics * bw, node.busbw["intra_node"][coll][0]), f"{nics} NICs x ({src})"
-            alpha = ring_latency(steps, size, nodes=-(-size // nics) if link == "inter_node" else 1)
             fits[coll] = CollectiveFit(
-                alpha_s=alpha, beta_bytes_per_s=bw, source=f"alpha: {NCCL_TUNING}; beta: {src}"
+                alpha_s=ring_latency(steps, size, nodes), beta_bytes_per_s=bw, source=f"alpha: {NCCL_TUNING}; beta: {src}"
             )
-        axes.append(AxisProfile(name=name, size=size, link=link, collectives=fits))
+            share = NCCL_LL_BANDWIDTH_SHARE["all_reduce" if coll == "all_reduce" else
+                                            "cross_node" if nodes > 1 else "other"]
+            small[coll] = CollectiveFit(alpha_s=ring_latency(steps, size, nodes, low_latency=True),
+                                        beta_bytes_per_s=bw * share, source=f"{NCCL_TUNING_LL}; beta: {src} x {share:.3g}")
+        axes.append(AxisProfile(name=name, size=size, link=link, collectives=fits, low_latency=small))
     return HardwareProfile(
         machine=f"preset:{node.name}",
         backend="preset",

@@ -137,13 +137,17 @@ class AxisProfile:
     collectives: dict[str, CollectiveFit]  # timed back to back
     # timed right after compute, as a training step calls them; empty: as back to back
     in_step: dict[str, CollectiveFit] = field(default_factory=dict)
+    # a low-latency protocol the library switches to for small buffers (NCCL's LL: less
+    # latency per step, a quarter of the bandwidth); a collective costs the faster of the
+    # two. Empty: one protocol (a measured profile's fits are what was measured)
+    low_latency: dict[str, CollectiveFit] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.link not in LINKS:
             raise ProfileError(
                 f"autopar: mesh axis {self.name!r} has link {self.link!r}; expected one of " f"{list(LINKS)}."
             )
-        unknown = [c for c in self.in_step if c not in COLLECTIVES]
+        unknown = [c for c in (*self.in_step, *self.low_latency) if c not in COLLECTIVES]
         if unknown:
             raise ProfileError(
                 f"autopar: mesh axis {self.name!r} has in-step fits for unknown collectives {unknown}; "
@@ -263,7 +267,7 @@ class HardwareProfile:
         d.pop("_axis_index")
         d["mesh_shape"] = list(self.mesh_shape)
         for axis in d["axes"]:  # strict JSON has no Infinity: a size-1 axis has no link
-            for fit in [*axis["collectives"].values(), *axis["in_step"].values()]:
+            for fit in [*axis["collectives"].values(), *axis["in_step"].values(), *axis["low_latency"].values()]:
                 if fit["beta_bytes_per_s"] == math.inf:
                     fit["beta_bytes_per_s"] = None
         return d
@@ -282,7 +286,8 @@ class HardwareProfile:
                 dev[group] = {k: {t: Rate(**r) for t, r in v.items()} for k, v in dev[group].items()}
             axes = [
                 AxisProfile(**{**a, "collectives": {k: _fit(v) for k, v in a["collectives"].items()},
-                               "in_step": {k: _fit(v) for k, v in a.get("in_step", {}).items()}})
+                               "in_step": {k: _fit(v) for k, v in a.get("in_step", {}).items()},
+                               "low_latency": {k: _fit(v) for k, v in a.get("low_latency", {}).items()}})
                 for a in d["axes"]
             ]
             rest = {k: v for k, v in d.items() if k not in ("device", "axes", "mesh_shape")}

@@ -345,6 +345,49 @@ def _mean_loss_as_sum_over_count(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
+def fuse_grouped_query_attention(gm: fx.GraphModule) -> None:
+    """Attention reading Hugging Face's ``repeat_kv`` of its keys and values (each key-value
+    head expanded and copied to its query heads: ``reshape(expand(unsqueeze(x, 2)))``) reads
+    ``x`` itself with ``enable_gqa=True``: the same values, without the copy. Serving kernels
+    read the cache's key-value heads as they lie; a decode step that copied the cache to every
+    query head would move it ``query heads / key-value heads`` times over."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        sources = [_repeated_heads(a) for a in node.args[1:3]]
+        if None in sources:
+            continue
+        copies = node.args[1:3]
+        node.args = (node.args[0], *sources, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        for copy in copies:  # the repeat's reshape, clone, expand and unsqueeze, where nothing else reads them
+            while isinstance(copy, fx.Node) and copy.op == "call_function" and not copy.users:
+                below = copy.args[0]
+                gm.graph.erase_node(copy)
+                copy = below
+
+
+def _repeated_heads(node: Any) -> fx.Node | None:
+    """``x`` where ``node`` is ``reshape(expand(unsqueeze(x, 2), [b, h, n, s, d]), [b, h * n, s, d])``
+    (a ``clone`` between expand and reshape allowed), else None."""
+    aten = torch.ops.aten
+    if not isinstance(node, fx.Node) or node.target is not aten.reshape.default:
+        return None
+    expanded = node.args[0]
+    if isinstance(expanded, fx.Node) and expanded.target is aten.clone.default:
+        expanded = expanded.args[0]
+    if not isinstance(expanded, fx.Node) or expanded.target is not aten.expand.default:
+        return None
+    unsqueezed = expanded.args[0]
+    if not isinstance(unsqueezed, fx.Node) or unsqueezed.target is not aten.unsqueeze.default or unsqueezed.args[1] != 2:
+        return None
+    x = unsqueezed.args[0]
+    b, h, s, d = x.meta["val"].shape
+    n = expanded.meta["val"].shape[2]
+    return x if tuple(node.meta["val"].shape) == (b, h * n, s, d) else None
+
+
 def _copying_reshapes(gm: fx.GraphModule) -> None:
     """``reshape(x, shape)`` -> ``reshape(clone(x), shape)`` where ``x``'s strides allow no
     view: the same value, with the copy ``reshape`` makes at run time an op of its own (and
@@ -359,7 +402,7 @@ def _copying_reshapes(gm: fx.GraphModule) -> None:
         try:
             torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta").view(node.args[1])
             continue  # a view: nothing is copied
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # (under a fake tensor mode, a ValueError)
             pass
         with gm.graph.inserting_before(node):
             copy = _meta_call(gm, aten.clone.default, (node.args[0],), {"memory_format": torch.contiguous_format})

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured, capture, fuse_grouped_query_attention
 
 OBJECTIVES = ("latency", "throughput")
 INFERENCE_FIELDS = ("batch", "prompt_len", "max_len", "objective")  # what a serving plan records of it
@@ -215,7 +215,10 @@ def capture_programs(model: nn.Module, batch: int, prompt_len: int, max_len: int
     step = CachedStep(meta_twin(model), batch, max_len)
     prefill = capture(step, example_inputs(batch, prompt_len, max_len), train=False)
     decode = capture(step, example_inputs(batch, 1, max_len), train=False)
-    prefill.model_name = decode.model_name = type(model).__name__  # the model served, not its wrapper
+    for captured in (prefill, decode):
+        fuse_grouped_query_attention(captured.gm)  # the cache read as it lies, not copied per query head
+        captured.gm.recompile()
+        captured.model_name = type(model).__name__  # the model served, not its wrapper
     return Programs(prefill, decode, batch, prompt_len, max_len)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from autopar import costmodels
 from autopar.passes.costing import Pricer, leader_of
@@ -35,7 +36,7 @@ from autopar.passes.layers import find_layers
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.placements import local_shape
 from autopar.passes.solve import Follower, SolveProblem
-from autopar.passes.strategy_graph import StrategyGraph, aliases_first
+from autopar.passes.strategy_graph import StrategyGraph, aliases_first, tensor_inputs
 
 
 @dataclass
@@ -108,24 +109,46 @@ def build_serving_costs(graph: StrategyGraph, profile: costmodels.HardwareProfil
 def step_activation_bytes(graph: StrategyGraph, choice: dict[fx.Node, int]) -> float:
     """Bytes per device of the largest set of a step's values alive at once, on local shapes
     as ``choice`` lays them out: each op's outputs live from where they are made to their
-    last reader (views and in-place writes hold their input's storage; placeholders, the
-    weights and cache, are counted as state, not here)."""
+    last reader (views and in-place writes hold their input's storage); while an op runs, the
+    copies of its inputs moved to where it reads them (a gathered shard) live too; the
+    step's outputs are gathered whole at its end. Placeholders (the weights and cache) are
+    state, not counted here."""
+    mesh = graph.mesh_shape
     order = [n for n in graph.captured.graph.nodes if n.op == "call_function"]
     position = {n: i for i, n in enumerate(order)}
     last = {n: max((position.get(u, len(order)) for u in n.users), default=position[n]) for n in order}
-    size = {}
+
+    def local(meta, spec) -> float:
+        return float(math.prod(local_shape(meta.shape, spec, mesh)) * meta.dtype.itemsize)
+
+    size, moved = {}, {}
     for node in order:
         ns = graph.nodes.get(node)
-        if ns is None or ns.info is None or ns.follows is not None or aliases_first(node)[0]:
-            size[node] = 0.0  # a view or an in-place write: its input's storage
+        if ns is None or ns.info is None or ns.follows is not None:
+            size[node] = moved[node] = 0.0
             continue
         strategy = ns.strategies[choice[node]]
-        size[node] = float(sum(math.prod(local_shape(m.shape, s, graph.mesh_shape)) * m.dtype.itemsize
-                               for m, s in zip(ns.info.outputs, strategy.outputs)))
+        # a view or an in-place write holds its input's storage
+        size[node] = 0.0 if aliases_first(node)[0] else sum(map(local, ns.info.outputs, strategy.outputs))
+        moved[node] = sum(local(TensorMeta.of(src.meta["val"]), need)
+                          for src, need in zip(tensor_inputs(node), strategy.inputs)
+                          if need is not None and src in graph.nodes and _placed(graph, src, choice) != need)
     alive, peak, ending = 0.0, 0.0, {}
     for i, node in enumerate(order):
         alive += size[node]
-        peak = max(peak, alive)
+        peak = max(peak, alive + moved[node])
         ending.setdefault(last[node], []).append(node)
         alive -= sum(size[n] for n in ending.pop(i, ()))
-    return peak
+    output = next(iter(graph.captured.nodes("output")))
+    gathered = sum(float(v.meta["val"].numel() * v.meta["val"].element_size())
+                   for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node) and "val" in v.meta)
+    return max(peak, alive + gathered)
+
+
+def _placed(graph: StrategyGraph, node: fx.Node, choice: dict[fx.Node, int]):
+    """Where ``node``'s value lies under ``choice`` (a getitem: its producer's output)."""
+    ns = graph.nodes[node]
+    if ns.follows is not None:
+        producer, index = ns.follows
+        return graph.nodes[producer].strategies[choice[producer]].outputs[index]
+    return ns.strategies[choice[node]].outputs[0]

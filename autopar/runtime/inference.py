@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._guards import detect_fake_mode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
@@ -75,7 +76,7 @@ class InferenceModule(CompiledModule):
         self._parameters = set(programs.prefill.params.values())
         self.prefill = self._lay_out(programs.prefill, None, sources)
         self.decode = self._lay_out(programs.decode, "decode", sources)
-        self.generator = torch.Generator().manual_seed(_agreed_seed(self.device))
+        self._generator: torch.Generator | None = None  # seeded alike on every rank at first use
 
     # --- laying out -----------------------------------------------------------------
     def _lay_out(self, captured: Captured, program: str | None, sources: dict[str, torch.Tensor]) -> Step:
@@ -118,9 +119,17 @@ class InferenceModule(CompiledModule):
             dtype = next(t.dtype for name, t in sources.items() if t.is_floating_point())
             value = torch.zeros(place.local(shape, spec), dtype=dtype, device=self.device)
         else:
-            whole_value = sources[state_name(fqn)].detach()
-            value = (whole_value if spec is None else local_slice(whole_value, spec, place.shape, place.coord))
-            value = value.to(self.device, copy=True)
+            whole_value = sources[state_name(fqn)]
+            if whole_value.device.type == "meta":  # no weights to take: a dry run's fake tensors, else an error
+                if detect_fake_mode() is None:
+                    raise ValueError(
+                        f"autopar: {state_name(fqn)} is on the meta device: the model has no weights to serve; load "
+                        "them (e.g. from_pretrained, or model.to_empty() and a checkpoint) before autopar.compile")
+                value = torch.empty(place.local(shape, spec), dtype=whole_value.dtype, device=self.device)
+            else:
+                whole_value = whole_value.detach()
+                value = (whole_value if spec is None else local_slice(whole_value, spec, place.shape, place.coord))
+                value = value.to(self.device, copy=True)
         self.state[fqn], self.specs[fqn] = value, spec
 
     # --- running -------------------------------------------------------------------
@@ -223,6 +232,14 @@ class InferenceModule(CompiledModule):
             offset = torch.tensor(work.prompt_len + t, dtype=torch.long)
             logits = self._run(self.decode, (token[:, None], slots, positions, offset))[:, -1]
         return torch.cat([input_ids.cpu(), torch.stack(tokens, dim=1)[:rows]], dim=1)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The sampling generator, seeded alike on every rank (rank 0's seed, broadcast at first
+        use: every rank samples in the same calls)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(_agreed_seed(self.device))
+        return self._generator
 
     def _pick(self, logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None) -> torch.Tensor:
         if not do_sample:

@@ -35,6 +35,8 @@ class Relay:
     stages: int = 1
     group: Any = None
     ranks: tuple[int, ...] = ()
+    # a dry run (one process holds one rank): receive fake values of the shapes sent, send nothing
+    dry: bool = False
 
     @staticmethod
     def of(mesh: DeviceMesh, plan: Plan) -> "Relay":
@@ -59,16 +61,19 @@ class Relay:
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A value the stage before sends (in the order it sends them)."""
         value = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(value, src=self.ranks[self.stage - 1])
+        if not self.dry:
+            dist.recv(value, src=self.ranks[self.stage - 1])
         return value
 
     def send(self, value: torch.Tensor) -> None:
-        dist.send(value, dst=self.ranks[self.stage + 1])
+        if not self.dry:
+            dist.send(value, dst=self.ranks[self.stage + 1])
 
     def from_last(self, value: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
         """The last stage's ``value`` (whole ``shape``), on every stage."""
         if value is None:
             value = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(value, src=self.ranks[-1], group=self.group)
+        if not self.dry:
+            dist.broadcast(value, src=self.ranks[-1], group=self.group)
         return value
