@@ -29,12 +29,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.dryrun_results import DryRunResult, RankResult
 from autopar.runtime.inference import InferenceModule
-from autopar.passes.generation import example_inputs, meta_twin
+from autopar.passes.generation import example_inputs, is_cache, meta_twin
 from autopar.passes.plan import Plan
 
 CPU = torch.device("cpu")
-# MemTracker's reference types -> a serving plan's kinds: the weights are the module's
-# parameters, the cache its buffers, the rest what a step makes and frees
+# MemTracker's reference types -> a serving plan's kinds: the model's weights and buffers
+# are the held module's parameters, the cache its buffers, the rest what a step makes and frees
 _KIND_OF = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "kv_cache", _MemRefType.ACT: "activations",
             _MemRefType.TEMP: "activations", _MemRefType.OTH: "activations"}
 
@@ -63,9 +63,9 @@ def _run_rank(plan: Plan, model: nn.Module, result: RankResult) -> None:
             module.place = dataclasses.replace(module.place, dry=True)
             if plan.pipeline is not None:
                 result.stages = (module.place.stage,)
-            held = nn.Module()  # the weights as parameters, the cache as buffers: the tracker's kinds
+            held = nn.Module()  # the model's state as parameters, the cache as buffers: the tracker's kinds
             for i, (fqn, t) in enumerate(module.state.items()):
-                if fqn in module._parameters:
+                if not is_cache(fqn):
                     held.register_parameter(f"w{i}", nn.Parameter(t, requires_grad=False))
                 else:
                     held.register_buffer(f"b{i}", t)

@@ -57,11 +57,14 @@ def collective_time(collective: str, nbytes: float, axis: int | str, profile: Ha
     ax = profile.axis(axis)
     if ax.size == 1 or nbytes == 0:
         return 0.0
-    fit = (ax.in_step.get(collective) if in_step else None) or ax.collectives.get(collective)
+    measured_in_step = ax.in_step.get(collective) if in_step else None
+    fit = measured_in_step or ax.collectives.get(collective)
     if fit is None:
         raise KeyError(f"autopar: unknown collective {collective!r}; expected one of {list(COLLECTIVES)}.")
     time = _collective_fn(collective)(fit.alpha_s * latency_share, fit.beta_bytes_per_s, ax.size, nbytes)
-    small = ax.low_latency.get(collective)  # the library picks the faster protocol for the size
+    # The library picks the faster protocol for the size; a fit measured in the step already
+    # holds whichever protocol it picked there.
+    small = None if measured_in_step else ax.low_latency.get(collective)
     if small is not None:
         time = min(time, _collective_fn(collective)(small.alpha_s * latency_share, small.beta_bytes_per_s, ax.size,
                                                     nbytes))

@@ -85,6 +85,11 @@ def _text_config(model: nn.Module):
             f"autopar: inference expected a Hugging Face causal LM (a model with a .config and a key-value cache "
             f"path, e.g. AutoModelForCausalLM); found {type(model).__name__}; plan it for training instead, or "
             "wrap a Hugging Face model")
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"autopar: inference expected a decoder-only causal LM; found {type(model).__name__}, an encoder-decoder "
+            "model (config.is_encoder_decoder), whose generation also runs an encoder and a cross-attention cache: "
+            "not supported yet; plan it for training, or serve a decoder-only model")
     return config.get_text_config(decoder=True)
 
 

@@ -5,11 +5,15 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils import _pytree as pytree
 
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
-from autopar.passes.lowering.codegen import Flow, gradient_shares, plan_buckets
+from autopar.passes.lowering.codegen import Flow, GradientShare, gradient_shares, lower, plan_buckets
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import build_strategy_graph
 
@@ -36,6 +40,42 @@ def test_data_parallel_shares_travel_to_every_parameter(gpt):
     assert {(p, 0) for p in params} <= shared  # all summed once per step, none on the way
     # the position embedding is replicated (its indices are): its share passes through it
     assert (by_name(graph, "embedding_1"), 0) in shared
+
+
+def test_a_capture_that_makes_gradients_whole_hands_on_shares_where_the_step_sums_them(gpt):
+    """A batch of one row under data parallelism over 2 ranks: nothing splits, every gradient
+    comes back whole. Lowered with the sums the compiled step makes (every parameter over
+    axis 0: ``sync_as``), it reports those sums and hands back half of each gradient, so the
+    step's sum over the 2 ranks is the whole gradient, as one process computes it."""
+    cap8, graph8 = gpt
+    compiled = choose_by_propagation(graph8, {by_name(graph8, "tokens"): (Shard(0),)})
+    sync_as = {cap8.params[n.name]: (0,) for n in graph8.nodes if n.name in cap8.params}
+    assert all((by_name(graph8, ph), 0) in gradient_shares(Flow(graph8, compiled, None, {})) for ph in cap8.params)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2, dropout=0.0))
+    tokens = torch.randint(0, 64, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(model, (tokens,))
+    graph = build_strategy_graph(cap, (2,))
+    choice = choose_by_propagation(graph, {by_name(graph, "tokens"): (Replicate(),)})
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        program = lower(graph, choice, init_device_mesh("cpu", (2,)), sync_as=sync_as)
+    finally:
+        dist.destroy_process_group()
+    assert {cap.params[ph]: axes for ph, axes in program.grad_sync.items()} == sync_as
+    shares = [m for m in program.gm.modules() if isinstance(m, GradientShare)]
+    assert len(shares) == len(cap.params) and all(m.factor == 0.5 for m in shares)
+    values = cap.state_values(model)
+    state = {ph: values[ph].detach().clone().requires_grad_(True) for ph in cap.params}
+    logits = pytree.tree_leaves(program.gm(*[state.get(ph, values.get(ph, tokens)) for ph in cap.placeholders]))[0]
+    halves = torch.autograd.grad(logits.sum(), list(state.values()))
+    whole = torch.autograd.grad(model(tokens).sum(), [dict(model.named_parameters())[cap.params[ph]] for ph in state])
+    for ph, half, full in zip(state, halves, whole):
+        torch.testing.assert_close(2 * half, full, msg=ph)
 
 
 def test_megatron_all_reduces_where_column_parallel_layers_read(gpt):

@@ -14,6 +14,7 @@ EXPECTED_OPS = {
     "autopar.moe_experts.default",  # Mixtral's experts region, fused after capture (passes/moe_region.py)
     "aten.__and__.Tensor", "aten.add.Tensor", "aten.addmm.default", "aten.alias.default",
     "aten.arange.default", "aten.arange.start", "aten.cat.default",
+    "aten.clone.default",  # a reshape that copies, split into clone + view at capture
     "aten.cos.default", "aten.cumsum.default", "aten.diff.default", "aten.div.Tensor",
     "aten.dropout.default", "aten.embedding.default",
     "aten.eq.Tensor", "aten.expand.default", "aten.gather.default",

@@ -47,6 +47,13 @@ def at_zero(plan, model, level: int):
     return out, split
 
 
+def held_bytes(plan, model) -> dict[str, int]:
+    """Each parameter's bytes on one rank of its stage: whole where the plan replicates it
+    over the intra-op axis, 1/8 where it shards it."""
+    return {fqn: p.numel() * p.element_size() // (INTRA if plan.params[fqn] != "R" else 1)
+            for fqn, p in model.named_parameters()}
+
+
 def optimizer_bytes(result) -> int:
     """AdamW's moments on the ranks of one intra-op coordinate (every stage once)."""
     per_stage = {r.coordinate[0]: r.memory["optimizer"] for r in result.ranks}
@@ -63,6 +70,7 @@ def test_pipeline_stages_keep_the_optimizer_state_of_their_slices(staged, level)
     after = autopar.dry_run(zeroed, model, inputs, raise_on_failure=True)
     assert sorted({r.coordinate[0] for r in after.ranks}) == [0, 1]
     counters = STEP_BYTES * len(list(model.parameters()))
-    # the two moments of every parameter, whole, before; the split ones 1/8 after
-    assert optimizer_bytes(before) - counters == 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    # the two moments of every parameter as the plan holds it before (whole, or a tensor-
+    # parallel 1/8); the ones split for ZeRO 1/8 after
+    assert optimizer_bytes(before) - counters == 2 * sum(held_bytes(plan, model).values())
     assert optimizer_bytes(before) - optimizer_bytes(after) == 2 * split * (INTRA - 1) // INTRA

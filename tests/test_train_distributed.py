@@ -13,9 +13,11 @@ clips by the norm of all gradients, each element counted once whatever the layou
 does on one process (the norms equal too, on every rank).
 ``accum:``: a batch run as 2 micro-batches, by ``train_step(accumulate=2)`` and by DDP's loop (``no_sync()``, ``step()``,
 ``zero_grad()``), trains like one process on the whole batch. ``eval:``: after ``pm.eval()`` the outputs equal
-``model.eval()``'s at the compiled batch and at batches of 1 and 3 rows, under every layout, on the GPT with dropout,
-Hugging Face Llama and GPT-2 (one plan lays out every capture: ``autopar.passes.planner.relayout``); ``odd-batch:``:
-steps at a batch the plan's split does not divide train like one process.
+``model.eval()``'s at the compiled batch and at a batch of one, under data, tensor, sequence and pipeline parallelism,
+ZeRO-3 with tensor parallelism and the planner's layout, on the GPT with dropout, Hugging Face Llama and GPT-2
+(one plan lays out every capture: ``autopar.passes.planner.relayout``); ``odd-batch:``:
+steps at a batch the plan's split does not divide (a pipeline's micro-batches of one row under ZeRO-2) train like
+one process.
 Data parallel over two mesh axes (``2x2x2:gpt:tp+dp``, ``2x2:llama:dp``) sums gradients in one group over both.
 Per-rank data (``local:``): each rank loads its rows with a DistributedSampler given ``pm.data_parallel`` and passes
 inputs and targets with ``local=True`` from the first step (tp+sp: the sequence split is cut from those rows;
@@ -47,7 +49,7 @@ from tests.distributed.mp_check import check_precision
 
 LAUNCHES = {
     2: ["freed:2:gpt", "recompute:2:gpt:fsdp", "2:gpt:auto", "2:gpt:tp", "2:mlp:tp", "pp:2:gpt:GPipe:2:1", "pp:2:mlp:Interleaved1F1B:2:2", "pp:2:gpt:Interleaved1F1B:4:3", "resume:2:dp:2:fsdp", "2:mlp:zero1", "2:mlp:dp", "2:mlp:fsdp", "2:mlp:zero2", "2:mlp:random0", "2:gpt:dp", "2:gpt:random1", "2:gpt2:random1"],
-    4: ["local:4:gpt:fsdp", "local:2x2:gpt:tp+dp", "local:2x2:gpt:tp+sp", "local:2x2:mlp:auto", "local:2x2:gpt:pp", "hf-loss:4:dp", "clip:2x2:mlp:dp", "clip-inf:2x2:mlp:zero3", "clip-loop:2x2:mlp:zero1", "clip:2x2:gpt:tp+dp", "clip-3:2x2:mlp:tp+sp", "clip:pp:2x2:mlp:1F1B:2:1", "clip-loop:pp:2x2:mlp:1F1B:2:1", "clip:2x2:mlp:auto", "2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp-planned:2x2:gpt:recompute", "pp-planned:2x2:gpt:measured", "compile-pp:2x2:mlp", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:gpt:1F1B:2:1:fsdp", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "pp:2x2:gpt:1F1B:2:1:zero1", "pp:2x2:gpt:GPipe:2:1:zero2", "pp:2x2:mlp:Interleaved1F1B:4:2:zero2", "clip:pp:2x2:mlp:1F1B:2:1:zero2", "clip-loop:pp:2x2:mlp:1F1B:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero2", "pp-memory:2x2:gpt:1F1B:2", "errors", "moves", "resume:4:fsdp:2x2:random2", "resume:4:zero1:2x2:zero1", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp", "2x2:gpt:zero3", "freed:4:gpt", "recompute:2x2:gpt:tp+dp", "accum:2x2:gpt:dp", "accum:2x2:gpt:fsdp", "accum:2x2:gpt:tp+dp", "accum:2x2:gpt:auto", "accum:2x2:gpt:pp:GPipe:2:1", "odd-batch:4:gpt:dp", "odd-batch:2x2:gpt:tp+dp", "eval:2x2:gpt:dp", "eval:2x2:gpt:pp:1F1B:2:1", "eval:2x2:llama:dp", "eval:2x2:llama:fsdp", "eval:2x2:llama:tp+dp", "eval:2x2:llama:tp+sp", "eval:2x2:llama:fsdp+tp", "eval:2x2:llama:zero1", "eval:2x2:llama:auto", "eval:2x2:llama:pp:1F1B:2:1", "eval:2x2:gpt2:tp+dp", "eval:2x2:gpt2:fsdp+tp", "eval:2x2:gpt2:auto", "2x2:gpt2:tp+dp", "2x2:gpt2:tp+zero1"],
+    4: ["local:4:gpt:fsdp", "local:2x2:gpt:tp+dp", "local:2x2:gpt:tp+sp", "local:2x2:mlp:auto", "local:2x2:gpt:pp", "hf-loss:4:dp", "clip:2x2:mlp:dp", "clip-inf:2x2:mlp:zero3", "clip-loop:2x2:mlp:zero1", "clip:2x2:gpt:tp+dp", "clip-3:2x2:mlp:tp+sp", "clip:pp:2x2:mlp:1F1B:2:1", "clip-loop:pp:2x2:mlp:1F1B:2:1", "clip:2x2:mlp:auto", "2x2:gpt:tp+dp", "2x2:gpt:tp+sp", "2x2:gpt2:tp+sp", "2x2:gpt:fsdp+tp", "2x2:gpt2:zero1", "pp-planned:2x2:gpt", "pp-planned:2x2:gpt:recompute", "pp-planned:2x2:gpt:measured", "compile-pp:2x2:mlp", "pp:2x2:gpt:1F1B:2:1", "pp:2x2:gpt:1F1B:2:1:fsdp", "pp:2x2:llama:GPipe:2:1", "pp:4:gpt:Interleaved1F1B:4:2", "pp:2x2:gpt:1F1B:2:1:zero1", "pp:2x2:gpt:GPipe:2:1:zero2", "pp:2x2:mlp:Interleaved1F1B:4:2:zero2", "clip:pp:2x2:mlp:1F1B:2:1:zero2", "clip-loop:pp:2x2:mlp:1F1B:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero1", "accum:2x2:gpt:pp:GPipe:2:1:zero2", "pp-memory:2x2:gpt:1F1B:2", "errors", "moves", "resume:4:fsdp:2x2:random2", "resume:4:zero1:2x2:zero1", "2x2:gpt:random1", "2x2:gpt:fsdp", "2x2:gpt:zero2", "4:gpt:random3", "2x2:llama:dp", "2x2:llama:random0", "4:gpt2:fsdp", "2x2:gpt:zero3", "freed:4:gpt", "recompute:2x2:gpt:tp+dp", "accum:2x2:gpt:dp", "accum:2x2:gpt:fsdp", "accum:2x2:gpt:tp+dp", "accum:2x2:gpt:auto", "accum:2x2:gpt:pp:GPipe:2:1", "odd-batch:4:gpt:dp", "odd-batch:2x2:gpt:tp+dp", "odd-batch:2x2:gpt:pp:GPipe:4:1:zero2", "eval:2x2:gpt:dp", "eval:2x2:gpt:pp:1F1B:2:1", "eval:2x2:llama:dp", "eval:2x2:llama:tp+sp", "eval:2x2:llama:fsdp+tp", "eval:2x2:llama:auto", "eval:2x2:llama:pp:1F1B:2:1", "eval:2x2:gpt2:tp+dp", "eval:2x2:gpt2:auto", "2x2:gpt2:tp+dp", "2x2:gpt2:tp+zero1"],
     8: ["pp:2x2x2:gpt:1F1B:2:1", "pp:2x2x2:gpt:1F1B:2:1:tp+dp", "2x2x2:gpt:random1", "2x2x2:mlp:dp", "2x2x2:gpt:tp+dp", "pp:2x2x2:gpt:1F1B:2:1:zero2", "pp:2x2x2:gpt:1F1B:2:1:tp+zero1", "pp-zero2:2x2x2:gpt:1F1B:2:1:tp+zero1", "mp:8:gpt:fsdp", "mp:pp:2x2x2:gpt:1F1B:2:1", "mp:2x2x2:gpt:tp+dp",
         "mp:8:gpt:dp", "mp:8:gpt:zero1", "mp:8:gpt:zero2", "mp:8:gpt:tp", "mp:2x2x2:gpt:tp+sp", "mp:2x2x2:gpt:fsdp+tp",
         "mp:fsdp2:8:gpt:zero3"],
@@ -145,6 +147,9 @@ def test_compiled_training_matches_single_process(nproc):
                 assert r["train_mode_diff"] > 1e-3, f"{case}: after pm.train() dropout must be on again: {r}"
             else:
                 assert r["no_grad_train_error"] <= bound, f"{case}: batch 1 under no_grad in train mode: {r}"
+            continue
+        if case.startswith("odd-batch:"):  # whole-batch steps at a batch the plan's split does not divide
+            assert r["loss_err"] <= 1e-9 and r["param_err"] <= 1e-9, f"{case}: {r}"
             continue
         if case.startswith("accum:"):  # accumulated steps: as one process on the whole batch
             # ZeRO-2/3: gradients leave backward reduce-scattered, nothing is summed after it to mix

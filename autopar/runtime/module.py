@@ -41,7 +41,7 @@ from autopar.runtime.precision import (Precision, apply_precision, capture_cast,
                                        masters_reduce_dtype, output_under, warn_under_autocast)
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.variants import (Variant, Variants, backward_order, lower_plan, recompute_plan, settings_key,
-                                      settings_of, stored_layouts)
+                                      settings_of, stored_layouts, synced_by_fqn)
 from autopar.runtime.zero1 import OptimizerSlices
 from autopar.passes.capture import Captured, capture
 from autopar.passes.lowering.codegen import RankProgram
@@ -231,7 +231,10 @@ class ParallelModule(TrainingModule):
             captured = self._capture(tuple(args), kwargs, train=train)
         try:
             graph = build_strategy_graph(captured, tuple(self.mesh.shape))
-            program, level1 = lower_plan(graph, captured, self.plan, self.mesh)
+            # gradients summed as the compiled program sums them: any variant's backward adds to
+            # the same .grad, and one sum per step covers them all
+            program, level1 = lower_plan(graph, captured, self.plan, self.mesh,
+                                         synced_by_fqn(self._compiled.captured, [self._compiled.program]))
         except ValueError as exc:
             raise ValueError(f"autopar: the plan does not lay the model out for inputs of shapes {list(shapes)} "
                              f"({'train' if train else 'eval'} mode): {exc}") from exc

@@ -53,7 +53,7 @@ from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.precision import Precision, capture_cast, masters_reduce_dtype, output_under, warn_under_autocast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
-from autopar.runtime.variants import Variants, backward_order, stored_layouts
+from autopar.runtime.variants import Variants, backward_order, stored_layouts, synced_by_fqn
 from autopar.runtime.zero1 import OptimizerSlices, slice_axes
 from autopar.passes.capture import Captured, capture
 from autopar.passes.lowering.codegen import Part, RankProgram
@@ -294,8 +294,10 @@ class PipelineModule(TrainingModule):
                 warnings.simplefilter("ignore")
                 captured = self._capture_stages(examples, train=train)
             graph = build_strategy_graph(captured, self._intra_shape)
+            # gradients summed as the compiled stages sum them: one sum per step covers every variant
+            sync_as = synced_by_fqn(self._compiled.captured, self._compiled.programs)
             return lower_stages(captured, graph, relayout(graph, self.plan).choice, self.plan, self._place,
-                                self._shared_state, self.precision, micro_batches=m)
+                                self._shared_state, self.precision, micro_batches=m, sync_as=sync_as)
 
         return self._variants.get((micro, m, train), build)
 

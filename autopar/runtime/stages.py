@@ -146,13 +146,14 @@ class StagePlace:
 
 def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: Plan, place: StagePlace,
                  take: Callable[[Captured, str, Any], torch.Tensor], precision: Precision | None = None,
-                 micro_batches: int | None = None) -> Stages:
+                 micro_batches: int | None = None, sync_as: dict[str, tuple[int, ...]] | None = None) -> Stages:
     """This rank's stages of ``captured``, cut where the plan cuts and lowered by the
     strategies ``choice`` (of ``graph``) on the intra-op mesh; ``take(captured, placeholder,
     spec)`` gives each stage's state. Under ``precision`` (``captured`` as the model computes
     under it: ``capture_cast``) each stage computes on cast copies of the master state it
     is given (``apply_precision``), so what crosses a boundary is in ``param_dtype``.
-    ``micro_batches``: how many a schedule run cuts the batch into (None: the plan's)."""
+    ``micro_batches``: how many a schedule run cuts the batch into (None: the plan's).
+    ``sync_as``: the gradient sums of the compiled stages, by fqn, which these follow."""
     pp = plan.pipeline
     n_stages = pp.stages * pp.chunks_per_rank
     parts = stage_parts(captured, relayout_stages(captured, plan), n_stages)
@@ -164,7 +165,7 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     for index in range(place.pp_rank, n_stages, pp.stages):
         part = parts[index]
-        program = lower(graph, choice, place.intra, per_use, part=part)
+        program = lower(graph, choice, place.intra, per_use, part=part, sync_as=sync_as)
         named = {n.name: take(captured, n.name, program.input_specs.get(n.name))
                  for n in part.inputs if n.name in state_names}
         if precision is not None:  # before the split: it finds the gathers and readers of each parameter there

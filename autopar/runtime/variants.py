@@ -96,11 +96,12 @@ def settings_key(settings: dict[str, Any]) -> tuple:
     return tuple((name, type(value).__name__, value) for name, value in settings.items())
 
 
-def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
-               mesh: DeviceMesh) -> tuple[RankProgram, set[str]]:
+def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan, mesh: DeviceMesh,
+               sync_as: dict[str, tuple[int, ...]] | None = None) -> tuple[RankProgram, set[str]]:
     """This rank's program for ``plan`` (any capture of the plan's model: its nodes found by
     identity, what the plan does not lay out re-solved with the weights fixed, ``relayout``),
-    and the ZeRO-1 parameters it holds as their ops use them."""
+    and the ZeRO-1 parameters it holds as their ops use them. ``sync_as``: the compiled
+    program's gradient sums, by fqn (``synced_by_fqn``), which this one's gradients follow."""
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     stored = stored_layouts(captured, plan)
     choice = relayout(graph, plan).choice
@@ -108,8 +109,15 @@ def lower_plan(graph: StrategyGraph, captured: Captured, plan: Plan,
     # (and ZeRO-1 ones read in several layouts) gathered from storage once per step
     level1 = zero1_layouts(graph, choice, {ph: stored[ph] for ph, fqn in captured.params.items()
                                            if plan.zero.get(fqn, 0) == 1 and ph in stored})
-    program = lower(graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1})
+    program = lower(graph, choice, mesh, per_use, storage={ph: spec for ph, spec in stored.items() if ph not in level1},
+                    sync_as=sync_as)
     return program, level1
+
+
+def synced_by_fqn(captured: Captured, programs: list[RankProgram]) -> dict[str, tuple[int, ...]]:
+    """The axes each parameter's gradient is summed over once per step, by fqn (a program's
+    ``grad_sync`` is by placeholder, which another capture may name otherwise)."""
+    return {captured.params[name]: axes for program in programs for name, axes in program.grad_sync.items()}
 
 
 def recompute_plan(program: RankProgram, plan: Plan) -> None:

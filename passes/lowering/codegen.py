@@ -24,6 +24,7 @@ gathered a bucket per layer (``plan_buckets``, ``autopar.passes.lowering.buckets
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
@@ -95,6 +96,32 @@ class Reshard(nn.Module):
     def extra_repr(self) -> str:
         moves = ", ".join(collectives(self.src, self.dst)) or "no data moves"
         return f"{spec_str(self.src)} -> {spec_str(self.dst)} ({moves}; gradient {spec_str(self.grad)})"
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class GradientShare(nn.Module):
+    """The identity, whose backward hands on ``factor`` (1 / ranks) of the gradient: a whole
+    gradient made a share, for a step that sums it over those ranks (``lower``'s ``sync_as``)."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledGradient.apply(x, self.factor)
+
+    def extra_repr(self) -> str:
+        return f"gradient x {self.factor:g}"
 
 
 class LocalKernel(nn.Module):
@@ -170,6 +197,7 @@ def lower(
     batch_grad_sync: bool = True,
     storage: dict[str, Spec] | None = None,
     reduce_outputs: bool = True,
+    sync_as: dict[str, tuple[int, ...]] | None = None,
 ) -> RankProgram:
     """Build this rank's program (the rank is the caller's: ``mesh.get_coordinate()``).
 
@@ -187,6 +215,10 @@ def lower(
     of them together (``RankProgram.grad_sync``), as DDP's buckets do.
     ``reduce_outputs`` False: outputs that are pending sums leave as they are (Partial in
     ``output_specs``), for a caller that reduces them itself.
+    ``sync_as`` (parameter fqn -> axes): the sums a step already makes of the gradients
+    (another capture's ``grad_sync``, by fqn), so that every program of a plan accumulates
+    into the same ``.grad`` alike: shares pass up only on those axes, and a parameter whose
+    gradient comes back whole on one of them hands back 1/size of it (``GradientShare``).
     """
     mesh_shape = tuple(mesh.shape) if mesh is not None else ()
     if mesh_shape != graph.mesh_shape:
@@ -197,12 +229,23 @@ def lower(
     ctx = rules.LocalContext(mesh_shape, tuple(mesh.get_coordinate()) if mesh is not None else (),
                              MeshExchange(mesh) if mesh is not None else None)
     flow = Flow(graph, choice, part, storage or {}, reduce_outputs)
-    shared = gradient_shares(flow, batch_grad_sync)
+    params = graph.captured.params
+    allowed = None if sync_as is None else {(v, a) for v in flow.order if v.name in params
+                                            for a in sync_as.get(params[v.name], ())}
+    shared = gradient_shares(flow, batch_grad_sync, allowed)
     grad_sync = {
         v.name: axes for v in flow.order
-        if v.op == "placeholder" and v.name in graph.captured.params
+        if v.op == "placeholder" and v.name in params
         and (axes := tuple(a for a in range(len(mesh_shape)) if (v, a) in shared))
     }
+    whole = {}  # parameter placeholder -> 1 / ranks of the axes it is summed over but comes back whole on
+    if sync_as is not None:
+        for v in flow.order:
+            if v in flow.received and v.name in params and flow.grad.get(v, False) and sync_as.get(params[v.name]):
+                missing = [a for a in sync_as[params[v.name]] if a not in grad_sync.get(v.name, ())]
+                if missing:
+                    whole[v] = 1.0 / math.prod(mesh_shape[a] for a in missing)
+                grad_sync[v.name] = tuple(sync_as[params[v.name]])
     bucket_of = plan_buckets(flow, shared, gather_per_use, storage or {}) if mesh is not None else {}
     out = fx.Graph()
     root = nn.Module()
@@ -258,6 +301,9 @@ def lower(
         if node in flow.received:
             env[node] = out.placeholder(node.name)
             env[node].meta = dict(node.meta)
+            if node in whole:
+                env[node] = out.call_module(add_module("gradient_share", GradientShare(whole[node])), (env[node],))
+                env[node].meta = dict(node.meta)
         elif node.op == "call_function" and node.target is operator.getitem:
             producer, index = node.args
             env[node] = out.call_function(operator.getitem, (env[producer], index))
@@ -409,7 +455,8 @@ def _floating(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals)
 
 
-def gradient_shares(flow: Flow, batch_grad_sync: bool = True) -> set[tuple[fx.Node, int]]:
+def gradient_shares(flow: Flow, batch_grad_sync: bool = True,
+                    allowed: set[tuple[fx.Node, int]] | None = None) -> set[tuple[fx.Node, int]]:
     """(value, mesh axis) pairs whose gradient comes back as this device's share, unreduced.
 
     On an axis where a value is replicated but a reader's output differs (a batch split,
@@ -420,7 +467,8 @@ def gradient_shares(flow: Flow, batch_grad_sync: bool = True) -> set[tuple[fx.No
     (``RankProgram.grad_sync``), or to values that take no gradient at all. A value
     takes shares on an axis when every reader hands back one and it can pass them on
     without a reduction anywhere; the largest such set is found by removing pairs that
-    break these conditions until none does.
+    break these conditions until none does. ``allowed``: the only (parameter, axis) pairs
+    that may be summed at the parameters (None: any).
     """
     captured = flow.graph.captured
     mesh_shape = flow.graph.mesh_shape
@@ -431,7 +479,7 @@ def gradient_shares(flow: Flow, batch_grad_sync: bool = True) -> set[tuple[fx.No
         if mesh_shape[axis] == 1:
             return None
         if v.op == "placeholder" and v.name in captured.params and v in flow.received:
-            return "sum" if batch_grad_sync else None
+            return "sum" if batch_grad_sync and (allowed is None or (v, axis) in allowed) else None
         if v in flow.outputs and v not in flow.received and len(flow.outputs[v]) == 1:
             strategy = flow.graph[v].strategies[flow.choice[v]]
             if all(need is None or isinstance(need[axis], Replicate) for need in strategy.inputs):

@@ -32,9 +32,9 @@ from autopar.passes.planner.layouts import axis_roles, layout_placements
 from autopar.passes.roles import AxisRole
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
-from autopar.passes.solve import SolveOptions, SolveProblem, solve
+from autopar.passes.solve import SolveOptions, SolveProblem, evaluate_time, solve
 from autopar.passes.solve.heuristics import chain_relaxation_plan
-from autopar.passes.solve.joint import join, part_time
+from autopar.passes.solve.joint import join
 from autopar.passes.solve.shrink import shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
@@ -64,7 +64,7 @@ class Joint:
 
     def times(self, assignment: list[int]) -> tuple[float, float]:
         """(prefill, one decode step) seconds, unweighted."""
-        return tuple(part_time(c.problem, part) for c, part in zip(self.costs, self.parts(assignment)))
+        return tuple(evaluate_time(c.problem, part) for c, part in zip(self.costs, self.parts(assignment)))
 
     def activations(self, assignment: list[int]) -> float:
         """The prefill's live activations (the larger step's) on ``assignment``."""
@@ -231,9 +231,10 @@ def _assemble(joint: Joint, assignment: list[int], inference: Inference, program
     moves = prefill.communication(parts[0]) + joint.steps * decode.communication(parts[1])
     captured = graphs[0].captured
     cache = {ph for ph, fqn in captured.buffers.items() if is_cache(fqn)}
+    weights = set(captured.params) | set(captured.buffers) - cache  # the model's own state (its buffers too)
     plan.predicted = Prediction(
         step_time=total, compute=total - moves, communication=moves,
-        memory={"parameters": prefill.state_bytes(parts[0], set(captured.params)),
+        memory={"parameters": prefill.state_bytes(parts[0], weights),
                 "kv_cache": prefill.state_bytes(parts[0], cache), "activations": joint.activations(assignment)},
         time_to_first_token=ttft, time_per_output_token=tpot,
         tokens_per_second_per_device=programs.batch * inference.new_tokens / total / math.prod(request.mesh_shape))

@@ -21,7 +21,7 @@ from torch import fx
 
 from autopar import costmodels
 from autopar.passes.edge_costs import local_bytes
-from autopar.passes.generation import Inference, Programs
+from autopar.passes.generation import Inference, Programs, is_cache
 from autopar.passes.layers import find_layers
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.plan import Pipeline, Plan
@@ -117,13 +117,13 @@ def _state_stages(graph: StrategyGraph, stage_of: dict[str, int]) -> dict[fx.Nod
 
 
 def _stage_kinds(joint: Joint, choice: dict[fx.Node, int], stage_of: dict[str, int], stage: int) -> dict[str, float]:
-    """A stage's weights and cache bytes per device."""
+    """A stage's weights (the model's parameters and buffers) and cache bytes per device."""
     graph, costs = joint.graphs[0], joint.costs[0]
     captured = graph.captured
     kinds = {"parameters": 0.0, "kv_cache": 0.0}
     for node, stages in _state_stages(graph, stage_of).items():
         if stage in stages:
-            kind = "parameters" if node.name in captured.params else "kv_cache"
+            kind = "kv_cache" if is_cache(captured.buffers.get(node.name, "")) else "parameters"
             kinds[kind] += float(costs.held[costs.index[node]][choice[node]])
     return kinds
 

@@ -62,10 +62,3 @@ def _weighted(costs: np.ndarray, weight: float) -> np.ndarray:
     """``costs`` times ``weight``, a forbidden (inf) choice staying forbidden at weight 0 (a
     program that runs no time still may not take it)."""
     return np.where(np.isinf(costs), costs, costs * weight)
-
-
-def part_time(problem: SolveProblem, assignment: Sequence[int], offset: int = 0) -> float:
-    """Seconds of one part (unweighted) under a joint ``assignment``: its nodes' and edges' times."""
-    nodes = sum(float(t[assignment[offset + v]]) for v, t in enumerate(problem.node_time))
-    moves = sum(float(r[assignment[offset + u], assignment[offset + v]]) for u, v, r in problem.edges)
-    return nodes + moves

@@ -742,15 +742,18 @@ def mixed_error(pm, inputs, target) -> str:
 
 
 def odd_batch_case(spec: str) -> dict:
-    """odd-batch:<mesh>:<model>:<layout>: whole-batch steps of 6 sequences, which the plan's
-    split of 8 over the mesh does not divide, train like one process (the capture at 6 is laid
-    out by the plan: ``autopar.passes.planner.relayout``)."""
-    _, mesh_text, model_name, layout = spec.split(":")
+    """odd-batch:<mesh>:<model>:<layout or pp:...>: whole-batch steps of 6 sequences, which
+    the plan's split of 8 over the mesh does not divide, train like one process (the capture at
+    6 is laid out by the plan: ``autopar.passes.planner.relayout``); a pipeline's steps, of
+    micro-batches of one sequence, which its data-parallel axis cannot split: gradients made
+    whole there are summed as the compiled stages' shares are (``lower``'s ``sync_as``)."""
+    _, mesh_text, model_name, *parts = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     model, loss_fn, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
-    pm = compiled_for([layout], model, mesh_shape, batches[0][0], loss_fn)
-    odd = [(inputs[:6], target[:6]) for inputs, target in batches[:3]]
+    pm = compiled_for(parts, model, mesh_shape, batches[0][0], loss_fn)
+    rows = pm.plan.pipeline.micro_batches if pm.plan.pipeline is not None else 6
+    odd = [(inputs[:rows], target[:rows]) for inputs, target in batches[:3]]
     losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, odd)
     return {"case": spec, "losses": losses, "loss_err": loss_err, "param_err": param_err}
 
@@ -758,8 +761,9 @@ def odd_batch_case(spec: str) -> dict:
 def eval_case(spec: str) -> dict:
     """eval:<mesh>:<model>:<layout or pp:...>: after ``pm.eval()`` the outputs equal
     ``model.eval()``'s on one process (captured under ``no_grad``, where export names ops
-    otherwise than in training) at the compiled batch and at batches of 1 and 3 rows (laid
-    out by the plan: ``autopar.passes.planner.relayout``). The GPT has dropout 0.1:
+    otherwise than in training) at the compiled batch and at a batch of 1 row (laid out by
+    the plan: ``autopar.passes.planner.relayout``); the GPT at 3 rows too (a pipeline cuts
+    them into as many micro-batches as divide them). The GPT has dropout 0.1:
     ``pm.train()`` outputs differ; the Hugging Face models have none: in train mode under
     ``torch.no_grad()`` a batch of one equals the reference too."""
     _, mesh_text, model_name, *parts = spec.split(":")
@@ -776,7 +780,7 @@ def eval_case(spec: str) -> dict:
     pm = compiled_for(parts, model, mesh_shape, tokens, loss_fn)
     assert pm.eval() is pm and not pm.training
     errors, kept = {}, False
-    for rows in (len(tokens), 1, 3):
+    for rows in (len(tokens), 1, 3) if model_name == "gpt" else (len(tokens), 1):
         with torch.no_grad():
             expected = logits(reference(tokens[:rows]))
         out = logits(pm(tokens[:rows]))
