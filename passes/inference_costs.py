@@ -6,7 +6,8 @@ Serving holds the weights and the key-value cache, and computes one step at a ti
     time    = the op's forward alone, on local shapes (the roofline ``compute_time``: decode's
               matmuls of one token per sequence are priced by the weight bytes they read,
               attention by the cache it reads; every kernel pays the profile's launch
-              latency), plus the collectives the op runs inside itself;
+              latency), plus the collectives the op runs inside itself, and for the step's
+              outputs (the logits) bringing them whole to every rank, as the runtime does;
     edges   = the forward move of each value to where its consumer reads it (no gradient:
               a tensor-parallel all-reduce, latency-bound at decode's sizes, is priced by the
               profile's fit of its size);
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from torch import fx
+from torch.distributed.tensor import Replicate
 from torch.utils import _pytree as pytree
 
 from autopar import costmodels
@@ -76,6 +78,7 @@ def build_serving_costs(graph: StrategyGraph, profile: costmodels.HardwareProfil
     pricer = pricer if pricer is not None else Pricer(graph, profile)
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
+    outputs = _step_outputs(graph)
     compute, held, followers = [], [], []
     for node in nodes:
         ns = graph.nodes[node]
@@ -91,6 +94,8 @@ def build_serving_costs(graph: StrategyGraph, profile: costmodels.HardwareProfil
         else:
             _, forward, _ = pricer.op(ns, False)
             t = forward + pricer.op_comm(ns, False)
+            if node in outputs:  # the runtime makes the step's outputs (the logits) whole on every rank
+                t = t + _made_whole(node, ns, profile)
             compute.append(t)
             held.append(np.zeros(k))
             leader = leader_of(graph, node, t, pricer)
@@ -104,6 +109,20 @@ def build_serving_costs(graph: StrategyGraph, profile: costmodels.HardwareProfil
     problem = SolveProblem(node_time=compute, node_memory=held, edges=edges, ties=ties, followers=followers,
                            node_names=[n.name for n in nodes])
     return ServingCosts(graph, profile, problem, nodes, index, compute, held, edge_inputs, edge_prices, pricer)
+
+
+def _step_outputs(graph: StrategyGraph) -> set[fx.Node]:
+    out = next(n for n in graph.captured.graph.nodes if n.op == "output")
+    return {v for v in pytree.tree_leaves(out.args[0]) if isinstance(v, fx.Node) and v in graph.nodes}
+
+
+def _made_whole(node: fx.Node, ns, profile: costmodels.HardwareProfile) -> np.ndarray:
+    """Seconds, per strategy, to bring ``node``'s output from where it lies to replicated on
+    every device (a partial sum all-reduced, a split gathered)."""
+    val = node.meta["val"]
+    whole = (Replicate(),) * len(profile.mesh_shape)
+    return np.array([costmodels.reshard_time(tuple(val.shape), val.element_size(), s.output, whole, profile)
+                     if s.output is not None else 0.0 for s in ns.strategies])
 
 
 def step_activation_bytes(graph: StrategyGraph, choice: dict[fx.Node, int]) -> float:
