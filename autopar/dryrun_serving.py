@@ -73,8 +73,8 @@ def _run_rank(plan: Plan, model: nn.Module, result: RankResult) -> None:
             tracker = MemTracker()
             tracker.track_external(held)
             with tracker:
-                module._run(module.prefill, example_inputs(work.batch, work.prompt_len, work.max_len, CPU))
-                module._run(module.decode, example_inputs(work.batch, 1, work.max_len, CPU))
+                module._run(module.prefill, example_inputs(module.rows, work.prompt_len, work.max_len, CPU))
+                module._run(module.decode, example_inputs(module.rows, 1, work.max_len, CPU))
         peak = tracker.get_tracker_snapshot("peak").get(CPU, {})
         result.memory = {kind: 0 for kind in dict.fromkeys(_KIND_OF.values())}
         for ref, kind in _KIND_OF.items():

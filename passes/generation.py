@@ -31,7 +31,7 @@ from torch import nn
 from autopar.passes.capture import Captured, capture, fuse_grouped_query_attention
 
 OBJECTIVES = ("latency", "throughput")
-INFERENCE_FIELDS = ("batch", "prompt_len", "max_len", "objective")  # what a serving plan records of it
+INFERENCE_FIELDS = ("batch", "prompt_len", "max_len", "objective", "micro_batches")  # what a serving plan records of it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +42,17 @@ class Inference:
 
     ``objective="latency"``: minimise the time to first token plus (``max_len`` -
     ``prompt_len``) times the time per output token at this batch. ``"throughput"``:
-    maximise generated tokens per second per device."""
+    maximise generated tokens per second per device.
+
+    ``micro_batches``: how many a pipeline keeps in flight, each its share of the batch
+    (None: the planner's choice: one, or under the throughput objective one per stage
+    where that serves faster)."""
 
     batch: int | None = 1
     prompt_len: int = 128
     max_len: int = 2048
     objective: str = "latency"
+    micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -56,13 +61,16 @@ class Inference:
         if self.batch is None and self.objective != "throughput":
             raise ValueError("autopar: Inference(batch=None) means the largest batch that fits, which only the "
                              "throughput objective chooses; give a batch (e.g. batch=1) for objective='latency'")
-        for name in ("batch", "prompt_len", "max_len"):
+        for name in ("batch", "prompt_len", "max_len", "micro_batches"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"autopar: Inference({name}=) expected a positive int; found {value!r}")
         if self.max_len <= self.prompt_len:
             raise ValueError(f"autopar: Inference expected max_len (the prompt and what is generated: "
                              f"{self.max_len}) above prompt_len ({self.prompt_len}); raise max_len")
+        if self.micro_batches is not None and self.batch is not None and self.batch % self.micro_batches:
+            raise ValueError(f"autopar: Inference expected micro_batches ({self.micro_batches}) to divide the batch "
+                             f"({self.batch}); pick a divisor, or leave micro_batches out")
 
     @property
     def new_tokens(self) -> int:
@@ -75,7 +83,7 @@ class Inference:
     @staticmethod
     def of(plan_inference: dict[str, Any]) -> "Inference":
         """The workload a serving plan records (``Plan.inference``; its batch resolved)."""
-        return Inference(**{name: plan_inference[name] for name in INFERENCE_FIELDS})
+        return Inference(**{name: plan_inference[name] for name in INFERENCE_FIELDS if name in plan_inference})
 
 
 def _text_config(model: nn.Module):

@@ -155,6 +155,34 @@ def test_a_serving_plan_dry_runs_holding_the_weights_and_cache_it_predicts(tiny_
     assert "kv_cache" in result.table()
 
 
+def test_a_pipeline_with_micro_batches_in_flight_holds_every_cache_and_dry_runs(tiny_llama):
+    """Two stages, two micro-batches of 4 sequences: the programs are captured at 4, each
+    stage holds the cache of all 8 (as much as one batch of 8 through the stages in turn)
+    and one micro-batch's activations; the plan replays, explains its ticks and dry-runs
+    holding what it predicts."""
+    model, _ = tiny_llama
+    plans = {}
+    for m in (1, 2):
+        workload = autopar.Inference(batch=8, prompt_len=6, max_len=16, objective="throughput", micro_batches=m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[m] = autopar.plan(model, (2, 1), inference=workload, hardware="h100", time_limit_s=2, layout="pp")
+    one, two = plans[1].predicted, plans[2].predicted
+    assert plans[2].pipeline.micro_batches == 2 and plans[2].inference["batch"] == 8
+    assert autopar.Plan.from_json(plans[2].to_json()) == plans[2]
+    assert two.memory["kv_cache"] == one.memory["kv_cache"] > 0
+    assert two.memory["activations"] < one.memory["activations"]
+    steps = WORKLOAD.new_tokens - 1
+    assert two.step_time == pytest.approx(two.time_to_first_token + steps * two.time_per_output_token)
+    assert two.tokens_per_second_per_device == pytest.approx(8 * WORKLOAD.new_tokens / two.step_time / 2)
+    assert "2 micro-batches of 4 sequence(s) in flight" in plans[2].explain()
+    result = autopar.dry_run(plans[2], model)
+    assert result.ok, result.table()
+    for r in result.ranks:
+        for kind in ("parameters", "kv_cache"):
+            assert r.memory[kind] == r.predicted[kind], (kind, r)
+
+
 def test_small_all_reduces_pay_the_low_latency_protocol_and_large_ones_the_bandwidth():
     """A decode step's all-reduce of a few kilobytes over 8 GPUs pays NCCL's LL latency
     (3.6 us + 14 steps of 0.47 us), a large one Simple's bandwidth (the faster of the two)."""

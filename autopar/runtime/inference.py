@@ -9,6 +9,15 @@ captures again, whatever its prompts' lengths or its number of rows (up to the p
 ones). Prompts are left-padded to the planned length as Hugging Face pads them, rows
 beyond the given ones are padding the outputs drop. Every rank gets the whole logits and
 so picks the same tokens; sampling draws from a generator every rank seeds alike.
+
+Under a pipeline with several micro-batches (a throughput plan: one per stage) the
+programs are captured at one micro-batch and each stage holds the cache of every
+micro-batch, each a slice of rows of one tensor. A stage runs micro-batch ``j``'s step
+``t`` as soon as it has its input (``_launch``: receive, compute, send on without waiting),
+so every stage works on a different micro-batch at once; the last stage's logits reach the
+others (``_collect``) just before they need them: the last stage broadcasts each as it
+finishes it, the others take it before launching that micro-batch's next step. Every rank
+meets the broadcasts in the same order, (step, micro-batch).
 """
 
 from __future__ import annotations
@@ -68,7 +77,12 @@ class InferenceModule(CompiledModule):
         self.device = mesh_device(mesh)
         self.place = Relay.of(mesh, plan)
         work = self.workload
-        programs = capture_programs(model, work.batch, work.prompt_len, work.max_len)
+        self.micro_batches = plan.pipeline.micro_batches if plan.pipeline is not None else 1
+        if work.batch % self.micro_batches:
+            raise ValueError(f"autopar: the serving plan runs {self.micro_batches} micro-batches of its batch of "
+                             f"{work.batch}; expected a batch they divide; re-plan")
+        self.rows = work.batch // self.micro_batches  # sequences per micro-batch
+        programs = capture_programs(model, self.rows, work.prompt_len, work.max_len)
         self.state: dict[str, torch.Tensor] = {}  # qualified name (CachedStep's) -> this rank's shard
         self.specs: dict[str, Spec] = {}
         sources = {**dict(model.named_parameters(remove_duplicate=False)),
@@ -77,6 +91,7 @@ class InferenceModule(CompiledModule):
         self.prefill = self._lay_out(programs.prefill, None, sources)
         self.decode = self._lay_out(programs.decode, "decode", sources)
         self._generator: torch.Generator | None = None  # seeded alike on every rank at first use
+        self._sending: list = []  # (handle, tensor) of the sends not yet completed
 
     # --- laying out -----------------------------------------------------------------
     def _lay_out(self, captured: Captured, program: str | None, sources: dict[str, torch.Tensor]) -> Step:
@@ -115,9 +130,10 @@ class InferenceModule(CompiledModule):
                                  f"({self.specs[fqn]} and {spec}); expected one; re-plan")
             return
         place = self.place
-        if is_cache(fqn):  # zeros, made as this rank's shard: the whole cache is never held
+        if is_cache(fqn):  # zeros, made as this rank's shard (the whole cache is never held), one per micro-batch
             dtype = next(t.dtype for name, t in sources.items() if t.is_floating_point())
-            value = torch.zeros(place.local(shape, spec), dtype=dtype, device=self.device)
+            local = place.local(shape, spec)
+            value = torch.zeros((local[0] * self.micro_batches, *local[1:]), dtype=dtype, device=self.device)
         else:
             whole_value = sources[state_name(fqn)]
             if whole_value.device.type == "meta":  # no weights to take: a dry run's fake tensors, else an error
@@ -134,12 +150,17 @@ class InferenceModule(CompiledModule):
 
     # --- running -------------------------------------------------------------------
     @torch.no_grad()
-    def _run(self, step: Step, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The step's logits, whole on every rank; the cache shards written in place. Under a
-        pipeline each stage receives from the one before, runs its part and sends on; the
-        last stage's logits are broadcast along the pipeline."""
+    def _run(self, step: Step, inputs: tuple[torch.Tensor, ...], micro_batch: int = 0) -> torch.Tensor:
+        """The step's logits of one micro-batch, whole on every rank; its cache shards written in place."""
+        return self._collect(step, self._launch(step, inputs, micro_batch))
+
+    @torch.no_grad()
+    def _launch(self, step: Step, inputs: tuple[torch.Tensor, ...], micro_batch: int = 0) -> torch.Tensor | None:
+        """Run this rank's part of ``step`` on ``micro_batch`` (``inputs``: its rows): under a
+        pipeline, receive from the stage before and send on without waiting for the send.
+        The logits where this rank computes them (the last stage), else None."""
         captured, place = step.captured, self.place
-        values = {ph: self.state[fqn] for ph, fqn in {**captured.params, **captured.buffers}.items()
+        values = {ph: self._state(fqn, micro_batch) for ph, fqn in {**captured.params, **captured.buffers}.items()
                   if ph in step.order}
         values.update(step.constants)
         for name, x in zip(captured.user_inputs, inputs):
@@ -149,18 +170,30 @@ class InferenceModule(CompiledModule):
             values[name] = place.receive(shape, dtype, self.device)
         outs = step.program.gm(*[values[n] for n in step.order])
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        logits = None
         if step.logits is None:
+            self._sending = [(w, t) for w, t in self._sending if w is not None and not w.is_completed()]
             for t in outs:
-                place.send(t.contiguous())
-        else:
-            spec = step.program.output_specs[step.logits]
-            logits = outs[step.logits] if spec is None else whole(outs[step.logits], spec, place.grid)
-        if place.stages > 1:
-            meta = next(iter(captured.nodes("output"))).args[0]
-            meta = pytree.tree_leaves(meta)[captured.user_outputs[0]].meta["val"]
-            logits = place.from_last(logits, tuple(meta.shape), meta.dtype, self.device)
-        return logits
+                t = t.contiguous()
+                self._sending.append((place.send(t), t))  # t kept until its send completes
+            return None
+        spec = step.program.output_specs[step.logits]
+        return outs[step.logits] if spec is None else whole(outs[step.logits], spec, self.place.grid)
+
+    def _collect(self, step: Step, logits: torch.Tensor | None) -> torch.Tensor:
+        """A launched step's logits on every rank: the last stage's, broadcast along the pipeline."""
+        if self.place.stages == 1:
+            return logits
+        meta = next(iter(step.captured.nodes("output"))).args[0]
+        meta = pytree.tree_leaves(meta)[step.captured.user_outputs[0]].meta["val"]
+        return self.place.from_last(logits, tuple(meta.shape), meta.dtype, self.device)
+
+    def _state(self, fqn: str, micro_batch: int) -> torch.Tensor:
+        """State tensor ``fqn`` as a step of ``micro_batch`` reads it (its rows of the cache)."""
+        value = self.state[fqn]
+        if not is_cache(fqn) or self.micro_batches == 1:
+            return value
+        rows = value.shape[0] // self.micro_batches
+        return value[micro_batch * rows:(micro_batch + 1) * rows]
 
     def _padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts left-padded to the planned batch and prompt length: (ids, mask)."""
@@ -189,8 +222,20 @@ class InferenceModule(CompiledModule):
         rows left-padded by ``attention_mask``'s zeros), whole on every rank: the prefill."""
         rows, length = input_ids.shape[:2]
         ids, mask = self._padded(input_ids, attention_mask)
-        logits = self._run(self.prefill, step_inputs(ids, mask, self.workload.max_len))
+        first = step_inputs(ids, mask, self.workload.max_len)
+        stream = _Stream(self)
+        for j in range(self.micro_batches):
+            stream.launch(self.prefill, self._rows_of(first, j), j)
+        logits = torch.cat([stream.collect() for _ in range(self.micro_batches)])
+        stream.finish()
         return logits[:rows, self.workload.prompt_len - length:]
+
+    def _rows_of(self, inputs: tuple[torch.Tensor, ...], micro_batch: int) -> tuple[torch.Tensor, ...]:
+        """A step's inputs for one micro-batch: its rows of each per-sequence input."""
+        if self.micro_batches == 1:
+            return inputs
+        rows = slice(micro_batch * self.rows, (micro_batch + 1) * self.rows)
+        return tuple(x[rows] if x.dim() else x for x in inputs)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -201,7 +246,9 @@ class InferenceModule(CompiledModule):
         ``max_new_tokens`` tokens (default: as many as the cache holds), greedy unless
         ``do_sample`` (``temperature``, ``top_k``; ``seed`` reseeds the generator every rank
         shares). A row that emits ``eos_token_id`` is continued with ``pad_token_id`` (default
-        the eos token), and generation stops once every row has."""
+        the eos token), and generation stops once every row has. Under a pipeline with
+        several micro-batches each runs its next step as soon as its token is picked (the
+        module docstring)."""
         work = self.workload
         room = work.max_len - work.prompt_len
         steps = room if max_new_tokens is None else max_new_tokens
@@ -218,20 +265,31 @@ class InferenceModule(CompiledModule):
         slots, positions = first[1], first[2][:, -1:]
         pad = eos_token_id if pad_token_id is None else pad_token_id
         done = torch.zeros(work.batch, dtype=torch.bool)
-        tokens = []
-        logits = self._run(self.prefill, first)[:, -1]
-        for t in range(steps):
-            token = self._pick(logits.cpu(), do_sample, temperature, top_k)
-            if eos_token_id is not None:
-                token = torch.where(done, torch.full_like(token, pad), token)
-                done |= token == eos_token_id
-            tokens.append(token)
-            if t == steps - 1 or (eos_token_id is not None and bool(done[:rows].all())):
+        tokens = torch.zeros((steps, work.batch), dtype=torch.long)
+        stream, m = _Stream(self), self.micro_batches
+        for j in range(m):
+            stream.launch(self.prefill, self._rows_of(first, j), j)
+        taken = steps
+        for t in range(steps):  # token t of every micro-batch, from its step t; then its step t + 1
+            for j in range(m):
+                mine = slice(j * self.rows, (j + 1) * self.rows)
+                token = self._pick(stream.collect()[:, -1].cpu(), do_sample, temperature, top_k)
+                if eos_token_id is not None:
+                    token = torch.where(done[mine], torch.full_like(token, pad), token)
+                    done[mine] |= token == eos_token_id
+                tokens[t, mine] = token
+                if eos_token_id is not None and bool(done[:rows].all()):  # every rank sees the same logits
+                    tokens[t, (j + 1) * self.rows:] = pad
+                    taken = t + 1
+                    break
+                if t < steps - 1:
+                    offset = torch.tensor(work.prompt_len + t, dtype=torch.long)
+                    inputs = (token[:, None], slots[mine], positions[mine] + t + 1, offset)
+                    stream.launch(self.decode, inputs, j)
+            if taken < steps:
                 break
-            positions = positions + 1
-            offset = torch.tensor(work.prompt_len + t, dtype=torch.long)
-            logits = self._run(self.decode, (token[:, None], slots, positions, offset))[:, -1]
-        return torch.cat([input_ids.cpu(), torch.stack(tokens, dim=1)[:rows]], dim=1)
+        stream.finish()
+        return torch.cat([input_ids.cpu(), tokens[:taken].T[:rows]], dim=1)
 
     @property
     def generator(self) -> torch.Generator:
@@ -301,3 +359,37 @@ def _agreed_seed(device: torch.device) -> int:
         dist.broadcast(seed, src=0)
     return int(seed.item())
 
+
+class _Stream:
+    """The steps a rank has launched and not yet collected, in launch order (the module
+    docstring): the last stage collects each at once (it broadcasts the logits it just
+    computed), the others when the logits are next needed, so that every rank meets the
+    broadcasts in the same order."""
+
+    def __init__(self, module: InferenceModule):
+        self.module = module
+        self.last = module.place.stage == module.place.stages - 1
+        self.ready: list[torch.Tensor] = []
+        self.waiting: list[Step] = []
+
+    def launch(self, step: Step, inputs: tuple[torch.Tensor, ...], micro_batch: int) -> None:
+        logits = self.module._launch(step, inputs, micro_batch)
+        if self.last:
+            self.ready.append(self.module._collect(step, logits))
+        else:
+            self.waiting.append(step)
+
+    def collect(self) -> torch.Tensor:
+        """The logits of the oldest launched step not yet collected."""
+        if self.last:
+            return self.ready.pop(0)
+        return self.module._collect(self.waiting.pop(0), None)
+
+    def finish(self) -> None:
+        """Collect what is left (a generation stopped early) and wait for this rank's sends."""
+        while self.ready or self.waiting:
+            self.collect()
+        for work, _ in self.module._sending:
+            if work is not None:
+                work.wait()
+        self.module._sending = []

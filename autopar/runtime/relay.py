@@ -1,12 +1,13 @@
 """Where a serving rank runs its programs, and how a pipeline's stages hand values on.
 
 Without a pipeline a rank lays its programs out on the whole mesh. With one (the plan's
-``Pipeline``, one micro-batch), the mesh's pipeline axis holds the stages in order and the
-other axes are each stage's intra-op mesh (``grid``): a rank runs its stage's part of every
-program, receives from the rank of the stage before with its own intra-op coordinate what
-crosses that boundary (each value a shard as the producer laid it out), sends on what
-crosses the next, and the last stage's logits are broadcast along the pipeline so that
-every rank picks the same tokens.
+``Pipeline``), the mesh's pipeline axis holds the stages in order and the other axes are
+each stage's intra-op mesh (``grid``): a rank runs its stage's part of every program,
+receives from the rank of the stage before with its own intra-op coordinate what crosses
+that boundary (each value a shard as the producer laid it out), starts sending on what
+crosses the next (``send`` returns at once: a stage goes on to its next micro-batch), and
+the last stage's logits are broadcast along the pipeline so that every rank picks the same
+tokens.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class Relay:
             dist.recv(value, src=self.ranks[self.stage - 1])
         return value
 
-    def send(self, value: torch.Tensor) -> None:
-        if not self.dry:
-            dist.send(value, dst=self.ranks[self.stage + 1])
+    def send(self, value: torch.Tensor) -> Any:
+        """Start sending ``value`` to the next stage; the send's handle (None in a dry run): the
+        caller keeps ``value`` until it completes."""
+        return None if self.dry else dist.isend(value, dst=self.ranks[self.stage + 1])
 
     def from_last(self, value: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:

@@ -13,6 +13,7 @@ per second per device); the throughput objective then takes the largest batch th
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from autopar.passes.generation import Inference, Programs, capture_programs
 from autopar.passes.plan import Plan
@@ -26,23 +27,26 @@ def plan_serving(model, inference: Inference, request: PlanRequest) -> Plan:
     if inference.batch is None:
         return largest_batch(model, inference, request)
     programs = capture_programs(model, inference.batch, inference.prompt_len, inference.max_len)
-    return plan_programs(programs, inference, request)
+    return plan_programs(programs, inference, request,
+                         lambda batch: capture_programs(model, batch, inference.prompt_len, inference.max_len))
 
 
 def largest_batch(model, inference: Inference, request: PlanRequest) -> Plan:
-    """The throughput objective without a batch: the plan at one sequence prices a
-    sequence's cache per device; the batch whose caches fill the memory the weights and
-    activations leave is planned, halved while nothing fits."""
-    one = plan_serving(model, replace(inference, batch=1), request)
+    """The throughput objective without a batch: the plan at one sequence (one per
+    micro-batch where they are given) prices a sequence's cache per device; the batch whose
+    caches fill the memory the weights and activations leave is planned, halved while
+    nothing fits."""
+    unit = inference.micro_batches or 1  # the batch a multiple of it
+    one = plan_serving(model, replace(inference, batch=unit), request)
     memory = one.predicted.memory
-    per_sequence = memory.get("kv_cache", 0.0) + memory.get("activations", 0.0)
+    per_sequence = (memory.get("kv_cache", 0.0) + memory.get("activations", 0.0)) / unit
     room = request.memory_bytes - memory.get("parameters", 0.0)
-    batch = max(1, int(room // per_sequence)) if per_sequence > 0 else 1
-    while batch > 1:
+    batch = max(unit, int(room // per_sequence) // unit * unit) if per_sequence > 0 else unit
+    while batch > unit:
         try:
             plan = plan_serving(model, replace(inference, batch=batch), request)
         except PlanningError:
-            batch //= 2
+            batch = max(unit, batch // 2 // unit * unit)
             continue
         plan.reasons.insert(0, f"batch {batch}: the largest the memory holds (one sequence's cache and activations "
                                f"{per_sequence / GIB:.3g} GiB per device beside {memory.get('parameters', 0.0) / GIB:.3g} "
@@ -51,15 +55,17 @@ def largest_batch(model, inference: Inference, request: PlanRequest) -> Plan:
     return one
 
 
-def plan_programs(programs: Programs, inference: Inference, request: PlanRequest) -> Plan:
+def plan_programs(programs: Programs, inference: Inference, request: PlanRequest,
+                  recapture: Callable[[int], Programs] | None = None) -> Plan:
     """The serving Plan of captured ``programs`` (the module docstring): on the whole mesh,
-    and (``request.pipeline``) with the outermost axis as a pipeline of stages (one
-    micro-batch: ``autopar.passes.planner.serving_stages``); the fastest generation that fits.
-    ``request.layout``: that manual layout, priced alike, no search."""
+    and (``request.pipeline``) with the outermost axis as a pipeline of stages
+    (``autopar.passes.planner.serving_stages``); the fastest generation that fits.
+    ``recapture(batch)``: the programs at another batch, for a throughput pipeline's
+    micro-batches. ``request.layout``: that manual layout, priced alike, no search."""
     if request.layout in PIPELINED_LAYOUTS:  # a pipeline over the whole outermost axis, the rest as named
         shape = request.mesh_shape
         intra = tuple(shape[1:]) or (1,)
-        found = pipelined(programs, inference, request, shape[0], intra, layout=PIPELINED_LAYOUTS[request.layout])
+        found = _pipeline(programs, inference, request, shape[0], intra, PIPELINED_LAYOUTS[request.layout], recapture)
         if found is None:
             raise PlanningError(f"autopar: the serving layout {request.layout!r} does not fit or does not apply on mesh "
                                 f"{shape} ({shape[0]} stages; each must fit a device and hold a repeated layer)")
@@ -71,7 +77,7 @@ def plan_programs(programs: Programs, inference: Inference, request: PlanRequest
     except PlanningError as exc:
         error = exc
     for p, intra in pipeline_options(request):
-        found = pipelined(programs, inference, request, p, intra)
+        found = _pipeline(programs, inference, request, p, intra, None, recapture)
         if found is not None and (best is None or found.predicted.step_time < best.predicted.step_time):
             best = found
     if best is None:
@@ -79,3 +85,18 @@ def plan_programs(programs: Programs, inference: Inference, request: PlanRequest
     return best
 
 
+def _pipeline(programs: Programs, inference: Inference, request: PlanRequest, p: int, intra: tuple[int, ...],
+              layout: str | None, recapture: Callable[[int], Programs] | None) -> Plan | None:
+    """A pipeline of ``p`` stages running ``inference.micro_batches`` at once, or where not
+    given the faster of the batch through the stages in turn and, under the throughput
+    objective where ``p`` divides the batch, ``p`` micro-batches at once."""
+    counts = [inference.micro_batches] if inference.micro_batches else [1]
+    if inference.micro_batches is None and inference.objective == "throughput" and programs.batch % p == 0:
+        counts.append(p)
+    options = []
+    for m in counts:
+        if m > 1 and (recapture is None or programs.batch % m):
+            continue
+        micro = programs if m == 1 else recapture(programs.batch // m)
+        options.append(pipelined(micro, inference, request, p, intra, layout=layout, micro_batches=m))
+    return min((o for o in options if o is not None), key=lambda o: o.predicted.step_time, default=None)

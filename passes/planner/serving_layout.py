@@ -76,10 +76,18 @@ class Joint:
         return state + self.activations(assignment)
 
 
-def joint_problem(programs: Programs, inference: Inference, request: PlanRequest) -> Joint:
+def joint_problem(programs: Programs, inference: Inference, request: PlanRequest, cache_copies: int = 1) -> Joint:
+    """The two programs as one problem. ``cache_copies``: how many batches' caches a device
+    holds (a pipeline's micro-batches in flight each have their own; the programs are
+    captured at one micro-batch)."""
     calls: dict = {}
     graphs = [build_strategy_graph(captured, request.mesh_shape, calls) for captured in programs]
     costs = [build_serving_costs(graph, request.profile) for graph in graphs]
+    for c in costs:
+        caches = {ph for ph, fqn in c.graph.captured.buffers.items() if is_cache(fqn)}
+        for node, i in c.index.items():
+            if node.name in caches:
+                c.held[i] *= cache_copies  # in place: the problem's node_memory is the same array
     steps = inference.new_tokens - 1
     problem, offsets = join([(costs[0].problem, 1.0), (costs[1].problem, float(steps))], _shared_state(costs))
     return Joint(graphs, costs, problem, offsets, steps)

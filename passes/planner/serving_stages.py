@@ -3,12 +3,17 @@ stages, each stage's ops laid out on the intra-op mesh.
 
 Serving pipelines when the weights and cache do not fit otherwise: each stage holds its
 layers' weights and its layers' key-value cache (the cache lives with the layers that write
-it). One batch runs through the stages in turn (one micro-batch), so a step's time is the
-whole program's on the intra-op mesh plus the sends of what crosses each boundary
+it). With one micro-batch, the batch runs through the stages in turn, so a step's time is
+the whole program's on the intra-op mesh plus the sends of what crosses each boundary
 (``costmodels.collective_time`` of ``send_recv`` on the pipeline axis): a pipeline adds
-latency to every token. The intra-op layout is the one-mesh plan of the whole model with
-the stages' memory together (``autopar.passes.planner.serving_layout``); the repeated layers
-are cut into stages of equal counts, the ops outside them where their values flow
+latency to every token. With ``m`` micro-batches (the throughput objective: one per stage,
+``m = p``) every stage works on a different micro-batch at once: a tick is the slowest
+stage's time on one micro-batch (its ops, the moves into them and its send on), a decode
+step of every sequence takes ``max(m, p)`` ticks, and the prefill ``m + p - 1`` (until the last
+micro-batch's first token); each stage holds the cache of all ``m``. The intra-op layout is
+the one-mesh plan of the whole model with the stages' memory together
+(``autopar.passes.planner.serving_layout``); the repeated layers are cut into stages of
+equal counts, the ops outside them where their values flow
 (``autopar.passes.planner.relayout.flow_stages``); every stage must fit in a device.
 """
 
@@ -34,17 +39,19 @@ from autopar.passes.strategy_graph import StrategyGraph
 
 
 def pipelined(programs: Programs, inference: Inference, request: PlanRequest, p: int,
-              intra: tuple[int, ...], layout: str | None = None) -> Plan | None:
+              intra: tuple[int, ...], layout: str | None = None, micro_batches: int = 1) -> Plan | None:
     """The serving plan of ``p`` stages over ``(p,) + intra`` (the module docstring), its
     intra-op part ``layout`` where named (else searched), or None where it does not fit or
-    the model has fewer repeated layers than stages."""
+    the model has fewer repeated layers than stages. ``micro_batches``: how many are in
+    flight, ``programs`` captured at one of them."""
+    m = micro_batches
     full = pipeline_profile(request, p, tuple(intra))
     names = ("pp",) + tuple(full.axis_names[1:])
     intra_profile = costmodels.HardwareProfile(machine=full.machine, backend=full.backend, mesh_shape=tuple(intra),
                                                device=full.device, axes=full.axes[1:], source=full.source)
     stage_request = replace(request.on_mesh(intra_profile, memory_limit=request.memory_bytes, axis_names=names[1:]),
                             layout=layout)
-    joint = joint_problem(programs, inference, stage_request)
+    joint = joint_problem(programs, inference, stage_request, cache_copies=m)
     stages = [layer_stages(graph, p) for graph in joint.graphs]
     if stages[0] is None:
         return None
@@ -57,33 +64,73 @@ def pipelined(programs: Programs, inference: Inference, request: PlanRequest, p:
     held = _stage_memory(joint, plan, choice, stages[0], p)
     if max(held) > request.memory_bytes * (1 + 1e-9):
         return None
-    sends = _sends(joint, assignment, stages, full, p)
-    p_ = plan.predicted
-    ttft, tpot = p_.time_to_first_token + sends[0], p_.time_per_output_token + sends[1]
+    ttft, tpot = _step_times(joint, assignment, stages, full, p, m)
     total = ttft + joint.steps * tpot
+    batch = programs.batch * m
     plan.mesh_shape, plan.axis_names = (p,) + tuple(intra), names
-    plan.pipeline = Pipeline(axis=0, stages=p, micro_batches=1, schedule="GPipe", stage_of=stages[0])
-    p_.communication += sends[0] + joint.steps * sends[1]
+    plan.pipeline = Pipeline(axis=0, stages=p, micro_batches=m, schedule="GPipe", stage_of=stages[0])
+    plan.inference["batch"] = batch
+    p_ = plan.predicted
+    p_.communication += sum(w * sum(s) for w, s in zip((1, joint.steps), _sends(joint, assignment, stages, full, p)))
     p_.step_time, p_.time_to_first_token, p_.time_per_output_token = total, ttft, tpot
-    p_.tokens_per_second_per_device = programs.batch * inference.new_tokens / total / (p * math.prod(intra))
+    p_.compute = total - p_.communication
+    p_.tokens_per_second_per_device = batch * inference.new_tokens / total / (p * math.prod(intra))
     p_.memory_by_rank = [{**p_.memory, **_stage_kinds(joint, choice, stages[0], s)} for s in range(p)]
     p_.memory = p_.memory_by_rank[max(range(p), key=held.__getitem__)]
+    tag = f"pp{p}" if m == 1 else f"pp{p}x{m}"
     candidates = layout_candidates(joint, stage_request)  # each priced with the sends of its own layout
-    plan.candidates = {f"{name}[pp{p}]": sum(w * (t + d) for w, t, d in zip((1, joint.steps), joint.times(a),
-                                                                             _sends(joint, a, stages, full, p)))
-                       for name, a in candidates.items() if f"{name}[pp{p}]" in {f"{k}[pp{p}]" for k in plan.candidates}}
+    plan.candidates = {f"{name}[{tag}]": _generation(joint, a, stages, full, p, m)
+                       for name, a in candidates.items() if name in plan.candidates}
     plan.reasons[0] = summary(plan)
-    plan.reasons.insert(1, f"pipeline of {p} stages on the outer axis, one batch through them in turn: the sends "
-                           f"add {duration(sends[0])} to the first token and {duration(sends[1])} to each later one")
+    if m == 1:
+        sends = [sum(s) for s in _sends(joint, assignment, stages, full, p)]
+        plan.reasons.insert(1, f"pipeline of {p} stages on the outer axis, one batch through them in turn: the sends "
+                               f"add {duration(sends[0])} to the first token and {duration(sends[1])} to each later one")
+    else:
+        plan.reasons.insert(1, f"pipeline of {p} stages on the outer axis, {m} micro-batches of {programs.batch} "
+                               f"sequence(s) in flight: a decode step of every sequence takes {max(m, p)} ticks of the "
+                               f"slowest stage ({duration(tpot / max(m, p))}), the prefill {m + p - 1}")
     return plan
 
 
-def _sends(joint: Joint, assignment: list[int], stages: list[dict[str, int]], profile, p: int) -> list[float]:
-    """Seconds per step of each program's sends between stages (what crosses every boundary)."""
+def _step_times(joint: Joint, assignment: list[int], stages: list[dict[str, int]], profile, p: int,
+                m: int) -> tuple[float, float]:
+    """(time to first token, time per output token) of a pipeline of ``p`` stages with ``m``
+    micro-batches in flight (the module docstring)."""
+    sends = _sends(joint, assignment, stages, profile, p)
+    if m == 1:
+        return tuple(t + sum(s) for t, s in zip(joint.times(assignment), sends))
+    ticks = []
+    for costs, part, stage_of, out in zip(joint.costs, joint.parts(assignment), stages, sends):
+        ticks.append(max(t + d for t, d in zip(_stage_times(costs, part, stage_of, p), out + [0.0])))
+    return (m + p - 1) * ticks[0], max(m, p) * ticks[1]  # a token crosses the p stages before its next step
+
+
+def _generation(joint: Joint, assignment: list[int], stages: list[dict[str, int]], profile, p: int, m: int) -> float:
+    ttft, tpot = _step_times(joint, assignment, stages, profile, p, m)
+    return ttft + joint.steps * tpot
+
+
+def _stage_times(costs, part: list[int], stage_of: dict[str, int], p: int) -> list[float]:
+    """Seconds of each stage's share of one program: its ops and the moves into them."""
+    problem = costs.problem
+    stage = [stage_of.get(node.name) for node in costs.nodes]
+    out = [0.0] * p
+    for v, s in enumerate(part):
+        if stage[v] is not None:
+            out[stage[v]] += float(problem.node_time[v][s])
+    for u, v, r in problem.edges:
+        if stage[v] is not None:
+            out[stage[v]] += float(r[part[u], part[v]])
+    return out
+
+
+def _sends(joint: Joint, assignment: list[int], stages: list[dict[str, int]], profile, p: int) -> list[list[float]]:
+    """Each program's seconds per step of the sends over each boundary between stages."""
     out = []
     for graph, costs, part, stage_of in zip(joint.graphs, joint.costs, joint.parts(assignment), stages):
         crossing = _crossing(graph, costs.choice(part), stage_of, p)
-        out.append(sum(costmodels.collective_time("send_recv", b, 0, profile, in_step=True) for b in crossing))
+        out.append([costmodels.collective_time("send_recv", b, 0, profile, in_step=True) for b in crossing])
     return out
 
 
@@ -110,9 +157,9 @@ def _assignment(joint: Joint, plan: Plan) -> list[int]:
 
 def _state_stages(graph: StrategyGraph, stage_of: dict[str, int]) -> dict[fx.Node, set[int]]:
     """Each weight and cache placeholder -> the stages that read it (each holds a copy: a tied
-    embedding and head are read by the first and the last)."""
+    embedding and head are read by the first and the last; one no op reads, none)."""
     captured = graph.captured
-    return {node: {stage_of[u.name] for u in node.users if u.name in stage_of} or {0} for node in graph.nodes
+    return {node: {stage_of[u.name] for u in node.users if u.name in stage_of} for node in graph.nodes
             if node.name in captured.params or node.name in captured.buffers}
 
 

@@ -3,8 +3,9 @@ with Hugging Face's own ``generate`` in one process. Prints one JSON line per ca
 
     torchrun --standalone --nproc_per_node 4 -m tests.distributed.serve_check 2x2:llama:tp+dp ...
 
-A case ``<mesh>:<model>:<layout>`` (``auto``: the planner's choice) plans serving for 4
-sequences of up to 6 prompt tokens and 16 positions, compiles it and checks: greedy
+A case ``<mesh>:<model>:<layout>[:<micro-batches>]`` (``auto``: the planner's choice; a
+pipeline's micro-batches in flight under the throughput objective, where given) plans
+serving for 4 sequences of up to 6 prompt tokens and 16 positions, compiles it and checks: greedy
 generation of left-padded prompts (3 rows: a batch smaller than planned), of one prompt
 (batch 1), and with an eos token, token for token against ``model.generate``; the logits
 of a prompt against ``model(ids).logits``; sampling with a seed picks the same tokens on
@@ -14,6 +15,7 @@ input to a serving module is one ``autopar:`` error each.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -59,22 +61,25 @@ def prompts(tokens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @made_once
-def serving_plan(model, mesh, layout):
+def serving_plan(model, mesh, layout, workload=WORKLOAD):
     """The plan on rank 0 (capture and the joint solve take seconds), given to every rank."""
-    return autopar.plan(model, mesh, inference=WORKLOAD, hardware="h100", time_limit_s=2, layout=layout)
+    return autopar.plan(model, mesh, inference=workload, hardware="h100", time_limit_s=2, layout=layout)
 
 
 def serve_case(spec: str) -> dict:
-    mesh_text, model_name, layout = spec.split(":")
+    mesh_text, model_name, layout, *micro = spec.split(":")
+    workload = (dataclasses.replace(WORKLOAD, objective="throughput", micro_batches=int(micro[0])) if micro
+                else WORKLOAD)
     shape = tuple(int(x) for x in mesh_text.split("x"))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(shape))))
     factory, dtype = MODELS[model_name]
     model, (tokens,) = factory()
     model = model.to(dtype).eval()
     torch.manual_seed(1234 + dist.get_rank())  # each rank seeded its own way, as training scripts do
-    plan = serving_plan(model, mesh, None if layout == "auto" else layout)
+    plan = serving_plan(model, mesh, None if layout == "auto" else layout, workload)
     pm = autopar.compile(model, mesh, plan=plan)
-    result = {"case": spec, "kind": plan.kind, "params": {k: v for k, v in plan.params.items() if "proj" in k or "attn" in k}}
+    result = {"case": spec, "kind": plan.kind,
+              "micro_batches": plan.pipeline.micro_batches if plan.pipeline is not None else 1, "params": {k: v for k, v in plan.params.items() if "proj" in k or "attn" in k}}
     mismatched = []
     for rows in (3, 1):
         ids, mask = prompts(tokens, rows)
