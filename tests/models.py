@@ -84,3 +84,30 @@ MODELS = {
     "bert": bert,
     "torch_transformer": torch_transformer,
 }
+
+
+class CutIndices(torch.nn.Module):
+    """Token ids -> logits, with integer and boolean values made at the start and read at
+    the end: positions (int64, drawn from the tokens, so that any other values index out of
+    range or elsewhere) by ``index_select`` of a position table and by ``gather`` along the
+    sequence, and a mask (bool) by ``masked_fill``. A pipeline cut between carries them."""
+
+    def __init__(self, vocab: int = 64, seq: int = 8, dim: int = 16, hidden: int = 32, n_layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.table = torch.nn.Parameter(torch.randn(seq, dim))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim))
+            for _ in range(n_layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        positions = (tokens * 5 + 3) % seq
+        keep = tokens % 3 != 0
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        h = h + self.table.index_select(0, positions.flatten()).view(batch, seq, -1)
+        h = torch.gather(h, 1, positions.unsqueeze(-1).expand(batch, seq, h.shape[-1]))
+        return self.head(h.masked_fill(~keep.unsqueeze(-1), 0.0))

@@ -6,6 +6,11 @@ lowered on the intra-op mesh (the mesh without the pipeline axis) and wrapped as
 need (passing on those it does not use itself) and the state it owns. ``lower_stages``
 lowers this rank's stages of one capture (``Stages``: one micro-batch shape in one mode)
 by the plan's strategies; ``autopar.runtime.pipeline.PipelineModule`` drives them.
+
+Each stage is built with what it receives and sends (``stage_io``: shapes, dtypes, which
+carry a gradient), known from the capture, so that torch infers nothing: its inference runs
+a stage on uninitialised tensors, where a received index (int64 positions read by
+``gather``) points anywhere, and a stage that fails there leaves its peers waiting.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
 from autopar.passes.capture import Captured
+from autopar.passes.costing import carrying_gradient
 from autopar.passes.lowering.codegen import Part, RankProgram, lower
 from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
+from autopar.passes.placements import local_shape
 from autopar.passes.plan import Plan
 from autopar.passes.planner.relayout import relayout_stages
 from autopar.passes.strategy_graph import StrategyGraph
@@ -107,12 +114,14 @@ def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int, sha
 class _Stage(nn.Module):
     """One stage's program with the state it owns; called with what it receives."""
 
-    def __init__(self, program: RankProgram, state: list[torch.Tensor], params: nn.ParameterList):
+    def __init__(self, program: RankProgram, state: list[torch.Tensor], params: nn.ParameterList,
+                 sends_gradient: tuple[bool, ...]):
         super().__init__()
         self.program = program.gm
         self.saving = program.saving  # gathered weights it frees are saved as references
         self.params = params
         self.state = state
+        self.sends_gradient = sends_gradient  # per output: whether a gradient comes back for it
 
     def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # send/recv move dense buffers: views (an expand, a transpose) are packed first,
@@ -120,7 +129,10 @@ class _Stage(nn.Module):
         received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
         with self.saving():
             outs = self.program(*self.state, *received)
-        return tuple(t.contiguous() for t in outs)
+        # an output sent without a gradient (a no-grad region's, made from a parameter) leaves
+        # detached: the next stage sends none back for it, and backward needs none
+        return tuple(t.contiguous() if graded else t.detach().contiguous()
+                     for t, graded in zip(outs, self.sends_gradient, strict=True))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -131,6 +143,24 @@ class _DenseGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+def stage_io(part: Part, program: RankProgram, received: list[fx.Node], graded: set[fx.Node],
+             intra_shape: tuple[int, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """What a stage receives (``received``, of ``part.inputs``) and sends, as meta tensors for
+    ``PipelineStage``'s ``input_args`` and ``output_args``: this rank's shard of each value
+    (placed as ``program`` receives and sends it on the intra-op mesh of ``intra_shape``) at
+    the micro-batch size the stage was captured at, in its captured dtype, and requiring a
+    gradient where one flows back (``graded``: ``carrying_gradient``, as the dry run has it)."""
+
+    def meta(node: fx.Node, spec: Any) -> torch.Tensor:
+        val = node.meta["val"]
+        shape = tuple(val.shape) if spec is None else local_shape(tuple(val.shape), spec, intra_shape)
+        return torch.empty(shape, dtype=val.dtype, device="meta").requires_grad_(node in graded)
+
+    inputs = tuple(meta(n, program.input_specs.get(n.name)) for n in received)
+    outputs = tuple(meta(n, spec) for n, spec in zip(part.outputs, program.output_specs, strict=True))
+    return inputs, outputs
 
 
 @dataclass(frozen=True)
@@ -163,6 +193,8 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
     # ZeRO-3 parameters are gathered per use and freed, gathered again in backward: a stage
     # does not keep a gathered copy for each micro-batch in flight
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
+    graded = carrying_gradient(captured)
+    intra_shape = tuple(place.intra.shape) if place.intra is not None else ()
     for index in range(place.pp_rank, n_stages, pp.stages):
         part = parts[index]
         program = lower(graph, choice, place.intra, per_use, part=part, sync_as=sync_as)
@@ -175,6 +207,9 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
         own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
         variant.stage_state.append(named)
         variant.programs.append(program)
-        variant.stages.append(PipelineStage(_Stage(program, list(named.values()), own), index, n_stages,
-                                            place.device, group=place.pp_group))
+        received = [n for n in part.inputs if n.name not in state_names]
+        inputs, outputs = stage_io(part, program, received, graded, intra_shape)
+        module = _Stage(program, list(named.values()), own, tuple(t.requires_grad for t in outputs))
+        variant.stages.append(PipelineStage(module, index, n_stages, place.device, input_args=inputs,
+                                            output_args=outputs, group=place.pp_group))
     return variant

@@ -100,7 +100,37 @@ def gpt2_case():
     return _hf_case(gpt2)
 
 
-MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "gpt2": gpt2_case}
+def gptj_case():
+    """Hugging Face GPT-J, 2 layers: its int64 positions cross a pipeline's cut into the
+    rotary tables' ``gather``. Checked by hand (``compile-pp:2x2:gptj``: the planner picks a
+    pipeline; minutes of planning, above a launch's budget). Its attention computes in
+    float32 whatever the model dtype: bounds as Llama's (``TOLERANCE``)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=16, vocab_size=128, n_positions=32,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPTJForCausalLM(config)
+    return _hf_case(lambda: (model, (torch.zeros(4, 8, dtype=torch.long),)))
+
+
+def indices_case():
+    """Positions (int64) and a mask (bool) made at the start, read by gather, index_select
+    and masked_fill at the end: a pipeline's cuts carry them (``tests.models.CutIndices``)."""
+    from tests.models import CutIndices
+
+    torch.manual_seed(0)
+    model = CutIndices(vocab=64, seq=8).to(DTYPE)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen))
+        for _ in range(STEPS)
+    ]
+    return model, lm_loss, batches
+
+
+MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "gpt2": gpt2_case, "indices": indices_case,
+          "gptj": gptj_case}
 
 
 def train_against_reference(pm, reference, loss_fn, batches, step=None):
@@ -764,7 +794,7 @@ def eval_case(spec: str) -> dict:
     otherwise than in training) at the compiled batch and at a batch of 1 row (laid out by
     the plan: ``autopar.passes.planner.relayout``); the GPT at 3 rows too (a pipeline cuts
     them into as many micro-batches as divide them). The GPT has dropout 0.1:
-    ``pm.train()`` outputs differ; the Hugging Face models have none: in train mode under
+    ``pm.train()`` outputs differ; the other models have none: in train mode under
     ``torch.no_grad()`` a batch of one equals the reference too."""
     _, mesh_text, model_name, *parts = spec.split(":")
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
@@ -775,7 +805,7 @@ def eval_case(spec: str) -> dict:
     else:
         model, loss_fn, batches = MODELS[model_name]()
         tokens = batches[0][0]
-    logits = (lambda out: out) if model_name == "gpt" else (lambda out: out.logits)
+    logits = (lambda out: getattr(out, "logits", out))  # a Hugging Face output, or the logits
     reference = copy.deepcopy(model).eval()
     pm = compiled_for(parts, model, mesh_shape, tokens, loss_fn)
     assert pm.eval() is pm and not pm.training
