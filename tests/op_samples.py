@@ -454,6 +454,36 @@ def arange_sample(rng):
 def scalar_tensor_sample(rng):
     return aten.scalar_tensor.default, (rng.random(),), {"dtype": torch.float32}
 
+def weight_norm_sample(rng):
+    """Wav2Vec2's positional conv: ``g`` is 1 in every dim but ``dim``."""
+    v = _t(rng, *_shape(rng, 3))
+    dim = rng.choice([0, 2])
+    g = _t(rng, *[s if d == dim else 1 for d, s in enumerate(v.shape)])
+    return aten._weight_norm.default, (v, g, dim), {}
+
+
+def scatter_sample(op, value=None):
+    """DeepSeek-V3's group mask: ``zeros.scatter_(1, top_groups, 1)``; or rows of ``src``."""
+
+    def sample(rng):
+        a, b = _shape(rng, 2)
+        index = _ints(rng, b, a, rng.choice([1, 2]))
+        if value is not None:
+            return op, (_t(rng, a, b), 1, index, rng.choice([value, 0.0])), {}
+        return op, (_t(rng, a, b), 1, index, _t(rng, a, index.shape[1])), {}
+
+    return sample
+
+
+def index_add_sample(rng):
+    t, h = _shape(rng, 2)
+    return aten.index_add_.default, (_t(rng, t, h), 0, _ints(rng, t, 3), _t(rng, 3, h)), {}
+
+
+def reflection_pad_sample(rng):
+    return aten.reflection_pad2d.default, (_t(rng, rng.choice(SIZES), 4, 5), [1, 2, 0, 1]), {}
+
+
 SAMPLERS = {
     "add": binary(aten.add.Tensor), "sub": binary(aten.sub.Tensor), "mul": binary(aten.mul.Tensor),
     "div": binary(aten.div.Tensor), "eq": binary(aten.eq.Tensor), "maximum": binary(aten.maximum.default),
@@ -489,4 +519,7 @@ SAMPLERS = {
     "batch_norm": batch_norm_sample, "group_norm": group_norm_sample, "pad": pad_sample,
     "repeat": repeat_sample, "copy_": copy_sample, "fill_": fill_sample,
     "arange": arange_sample, "scalar_tensor": scalar_tensor_sample,
+    "weight_norm": weight_norm_sample, "scatter_value": scatter_sample(aten.scatter.value, 1.0),
+    "scatter_add_": scatter_sample(aten.scatter_add_.default), "index_add_": index_add_sample,
+    "reflection_pad": reflection_pad_sample,
 }

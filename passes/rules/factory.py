@@ -20,7 +20,13 @@ def born_sharded(info: OpInfo, input_unread: bool, kernel_name: str | None = Non
     ins = tuple(None if input_unread else R for _ in info.inputs)
     out = info.outputs[0]
     options = [AxisOption(ins, (Shard(d),), kernel_name) for d in range(out.ndim)]
-    return options
+    return options + _replicated_by(kernel_name, ins)
+
+
+def _replicated_by(kernel_name: str | None, ins: tuple) -> list[AxisOption]:
+    """The kernel runs when replicated too, even where no dim splits (a 0-d ``empty``):
+    every device then makes the same zeros rather than its own garbage."""
+    return [AxisOption(ins, (R,), kernel_name)] if kernel_name else []
 
 
 def _localize_size(index: int):
@@ -61,7 +67,7 @@ def _like(info: OpInfo, zeros: bool, kernel_name: str | None = None) -> list[Axi
     options = [AxisOption((Shard(d),), (Shard(d),), kernel_name) for d in range(x.ndim)]
     if zeros:
         options.append(AxisOption((Partial(),), (Partial(),)))
-    return options
+    return options + _replicated_by(kernel_name, (R,))
 
 
 @register(aten.zeros_like.default)

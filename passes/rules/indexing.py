@@ -1,5 +1,6 @@
 """Gathers and scatters by index tensors: ``x[idx]``, ``index_put_``, ``gather``,
-``index_select``, ``index_copy_`` (a static key-value cache's write).
+``index_select``, ``index_copy_`` (a static key-value cache's write), ``index_add``,
+``scatter`` (DeepSeek-V3's group mask), ``scatter_add``, ``scatter_reduce``.
 
 A dim of ``x`` that is not indexed can stay split. The index tensors can be split
 together along a dim of theirs (each device gathers its own rows of the result) while
@@ -105,3 +106,50 @@ def index_select(info: OpInfo) -> list[AxisOption]:
     options.append(AxisOption((R, Shard(0)), (Shard(dim),)))
     options.append(AxisOption((Partial(), R), (Partial(),)))
     return options
+
+
+@register(aten.index_add.default, aten.index_add_.default)
+def index_add(info: OpInfo) -> list[AxisOption]:
+    """``x`` plus ``source``'s slices added at ``index`` along ``dim``: linear in both."""
+    x = info.inputs[0]
+    dim = norm(info.args[1], x.ndim)
+    options = [AxisOption((Shard(d), R, Shard(d)), (Shard(d),)) for d in range(x.ndim) if d != dim]
+    options.append(AxisOption((Partial(), R, Partial()), (Partial(),)))
+    return options
+
+
+def _scatter_options(info: OpInfo, linear: bool) -> list[AxisOption]:
+    """``out = self`` with ``src`` (or a number) written at ``index`` along ``dim``. Any other
+    dim d splits ``self``, ``index`` (and ``src``) alike where they all span it whole (only
+    ``index``'s extent is written). ``linear``: self and src pending sums give one."""
+    x, index_ = info.inputs[0], info.inputs[1]
+    dim = norm(info.args[1], x.ndim)
+    n = len(info.inputs)
+    options = [
+        AxisOption((Shard(d),) * n, (Shard(d),))
+        for d in range(x.ndim)
+        if d != dim and all(m.ndim == x.ndim and m.shape[d] == x.shape[d] for m in info.inputs[1:])
+    ]
+    if linear:
+        options.append(AxisOption((Partial(), R) + (Partial(),) * (n - 2), (Partial(),)))
+    return options
+
+
+@register(aten.scatter.src, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default)
+def scatter_src(info: OpInfo) -> list[AxisOption]:
+    return _scatter_options(info, linear=True)
+
+
+@register(aten.scatter.value, aten.scatter_.value)
+def scatter_value(info: OpInfo) -> list[AxisOption]:
+    """Written zeros keep a pending sum one (each part is zeroed there)."""
+    value = info.args[3] if len(info.args) > 3 else info.kwargs.get("value")
+    return _scatter_options(info, linear=value == 0)
+
+
+@register(aten.scatter_reduce.two, aten.scatter_reduce_.two)
+def scatter_reduce(info: OpInfo) -> list[AxisOption]:
+    """A sum that includes ``self`` is linear; the other reductions are not."""
+    reduce = info.args[4] if len(info.args) > 4 else info.kwargs.get("reduce")
+    include_self = info.args[5] if len(info.args) > 5 else info.kwargs.get("include_self", True)
+    return _scatter_options(info, linear=reduce == "sum" and include_self)

@@ -1,12 +1,13 @@
 """Normalisations. Layer and RMS norm normalise the trailing dims: any leading dim can
 be split (data or sequence parallel); the normalised dims and the affine weights stay
-whole. Batch and group norm normalise per channel (group): see below."""
+whole. Batch and group norm normalise per channel (group): see below. Weight norm
+(``_weight_norm``) normalises each slice along its ``dim``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.ops import aten
 
 from autopar.passes.placements import local_shape
@@ -115,4 +116,16 @@ def group_norm(info: OpInfo) -> list[AxisOption]:
     channels, groups = _group_norm_channels(info)
     if channels == groups:
         options.append(AxisOption((Shard(1),) + (Shard(0),) * n_affine, (Shard(1),) * (1 + stats)))
+    return options
+
+
+@register(aten._weight_norm.default)
+def weight_norm(info: OpInfo) -> list[AxisOption]:
+    """``v * g / |v|``, the norm over every dim but ``dim`` (``g`` is sized 1 there): slices
+    along ``dim`` are normalised apart, so ``v`` and ``g`` split there; linear in ``g``."""
+    v = info.inputs[0]
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
+    options = [AxisOption((R, Partial()), (Partial(),))]
+    if 0 <= dim < v.ndim:  # -1: one norm over the whole tensor
+        options.append(AxisOption((Shard(dim), Shard(dim)), (Shard(dim),)))
     return options

@@ -2,8 +2,9 @@
 follows with the dim it broadcasts from (or stays replicated where it has size 1).
 
 Partial (a pending sum) passes through ops that are linear in it: ``neg``, casts,
-``add``/``sub`` of two pending sums, ``mul`` by a replicated factor, ``div`` of a
-pending sum by a replicated divisor.
+scaling by a number, ``add``/``sub`` of two pending sums, ``mul`` by a replicated factor,
+``div`` of a pending sum by a replicated divisor. The rest are one table (``UNARY``: any
+number of operands, no pending sums), torch's ``Tag.pointwise`` ops that models call.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from autopar.passes.rules.registry import register
+from autopar.passes.placements import shard_offset
+from autopar.passes.rules.registry import register, with_arg
 from autopar.passes.op_strategies import AxisOption, OpInfo, TensorMeta
 
 R = Replicate()
@@ -50,6 +52,7 @@ UNARY_LINEAR = [
     aten.neg.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
     aten.detach.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.to.device, aten._to_copy.default, aten.type_as.default, aten.positive.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.mul_.Scalar, aten.div_.Scalar, aten.neg_.default,
 ]
 
 UNARY = [
@@ -70,9 +73,30 @@ UNARY = [
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
     aten.logical_or.default, aten.floor_divide.default, aten.remainder.Scalar,
     aten.remainder.Tensor, aten.fmod.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
-    aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.div.Tensor_mode,
+    aten.add.Scalar, aten.sub.Scalar, aten.div.Tensor_mode,
     aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default, aten.atan2.default,
     aten.min.other, aten.max.other, aten.fmin.default, aten.fmax.default, aten.clamp.Tensor,
+    # trigonometric, hyperbolic, exponential and special functions
+    aten.acos.default, aten.acosh.default, aten.asin.default, aten.asinh.default,
+    aten.atan.default, aten.atanh.default, aten.cosh.default, aten.sinh.default, aten.tan.default,
+    aten.expm1.default, aten.exp2.default, aten.log10.default, aten.log2.default,
+    aten.erfc.default, aten.erfinv.default, aten.lgamma.default, aten.digamma.default,
+    aten.i0.default, aten.sinc.default, aten.deg2rad.default, aten.rad2deg.default,
+    aten.logit.default, aten.xlogy.Tensor, aten.logaddexp.default, aten.logaddexp2.default,
+    aten.hypot.default, aten.copysign.Tensor, aten.nextafter.default, aten.heaviside.default,
+    # activations
+    aten.softplus.default, aten.elu.default, aten.hardsigmoid.default, aten.hardswish.default,
+    aten.mish.default, aten.threshold.default, aten.softshrink.default, aten.hardshrink.default,
+    # rounding, signs, tests, integer and bitwise arithmetic
+    aten.ceil.default, aten.frac.default, aten.sgn.default, aten.signbit.default,
+    aten.nan_to_num.default, aten.isfinite.default, aten.isposinf.default, aten.isneginf.default,
+    aten.fmod.Tensor, aten.pow.Scalar, aten.div.Scalar_mode, aten.floor_divide.Scalar,
+    aten.logical_xor.default, aten.bitwise_xor.Tensor, aten.bitwise_and.Scalar,
+    aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar, aten.bitwise_left_shift.Tensor,
+    aten.bitwise_right_shift.Tensor,
+    # in place: ``self`` keeps the output's placement, as every option here gives it
+    aten.exp_.default, aten.tanh_.default, aten.sigmoid_.default, aten.clamp_.default,
+    aten.add_.Scalar, aten.sub_.Scalar, aten.masked_fill_.Scalar, aten.ceil_.default,
 ]
 
 
@@ -130,3 +154,20 @@ def overwrite(info: OpInfo) -> list[AxisOption]:
     if info.op in (aten.copy_.default, aten.copy.default):
         options.append(_partial_at(info, {0, 1}))
     return options
+
+
+def _shift_diagonal(info, strategy, args, kwargs, ctx):
+    """A shard starting at row r and column c keeps the elements of the whole tensor's
+    triangle: its own diagonal is moved by r - c."""
+    x, spec = info.inputs[0], strategy.inputs[0]
+    row = shard_offset(x.shape, spec, ctx.mesh_shape, ctx.coord, x.ndim - 2)[0]
+    col = shard_offset(x.shape, spec, ctx.mesh_shape, ctx.coord, x.ndim - 1)[0]
+    diagonal = args[1] if len(args) > 1 else kwargs.pop("diagonal", 0)
+    return with_arg(args[:1], 1, diagonal + row - col), kwargs
+
+
+@register(aten.tril.default, aten.triu.default, localize=_shift_diagonal)
+def triangle(info: OpInfo) -> list[AxisOption]:
+    """Zero above (``tril``) or below (``triu``) a diagonal of the last two dims: a mask by
+    position, so every dim splits (the shard's offsets shift its diagonal); linear."""
+    return broadcast_options(info) + [_partial_at(info, {0})]

@@ -51,6 +51,12 @@ def sum_(info: OpInfo) -> list[AxisOption]:
     return reduce_options(info, Partial()) + [AxisOption((Partial(),), (Partial(),))]
 
 
+@register(aten.nansum.default)
+def nansum(info: OpInfo) -> list[AxisOption]:
+    """A split reduced dim sums; a pending sum may hide a NaN in one part, so none enters."""
+    return reduce_options(info, Partial())
+
+
 @register(aten.mean.dim, aten.mean.default)
 def mean(info: OpInfo) -> list[AxisOption]:
     return reduce_options(info, Partial(), "mean_of_shard") + [AxisOption((Partial(),), (Partial(),))]
@@ -68,12 +74,12 @@ def mean_of_shard(info, strategy, args, kwargs, ctx):
     return info.op(*args, **kwargs) * scale
 
 
-@register(aten.amax.default)
+@register(aten.amax.default, aten.max.default)
 def amax(info: OpInfo) -> list[AxisOption]:
     return reduce_options(info, Partial("max"))
 
 
-@register(aten.amin.default)
+@register(aten.amin.default, aten.min.default)
 def amin(info: OpInfo) -> list[AxisOption]:
     return reduce_options(info, Partial("min"))
 
@@ -81,7 +87,8 @@ def amin(info: OpInfo) -> list[AxisOption]:
 @register(
     aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.dim,
     aten.var.correction, aten.std.dim, aten.std.correction, aten.logsumexp.default,
-    aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.var_mean.correction,
+    aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.var_mean.correction, aten.any.dims,
+    aten.std_mean.correction, aten.median.dim, aten.nanmedian.dim,
 )
 def reduce_whole_dim(info: OpInfo) -> list[AxisOption]:
     return reduce_options(info, None)
@@ -98,6 +105,12 @@ def softmax(info: OpInfo) -> list[AxisOption]:
     dim = _along(info)
     n_out = len(info.outputs)
     return [AxisOption((Shard(d),), (Shard(d),) * n_out) for d in range(info.inputs[0].ndim) if d != dim]
+
+
+@register(aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default)
+def scan(info: OpInfo) -> list[AxisOption]:
+    """A scan needs its dim whole, like softmax."""
+    return softmax(info)
 
 
 @register(aten.cumsum.default)

@@ -43,6 +43,12 @@ MAX_POOLS_WITH_INDICES = {
     aten.adaptive_max_pool2d.default: 2, aten.adaptive_max_pool3d.default: 3,
 }
 
+# Padding that copies border values: linear, and the last 1-3 dims are the padded ones.
+PADS = {
+    aten.reflection_pad1d.default: 1, aten.reflection_pad2d.default: 2, aten.reflection_pad3d.default: 3,
+    aten.replication_pad1d.default: 1, aten.replication_pad2d.default: 2, aten.replication_pad3d.default: 3,
+}
+
 LINEAR = {
     aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3,
     aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
@@ -52,6 +58,7 @@ LINEAR = {
     aten.upsample_nearest2d.default: 2, aten.upsample_linear1d.vec: 1,
     aten.upsample_bilinear2d.vec: 2, aten.upsample_bilinear2d.default: 2,
     aten.upsample_bicubic2d.vec: 2, aten.upsample_trilinear3d.vec: 3,
+    **PADS,
 }
 
 
@@ -91,3 +98,16 @@ def pad(info: OpInfo) -> list[AxisOption]:
     if mode != "constant" or value == 0:
         options.append(pending(info))
     return options
+
+
+@register(aten.grid_sampler_2d.default)
+def grid_sampler(info: OpInfo) -> list[AxisOption]:
+    """``input`` [N, C, H, W] sampled at ``grid`` [N, Ho, Wo, 2]: batch with batch, channels
+    alone, output rows with the grid's; linear in ``input``."""
+    return [
+        AxisOption((Shard(0), Shard(0)), (Shard(0),)),
+        AxisOption((Shard(1), R), (Shard(1),)),
+        AxisOption((R, Shard(1)), (Shard(2),)),
+        AxisOption((R, Shard(2)), (Shard(3),)),
+        AxisOption((Partial(), R), (Partial(),)),
+    ]

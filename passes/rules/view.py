@@ -1,4 +1,5 @@
-"""Views and data movement: reshape, transpose, slicing, splitting, joining, expanding.
+"""Views and data movement: reshape, transpose, slicing, splitting, joining, expanding,
+repeating, rolling, flipping, and writing a slice back (``slice_scatter``).
 
 They move no data between devices: a shard of the input maps to a shard of the output
 (a dim is renamed, or folded into a larger one as its leading part), and a pending sum
@@ -13,7 +14,7 @@ from typing import Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
-from autopar.passes.rules.registry import local_out_shape, register, with_arg
+from autopar.passes.rules.registry import kernel, local_out_shape, register, with_arg
 from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
@@ -121,7 +122,17 @@ def squeeze(info: OpInfo) -> list[AxisOption]:
     for d, size in enumerate(shape):
         if len(info.outputs[0].shape) == len(shape) or not _squeezed(info, d, size):
             mapping[d] = next(out_dims)
-    return remap(info, {d: o for d, o in mapping.items() if shape[d] > 1})
+    options = remap(info, {d: o for d, o in mapping.items() if shape[d] > 1})
+    if info.op == aten.squeeze.default:  # a shard of one row must not be squeezed away
+        options = [AxisOption(o.inputs, o.outputs, "squeeze_whole_ones") for o in options]
+    return options
+
+
+@kernel("squeeze_whole_ones")
+def squeeze_whole_ones(info, strategy, args, kwargs, ctx):
+    """``squeeze()`` of the dims that are 1 in the whole tensor, not in this shard."""
+    ones = [d for d, size in enumerate(info.inputs[0].shape) if size == 1]
+    return aten.squeeze.dims(args[0], ones)
 
 
 def _squeezed(info: OpInfo, d: int, size: int) -> bool:
@@ -213,3 +224,86 @@ def repeat(info: OpInfo) -> list[AxisOption]:
     repeats = list(info.args[1])
     shift = len(repeats) - x.ndim
     return remap(info, {d: d + shift for d in range(x.ndim) if repeats[d + shift] == 1})
+
+
+def _dims_arg(info: OpInfo, index: int, name: str) -> list[int]:
+    dims = info.args[index] if len(info.args) > index else info.kwargs.get(name, [])
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return [norm(d, info.inputs[0].ndim) for d in dims]
+
+
+@register(aten.roll.default)
+def roll(info: OpInfo) -> list[AxisOption]:
+    """Dims not rolled keep their split; ``roll`` with no dims rolls the flattened tensor."""
+    rolled = _dims_arg(info, 2, "dims")
+    n = info.inputs[0].ndim
+    return remap(info, {d: d for d in range(n) if d not in rolled} if rolled else {})
+
+
+@register(aten.flip.default)
+def flip(info: OpInfo) -> list[AxisOption]:
+    flipped = _dims_arg(info, 1, "dims")
+    return remap(info, {d: d for d in range(info.inputs[0].ndim) if d not in flipped})
+
+
+def _repeat_interleave_localize(info, strategy, args, kwargs, ctx):
+    """``output_size`` is the repeated dim's length: this shard's."""
+    if kwargs.get("output_size") is None:
+        return args, kwargs
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    local = local_out_shape(info, strategy, ctx)
+    return args, {**kwargs, "output_size": local[0 if dim is None else norm(dim, info.inputs[0].ndim)]}
+
+
+@register(aten.repeat_interleave.self_int, localize=_repeat_interleave_localize)
+def repeat_interleave(info: OpInfo) -> list[AxisOption]:
+    """Each element repeated ``repeats`` times in place: a block of rows becomes the block
+    of their copies, so even the repeated dim keeps its split (the flattened tensor's
+    first dim, with no ``dim``)."""
+    x = info.inputs[0]
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    if dim is None:
+        return remap(info, {0: 0} if x.ndim else {})
+    return remap(info, {d: d for d in range(x.ndim)})
+
+
+@register(aten.repeat_interleave.self_Tensor)
+def repeat_interleave_counts(info: OpInfo) -> list[AxisOption]:
+    """Per-row repeat counts (a tensor, replicated): every dim but the repeated one splits."""
+    x = info.inputs[0]
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    if dim is None:
+        return []
+    return remap(info, {d: d for d in range(x.ndim) if d != norm(dim, x.ndim)})
+
+
+@register(aten.diagonal.default)
+def diagonal(info: OpInfo) -> list[AxisOption]:
+    """The other dims keep their order; the diagonal is appended last."""
+    n = info.inputs[0].ndim
+    d1 = norm(info.args[2] if len(info.args) > 2 else info.kwargs.get("dim1", 0), n)
+    d2 = norm(info.args[3] if len(info.args) > 3 else info.kwargs.get("dim2", 1), n)
+    rest = [d for d in range(n) if d not in (d1, d2)]
+    return remap(info, {d: i for i, d in enumerate(rest)})
+
+
+def _scatter_view(info: OpInfo, dim: int, src_dims: dict[int, int]) -> list[AxisOption]:
+    """``self`` with ``src`` written into a view of it: S(d) of ``self`` with ``src``'s dim
+    ``src_dims[d]``; two pending sums stay one."""
+    options = [AxisOption((Shard(d), Shard(k)), (Shard(d),)) for d, k in src_dims.items() if d != dim]
+    options.append(AxisOption((Partial(), Partial()), (Partial(),)))
+    return options
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    dim = norm(info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0), n)
+    return _scatter_view(info, dim, {d: d for d in range(n)})
+
+
+@register(aten.select_scatter.default)
+def select_scatter(info: OpInfo) -> list[AxisOption]:
+    n = info.inputs[0].ndim
+    dim = norm(info.args[2], n)
+    return _scatter_view(info, dim, {d: d - (d > dim) for d in range(n)})
