@@ -36,6 +36,7 @@ from autopar.costmodels.report import profile_table
 from autopar.coverage import coverage
 from autopar.dryrun import dry_run
 from autopar.models import MODELS
+from autopar.passes.explain import device_mesh_call
 from autopar.passes.generation import OBJECTIVES, Inference
 from autopar.passes.plan import Plan
 from autopar.planning import plan
@@ -198,6 +199,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result.save(out / "plan.json")
     print(f"\nplan: {out / 'plan.json'}")
+    print(device_mesh_call(result))
     _write_pictures(result, out)
     if args.dry_run:
 
@@ -225,6 +227,7 @@ def _plan_serving(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result.save(out / "plan.json")
     print(f"\nplan: {out / 'plan.json'}")
+    print(device_mesh_call(result))
     return 0
 
 

@@ -12,9 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.runtime.faults import PeerFailure, failures_shared
 from autopar.runtime.inference import InferenceModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
+from autopar.runtime.meshes import require_usable
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy, warn_under_autocast
 from autopar.costmodels.profiler import profile_mesh
@@ -24,6 +26,7 @@ from autopar.passes.plan import Plan
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
+@failures_shared("compile")
 def compile(  # noqa: A001  (the public name users expect)
     model: nn.Module,
     mesh: DeviceMesh,
@@ -69,6 +72,8 @@ def compile(  # noqa: A001  (the public name users expect)
             f"autopar: expected a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh), "
             f"found {type(mesh).__name__}; to plan without devices use autopar.plan(model, shape, ...)"
         )
+    require_usable(mesh)
+    _require_real_weights(model)
     if inference is not None or (plan is not None and plan.inference is not None):
         if plan is None:
             plan = plan_once(model, mesh, (), hardware, inference=inference)
@@ -77,7 +82,7 @@ def compile(  # noqa: A001  (the public name users expect)
                              "pass one of the two")
         return InferenceModule(model, plan, mesh)
     if optimizer is not None:
-        optimizer = _checked_factory(optimizer)
+        optimizer = _checked_factory(_required_factory(optimizer))
     planned_here = plan is None
     if not planned_here:  # (planning here warns itself)
         warn_under_autocast("compiling a plan", stacklevel=3)
@@ -104,6 +109,32 @@ def compile(  # noqa: A001  (the public name users expect)
     if planned_here:
         _say_data_parallel(pm)
     return pm
+
+
+def _required_factory(optimizer: Any) -> Callable:
+    """``optimizer=`` is a factory of the optimizer over the parameters autopar hands it (this
+    rank's shards), not an optimizer built on the model's own parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        found = (f"an optimizer instance ({type(optimizer).__name__}; its parameters are the model's, which autopar replaces "
+                 "by this rank's shards)" if isinstance(optimizer, torch.optim.Optimizer)
+                 else f"{type(optimizer).__name__}, which is not callable")
+        raise TypeError(
+            f"autopar: expected optimizer= a factory that builds the optimizer from the parameters it is given; "
+            f"found {found}; pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
+    return optimizer
+
+
+def _require_real_weights(model: nn.Module) -> None:
+    """compile runs the model: weights on the meta device have no values to shard."""
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"autopar: autopar.compile runs the model, so it expected weights with values; found {len(meta)} "
+            f"parameters or buffers on the meta device (e.g. {meta[0]!r}); materialise them first "
+            "(model.to_empty(device=\"cpu\"), then load or initialise the weights), or plan without devices: "
+            "autopar.plan(model, mesh_shape, ...)"
+        )
 
 
 def _checked_factory(factory: Callable) -> Callable:
@@ -149,7 +180,8 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     """Plan on rank 0 and give every rank the same plan (planning under a time limit need
     not give the same answer twice). ``hardware`` None: this machine's profile, measured
     on this mesh once and cached (``autopar profile``); ``options`` go to ``autopar.plan``
-    (``time_limit_s``, ``layout``, ...)."""
+    (``time_limit_s``, ``layout``, ...). Planning that fails on rank 0 is broadcast in the
+    plan's place: every rank raises it (``PeerFailure`` on the others) instead of waiting."""
     if hardware is None:
         hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=True)  # a bar on rank 0
     text = [None]
@@ -157,8 +189,14 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
         print(f"autopar: planning {type(model).__name__} for mesh {tuple(mesh.shape)} on rank 0 ...",
               file=sys.stderr, flush=True)
 
-        text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
+        try:
+            text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
+        except Exception as exc:
+            dist.broadcast_object_list([PeerFailure(0, "planning", f"{type(exc).__name__}: {exc}", here=0)], src=0)
+            raise
     dist.broadcast_object_list(text, src=0)
+    if isinstance(text[0], PeerFailure):
+        raise PeerFailure(text[0].rank, text[0].what, text[0].error, here=dist.get_rank())
     return Plan.from_json(text[0])
 
 

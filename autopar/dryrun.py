@@ -62,6 +62,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.runtime.faults import failures_shared
 from autopar.runtime.loss import WithLoss
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineModule
@@ -78,6 +79,7 @@ from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 __all__ = ["dry_run", "distinct_ranks", "DryRunResult", "DryRunError", "RankResult"]
 
 
+@failures_shared("dry run")
 def dry_run(
     plan: Plan,
     model: nn.Module,

@@ -213,10 +213,10 @@ def memory_per_device(plan, path: str | Path, capacity: float | None = None) -> 
     ax.text(0, total, f"total {total:.3g} {unit}{used}", ha="center", va="bottom", fontsize=10, fontweight="bold")
     if show_cap:
         ax.axhline(cap, color="black", linestyle="--", linewidth=1.2)
-        ax.text(0.88, cap, f"device memory {cap:.3g} {unit} ({capacity / 1e9:.3g} GB)", va="bottom", ha="right",
+        ax.text(0.88, cap, f"device memory {cap:.3g} {unit}", va="bottom", ha="right",
                 fontsize=9)
     elif cap is not None:
-        ax.text(0.88, top * 1.1, f"device memory {capacity / GIB:.3g} GiB ({capacity / 1e9:.3g} GB): off the scale",
+        ax.text(0.88, top * 1.1, f"device memory {capacity / GIB:.3g} GiB: off the scale",
                 va="top", ha="right", fontsize=9)
     ax.set_xlim(-0.6, 0.9)
     ax.set_ylim(0, top * 1.15)

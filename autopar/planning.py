@@ -17,6 +17,7 @@ import torch
 from autopar import costmodels
 from autopar.passes.planner import layouts
 from autopar.costmodels.precision import META_KEY
+from autopar.runtime.faults import failures_shared
 from autopar.runtime.loss import WithLoss
 from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
 from autopar.passes.capture import capture
@@ -29,6 +30,7 @@ from autopar.passes.planner.serving_layout import PIPELINED_LAYOUTS, SERVING_LAY
 from autopar.passes.strategy_graph import NoRuleWarning
 
 
+@failures_shared("planning")
 def plan(
     model: torch.nn.Module,
     mesh_or_shape: Any,
@@ -161,12 +163,19 @@ def _mesh(mesh_or_shape: Any, axis_names: Sequence[str] | None) -> tuple[tuple[i
         names = axis_names or mesh_or_shape.mesh_dim_names
     elif isinstance(mesh_or_shape, int):
         shape, names = (mesh_or_shape,), axis_names
+    elif isinstance(mesh_or_shape, str):
+        sizes = mesh_or_shape.lower().replace(",", "x").split("x")
+        shape = f"({', '.join(sizes)},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
+        example = shape if all(s.strip().isdigit() for s in sizes) else "(8, 8)"
+        raise ValueError(f"autopar: expected a DeviceMesh or a mesh shape as a tuple of sizes; found the string "
+                         f"{mesh_or_shape!r} (the command line's form); pass {example}")
     else:
         try:
             shape, names = tuple(int(s) for s in mesh_or_shape), axis_names
-        except TypeError:
+        except (TypeError, ValueError):
             raise ValueError(f"autopar: expected a DeviceMesh or a mesh shape such as (8, 8), found "
-                             f"{type(mesh_or_shape).__name__}") from None
+                             f"{type(mesh_or_shape).__name__}; pass a tuple of sizes, outermost axis first") from None
     if not shape or any(s < 1 for s in shape) or math.prod(shape) < 1:
-        raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (8, 8), found {shape}")
+        raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (8, 8), found {shape}; pass "
+                         "one size of at least 1 per mesh axis")
     return shape, tuple(names) if names else None

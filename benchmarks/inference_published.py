@@ -1,7 +1,8 @@
 """Serving predictions against published measurements, and the serving layouts side by side.
 
     python -m benchmarks.inference_published [--rows trtllm-70b-128 trtllm-70b-2048] [--table]
-                                             [--time-limit 60] [--dry-run] [--out benchmarks/results]
+                                             [--sizes 8b 70b 405b] [--time-limit 60] [--dry-run]
+                                             [--out benchmarks/results]
 
 1. **Published rows** (FACTS.md, "Published serving measurements"): NVIDIA TensorRT-LLM
    v0.5's ``docs/source/performance.md``, Llama 2 70B in FP16 on 4 A100 80GB with tensor
@@ -38,6 +39,7 @@ import autopar
 from autopar.models import MODELS, llama3
 
 MS = 1e3
+SIZES = ("8b", "70b", "405b")
 GIB = 2**30
 # Llama 2 70B (Touvron et al. 2023, Table 1; the Hugging Face config of meta-llama/Llama-2-70b-hf):
 # layers, hidden, heads, key-value heads, FFN, vocabulary, positions
@@ -88,11 +90,11 @@ def published_rows(names: list[str], time_limit: float, dry: bool) -> list[str]:
     return lines
 
 
-def layout_table(time_limit: float, dry: bool) -> list[str]:
+def layout_table(time_limit: float, dry: bool, sizes: list[str]) -> list[str]:
     lines = ["| model | GPUs | objective | plan | batch | TTFT | TPOT | tokens/s/GPU | memory/GPU | "
              "plan / best manual | manual layouts (one generation) | dry run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for size in ("8b", "70b", "405b"):
+    for size in sizes:
         with torch.device("meta"):
             model = llama3(size)
         for mesh in ((1, 8), (2, 8)):
@@ -121,15 +123,15 @@ def layout_table(time_limit: float, dry: bool) -> list[str]:
 def _dry(plan, model) -> str:
     result = autopar.dry_run(plan, model)
     if not result.ok:
-        return f"FAILED: {result.first_error()[:60]}"
-    measured, predicted = result.peak_bytes(), sum(plan.predicted.memory.values())
-    return f"ok, {measured / GIB:.1f} GiB ({measured / predicted:.2f} of predicted)"
+        return f"FAILED: {(result.failures[0].error or '')[:60]}"
+    return f"ok, {result.peak / GIB:.1f} GiB ({1 / result.ratio:.2f} of predicted)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--table", action="store_true", help="also the Llama-3 layouts table (minutes)")
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES), help="the table's models")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += published_rows(args.rows, args.time_limit, args.dry_run)
     if args.table:
         lines += ["", "## Serving layouts: Llama-3 shapes on H100s (prompt 128, 2,048 positions)", ""]
-        lines += layout_table(args.time_limit, args.dry_run)
+        lines += layout_table(args.time_limit, args.dry_run, args.sizes)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = ["# Serving predictions", "", f"Command: `python -m benchmarks.inference_published {' '.join(argv or sys.argv[1:])}`",
               f"Commit: {commit}. Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}.", ""]

@@ -84,9 +84,13 @@ class Captured:
         kwargs = kwargs or {}
         names = self.keyword_names()
         if set(kwargs) != set(names):
+            extra, missing = sorted(set(kwargs) - set(names)), sorted(set(names) - set(kwargs))
+            remedy = "; ".join(
+                ([f"leave out {', '.join(extra)}, or compile with {' and '.join(extra)} in example_kwargs (the plan "
+                  "and program are made for the example's inputs)"] if extra else [])
+                + ([f"pass {', '.join(missing)} as at compile time"] if missing else []))
             raise ValueError(
-                f"autopar: expected the keyword inputs {names}, as in example_kwargs; found {sorted(kwargs)}; "
-                "pass the same keywords as at compile time"
+                f"autopar: expected the keyword inputs {names}, as in example_kwargs; found {sorted(kwargs)}; {remedy}"
             )
         return pytree.tree_leaves(args) + pytree.tree_leaves([kwargs[k] for k in names])
 
@@ -442,11 +446,16 @@ def _capture_message(model: torch.nn.Module, exc: Exception) -> str:
         and "contextlib" not in f.filename
     ]
     where = ""
-    if user:
-        f = user[-1]
-        where = f" The failing model code is {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`."
     first = (str(exc).strip().splitlines() or [""])[0]
     text = f"{type(exc).__name__}: {first}"
+    if user:
+        f = user[-1]
+        code = f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+        where = f" The failing model code is {code}."
+        if frames and frames[-1] is f:  # raised by the user's own line, not by torch.export tracing it
+            subject = getattr(model, "capture_subject", f"{type(model).__name__}.forward")
+            return (f"autopar: {subject} raised {text}, at {code}; expected it to run on the example inputs "
+                    f"(an error in that code, not a tracing limit); fix it there")
     hint = (
         "Make the forward traceable by torch.export: no Python branching on tensor values "
         "(use torch.where or torch.cond), no .item()/.tolist() feeding shapes, no in-place "

@@ -8,6 +8,7 @@ Works from the Plan alone (a loaded JSON plan explains itself): the per-node
 from __future__ import annotations
 
 import math
+import re
 from itertools import groupby
 from typing import NamedTuple
 
@@ -19,7 +20,8 @@ from autopar.passes.rules.moe_experts import KERNEL as EXPERTS_OP_KERNEL
 from autopar.passes.rules.moe_experts import W_GATE_UP, axis_kinds
 
 MS = 1e3
-GB = 1e9
+GIB = float(1 << 30)
+MIB = float(1 << 20)
 
 
 def duration(t: float) -> str:
@@ -33,9 +35,17 @@ def duration(t: float) -> str:
     return f"{t * 1e6:.4g} us"
 
 
-def _bytes(b: float) -> str:
-    """A size in GB (1e9 bytes, as device memory is quoted), or MB below one GB."""
-    return f"{b / GB:.3g} GB" if abs(b) >= GB / 10 or b == 0 else f"{b / 1e6:.3g} MB"
+def gib_text(b: float) -> str:
+    """A size in GiB (2**30 bytes, the unit of the pictures), or MiB below a tenth of one."""
+    return f"{b / GIB:.3g} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / MIB:.3g} MiB"
+
+
+def device_mesh_call(plan) -> str:
+    """The ``init_device_mesh`` call that builds the mesh this plan runs on, with its axis names."""
+    shape = "(" + ", ".join(map(str, plan.mesh_shape)) + ("," if len(plan.mesh_shape) == 1 else "") + ")"
+    names = "(" + ", ".join(f'"{n}"' for n in plan.axis_names) + ("," if len(plan.axis_names) == 1 else "") + ")"
+    return (f'to run it: mesh = init_device_mesh("cuda", {shape}, mesh_dim_names={names}) on '
+            f"{math.prod(plan.mesh_shape)} ranks (\"cpu\" under gloo), then autopar.compile(model, mesh, ..., plan=plan)")
 
 
 def layer_rows(plan) -> list[tuple[str, float, float, float]]:
@@ -155,14 +165,15 @@ def _serving_lines(plan) -> list[str]:
     split = sum(1 for spec in plan.params.values() if "S(" in spec)
     return [
         f"serving plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
+        device_mesh_call(plan),
         f"workload: {w['batch']} sequence(s), prompts up to {w['prompt_len']} tokens, {w['max_len']} positions cached "
         f"({new} new tokens each), objective {w['objective']}",
         f"predicted time to first token {duration(p.time_to_first_token)}, time per output token "
         f"{duration(p.time_per_output_token)}; one generation {duration(p.step_time)} (the prefill and {new - 1} "
         f"decode steps: compute {duration(p.compute)} + communication {duration(p.communication)}); "
         f"{p.tokens_per_second_per_device:.4g} tokens/s per device",
-        "predicted memory per device: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.memory.items())
-        + f" (total {_bytes(sum(p.memory.values()))})",
+        "predicted memory per device: " + ", ".join(f"{k} {gib_text(v)}" for k, v in p.memory.items())
+        + f" (total {gib_text(sum(p.memory.values()))})",
         f"weights: {split} of {len(plan.params)} parameters split over the mesh; key-value cache laid out as "
         + (", ".join(caches) or "?"),
     ]
@@ -188,10 +199,11 @@ def explain(plan) -> str:
                          + [f"  note: {n}" for n in plan.notes])
     lines = [
         f"plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
+        device_mesh_call(plan),
         f"predicted step {duration(p.step_time)} = compute {duration(p.compute)} + communication {duration(p.communication)}"
         f" + bubble {duration(p.bubble)}",
-        "predicted memory per device: " + ", ".join(f"{k} {_bytes(p.memory[k])}" for k in _kinds(p.memory))
-        + f" (total {_bytes(sum(p.memory.values()))})",
+        "predicted memory per device: " + ", ".join(f"{k} {gib_text(p.memory[k])}" for k in _kinds(p.memory))
+        + f" (total {gib_text(sum(p.memory.values()))})",
     ]
     if plan.pipeline:
         pl = plan.pipeline
@@ -222,11 +234,11 @@ def explain(plan) -> str:
             label = f"layer {first}" if first == last else f"layers {first}-{last}"
             shown = ", ".join(f"{k} {v}" for k, v in sig[:6]) + (", ..." if len(sig) > 6 else "")
             r = group[0]
-            lines.append(f"{label:<16} {duration(r[1]):>12} {duration(r[2]):>12} {_bytes(r[3]):>10}  {shown}"
+            lines.append(f"{label:<16} {duration(r[1]):>12} {duration(r[2]):>12} {gib_text(r[3]):>10}  {shown}"
                          + (" (each)" if len(group) > 1 else ""))
         for r in rows:
             if r[0] == "other":
-                lines.append(f"{'other':<16} {duration(r[1]):>12} {duration(r[2]):>12} {_bytes(r[3]):>10}")
+                lines.append(f"{'other':<16} {duration(r[1]):>12} {duration(r[2]):>12} {gib_text(r[3]):>10}")
     lines += ["", "why:"]
     lines += [f"  {r}" for r in plan.reasons]
     lines += _candidate_lines(plan)
@@ -237,8 +249,33 @@ def explain(plan) -> str:
 def _solver_line(s: dict) -> str:
     if s.get("status") is None:  # a layout priced as given: nothing was searched
         return "solver: none (a manual layout, priced as given)"
-    return (f"solver: {s.get('status')} by {s.get('method')}, gap {s.get('gap', math.nan):.2%}, "
+    status = {"optimal": "proven the fastest", "feasible": "fits, not proven the fastest"}.get(
+        s.get("status"), str(s.get("status")))
+    return (f"solver: {status}; found by {_found_by(str(s.get('method')))}; {_gap_words(s.get('gap', math.nan))}; "
             f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+
+
+def _found_by(method: str) -> str:
+    """Who found the solver's plan (``SolveResult.method``), in words."""
+    words = {"chain_dp": "the exact dynamic program over the layer chain", "ilp": "the integer program (CP-SAT)",
+             "heuristic": "the chain-relaxation heuristic", "min_memory": "the least-memory plan",
+             "trivial": "the only choice (one strategy per node)"}
+    if method in words:
+        return words[method]
+    hint = re.fullmatch(r"hint (\d+)", method)
+    if hint:
+        return f"starting candidate {hint.group(1)} (a manual layout or an earlier solve): the search found none faster"
+    return method.replace("layout ", "the manual layout ", 1)
+
+
+def _gap_words(gap: float) -> str:
+    """The solver's gap, (time - bound) / time, as what it promises about the plan."""
+    if gap == 0:
+        return "no plan is faster (bound reached)"
+    if not math.isfinite(gap):
+        return "no bound was proven, so how far the plan is from the fastest is unknown"
+    bound = f"{gap:.1%}" if gap >= 0.0005 else "0.1%"
+    return f"at most {bound} slower than the fastest possible (the solver's proven bound)"
 
 
 def _candidate_lines(plan) -> list[str]:
@@ -254,34 +291,66 @@ def _candidate_lines(plan) -> list[str]:
 
 
 def diff(a, b) -> str:
-    """Line per difference: mesh, pipeline, ZeRO, parameter placements, strategies, prediction."""
-    out = []
+    """What two plans change: a summary first (mesh, pipeline, recompute, prediction, how
+    many parameters and strategies differ), then each difference, a change made alike in
+    identical repeated layers written once for the first layer with the others named."""
+    summary = []
     if a.mesh_shape != b.mesh_shape or a.axis_names != b.axis_names:
-        out.append(f"mesh: {a.mesh_shape} {a.axis_names} -> {b.mesh_shape} {b.axis_names}")
+        summary.append(f"mesh: {a.mesh_shape} {a.axis_names} -> {b.mesh_shape} {b.axis_names}")
     pa = a.pipeline and (a.pipeline.stages, a.pipeline.micro_batches, a.pipeline.schedule)
     pb = b.pipeline and (b.pipeline.stages, b.pipeline.micro_batches, b.pipeline.schedule)
     if pa != pb:
-        out.append(f"pipeline (stages, micro-batches, schedule): {pa} -> {pb}")
+        summary.append(f"pipeline (stages, micro-batches, schedule): {pa} -> {pb}")
     if sorted(a.recompute) != sorted(b.recompute):
-        out.append(f"recompute: {len(a.recompute)} -> {len(b.recompute)} layers")
-    for fqn in sorted(set(a.params) | set(b.params)):
-        x, y = a.params.get(fqn), b.params.get(fqn)
-        if x != y:
-            out.append(f"param {fqn}: {x} -> {y}")
-        za, zb = a.zero.get(fqn), b.zero.get(fqn)
-        if za != zb:
-            out.append(f"zero {fqn}: {za} -> {zb}")
+        summary.append(f"recompute: {len(a.recompute)} -> {len(b.recompute)} layers")
+    ta, tb = a.predicted.step_time, b.predicted.step_time
+    if ta != tb:
+        summary.append(f"predicted step: {duration(ta)} -> {duration(tb)} ({(tb / ta if ta else math.inf):.3f}x)")
+    ma, mb = sum(a.predicted.memory.values()), sum(b.predicted.memory.values())
+    if ma != mb:
+        summary.append(f"predicted memory: {gib_text(ma)} -> {gib_text(mb)} per device")
+    names = sorted(set(a.params) | set(b.params))
+    placed = [(f, a.params.get(f), b.params.get(f)) for f in names if a.params.get(f) != b.params.get(f)]
+    zeroed = [(f, a.zero.get(f), b.zero.get(f)) for f in names if a.zero.get(f) != b.zero.get(f)]
+    if placed or zeroed:
+        summary.append(f"{len(placed)} of {len(names)} parameters placed differently, {len(zeroed)} at another ZeRO level")
     changed = [n for n in a.strategies if n in b.strategies and a.strategies[n] != b.strategies[n]]
     if changed:
-        out.append(f"{len(changed)} node strategies differ, e.g. " + "; ".join(
+        summary.append(f"{len(changed)} node strategies differ, e.g. " + "; ".join(
             f"{n}: {a.strategies[n]} -> {b.strategies[n]}" for n in changed[:3]))
     missing = set(a.strategies) ^ set(b.strategies)
     if missing:
-        out.append(f"{len(missing)} nodes are in only one plan (different model or inputs)")
-    ta, tb = a.predicted.step_time, b.predicted.step_time
-    if ta != tb:
-        out.append(f"predicted step: {duration(ta)} -> {duration(tb)} ({(tb / ta if ta else math.inf):.3f}x)")
-    ma, mb = sum(a.predicted.memory.values()), sum(b.predicted.memory.values())
-    if ma != mb:
-        out.append(f"predicted memory: {_bytes(ma)} -> {_bytes(mb)} per device")
-    return "\n".join(out) if out else "plans are identical"
+        summary.append(f"{len(missing)} nodes are in only one plan (different model or inputs)")
+    if not summary:
+        return "plans are identical"
+    layers = {**b.param_layers, **a.param_layers}
+    details = _folded("param", placed, layers) + _folded("zero", zeroed, layers)
+    return "\n".join(summary + (["", "each difference:"] + details if details else []))
+
+
+def _folded(kind: str, changes: list[tuple[str, object, object]], layers: dict[str, int]) -> list[str]:
+    """``kind fqn: x -> y`` per change; the same change at the same place of other repeated
+    layers folded into the first one's line."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for fqn, x, y in changes:
+        k = layers.get(fqn)
+        place = re.sub(rf"(^|\.){k}\.", r"\1#.", fqn, count=1) if k is not None else fqn
+        groups.setdefault((place, x, y), []).append((-1 if k is None else k, fqn))
+    lines = []
+    for (_, x, y), members in groups.items():
+        members.sort()
+        more = [k for k, _ in members[1:]]
+        also = f" (and the same in {len(more)} more layers: {ranges(more)})" if more else ""
+        lines.append(f"{kind} {members[0][1]}: {x} -> {y}{also}")
+    return lines
+
+
+def ranges(numbers: list[int], sep: str = ", ") -> str:
+    """Sorted whole numbers as runs: 1, 2, 3, 5 -> '1-3, 5'."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return sep.join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

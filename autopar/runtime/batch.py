@@ -3,7 +3,8 @@
 ``Cut`` is one rank's shard of a whole tensor (worked out once per shape); ``DataParallel``
 is the plan's data parallelism as a ``DistributedSampler`` sees it; ``check_dims`` and
 ``split_batch`` check that inputs have the compiled dims and cut a batch for accumulation;
-``SameInputs`` checks that every rank was given the same batch.
+``IndexBounds`` checks token ids against their embedding; ``SameInputs`` checks that every
+rank was given the same batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
@@ -28,6 +30,47 @@ def check_dims(shapes: Sequence[tuple[int, ...]], compiled: Sequence[tuple[int, 
         if len(shape) != len(before):
             raise ValueError(f"autopar: expected input {i} with {len(before)} dims, as in the example "
                              f"inputs ({before}); found shape {shape}")
+
+
+# ops that pass token ids on unchanged in value, between an input and the embedding that reads it
+_SAME_IDS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.clone.default",
+             "aten.alias.default", "aten.flatten.using_ints", "aten.unsqueeze.default", "aten.squeeze.dim",
+             "aten.contiguous.default", "aten.expand.default"}
+
+
+@dataclass(frozen=True)
+class IndexBounds:
+    """The inputs that are an embedding's indices (token ids) and its row count, checked on
+    the whole ids before they are cut: one process raises IndexError for an id out of range,
+    while a vocabulary split over ranks would find it on no rank and give a zero row."""
+
+    rows: dict[str, int]  # user input name -> rows of the smallest table it indexes
+
+    @classmethod
+    def of(cls, captured: Any) -> "IndexBounds":
+        inputs, rows = set(captured.user_inputs), {}
+        for node in captured.nodes("call_function"):
+            if str(node.target) != "aten.embedding.default":
+                continue
+            ids = node.args[1]
+            while ids.op == "call_function" and str(ids.target) in _SAME_IDS:
+                ids = ids.args[0]
+            if ids.op == "placeholder" and ids.name in inputs:
+                size = int(node.args[0].meta["val"].shape[0])
+                rows[ids.name] = min(size, rows.get(ids.name, size))
+        return cls(rows)
+
+    def check(self, position: int, name: str, ids: torch.Tensor) -> None:
+        size = self.rows.get(name)
+        if size is None or ids.numel() == 0 or ids.device.type == "meta" or is_fake(ids):
+            return  # no values to check (a dry run's fake ids)
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= size:
+            raise ValueError(
+                f"autopar: expected input {position} (token ids into an embedding of {size} rows) in [0, {size - 1}]; "
+                f"found ids from {low} to {high}; fix the ids (a tokenizer whose vocabulary matches the model's), or "
+                "give the model an embedding with as many rows as the vocabulary"
+            )
 
 
 def split_batch(inputs: Any, target: torch.Tensor | None, k: int) -> list[tuple[Any, torch.Tensor | None]]:

@@ -60,6 +60,7 @@ from safetensors.torch import save_file
 from autopar.runtime.checkpoint_files import (MARKER, agreed, barrier, check_checksums, file_checksums, gathered,
                                                 short, this_rank, world_size, write_marker)
 from autopar.runtime.contract import TrainingModule
+from autopar.runtime.faults import failures_shared
 from autopar.passes.placements import Spec
 
 Module = TrainingModule  # a checkpoint holds a training module's parameters, optimizer and data position
@@ -446,6 +447,7 @@ class Checkpointer:
         found = (_FOLDER.match(p.name) for p in self.root.iterdir())
         return sorted(int(m.group(1)) for m in found if m and (self.root / m.group(0) / MARKER).is_file())
 
+    @failures_shared("checkpoint save")
     def save(self, step: int, extra: dict[str, Stateful] | None = None, asynchronous: bool = False) -> None:
         self.wait()
         staging = self.root / f"{_STAGING_PREFIX}{self.folder(step).name}"
@@ -474,6 +476,7 @@ class Checkpointer:
             raise RuntimeError(f"autopar: the asynchronous checkpoint save failed ({failure}); the previous "
                                "complete checkpoint stays the newest") from failure
 
+    @failures_shared("checkpoint load")
     def load(self, extra: dict[str, Stateful] | None = None, step: int | None = None) -> int | None:
         self.wait()
         steps = [self.complete_steps()] if this_rank() == 0 else [None]

@@ -4,6 +4,9 @@
 whole mesh, a pipeline's stages, a serving plan's prefill and decode): its plan and mesh,
 how it splits the batch, the shards of the model's state it holds, the model whole again.
 Checkpoints, faults and the dry run read modules through it, never their concrete class.
+The calls every rank makes together (``COLLECTIVE_CALLS``) are wrapped once, here, for every
+subclass: an exception inside one on any rank reaches every rank
+(``autopar.runtime.faults.shared_failures``).
 
 ``TrainingModule`` is the training half, written once, as torchtitan's ``Trainer.train_step``
 is: a step is ``forward_backward`` (the only part a pipeline runs otherwise: its schedule
@@ -23,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.runtime.batch import DataParallel
+from autopar.runtime.faults import failures_shared
 from autopar.runtime.clipping import clip_grad_norm_, replicas
 from autopar.runtime.zero1 import OptimizerSlices
 from autopar.passes.placements import Spec
@@ -32,12 +36,27 @@ from autopar.passes.plan import Plan
 # the placement is on (a pipeline's intra-op mesh; None: no mesh).
 Held = tuple[torch.Tensor, Spec | None, DeviceMesh | None]
 
+# What every rank calls together, by method name -> what a failure message calls it.
+COLLECTIVE_CALLS = {
+    "forward": "forward", "loss": "loss", "forward_backward": "forward and backward",
+    "train_step": "training step", "step": "optimizer step", "clip_grad_norm_": "gradient clipping",
+    "full_state_dict": "whole state dict", "generate": "generation",
+}
+
 
 class CompiledModule(nn.Module, abc.ABC):
     """One rank's share of a model laid out by a plan (the module docstring)."""
 
     plan: Plan
     mesh: DeviceMesh
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The ``COLLECTIVE_CALLS`` a subclass defines, each wrapped to share its failures."""
+        super().__init_subclass__(**kwargs)
+        for name, what in COLLECTIVE_CALLS.items():
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "__isabstractmethod__", False):
+                setattr(cls, name, failures_shared(what)(method))
 
     @property
     @abc.abstractmethod

@@ -8,11 +8,12 @@ model and its loss as one module, how the planner sees them together.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
@@ -28,6 +29,8 @@ class WithLoss(nn.Module):
     """``loss_fn(model(*inputs), target)`` as one module: how the planner sees a model and
     its loss together (``autopar.plan(..., loss_fn=, target=)``)."""
 
+    capture_subject = "the model or its loss_fn"  # who an error raised while capturing came from
+
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]):
         super().__init__()
         self.model = model
@@ -40,6 +43,8 @@ class WithLoss(nn.Module):
 
 class _LossOf(nn.Module):
     """``loss_fn(model_output, target)``, or ``loss_fn(model_output)`` with no target."""
+
+    capture_subject = "the loss function (loss_fn)"
 
     def __init__(self, loss_fn: Callable, out_spec: Any, takes_target: bool = True):
         super().__init__()
@@ -73,6 +78,7 @@ def build_loss_program(
     """Capture ``loss_fn(outputs, target)`` (``loss_fn(outputs)`` with target None) and lay
     it out from the outputs' placements; only ``target``'s shape and dtype are read.
     ``reduce_output`` False: a loss that is a pending sum is returned as this rank's share."""
+    require_arguments(loss_fn, target)
     example = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta") for v in out_metas)
     if target is not None:
         example += (torch.empty(target.shape, dtype=target.dtype, device="meta"),)
@@ -90,16 +96,50 @@ def build_loss_program(
     return lower(graph, choice, mesh, reduce_outputs=reduce_output), cap
 
 
+def require_arguments(loss_fn: Callable | None, target: torch.Tensor | None) -> None:
+    """``loss_fn(outputs, target)`` given a target, ``loss_fn(outputs)`` without: a call the
+    function cannot take is refused before it is traced or run (where it would read as a
+    capture problem, or a missing input of the loss program laid out for the other call)."""
+    if loss_fn is None or loss_fn is model_loss:
+        return
+    with_target = target is not None
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a callable without a signature: the call itself will tell
+        return
+    try:
+        signature.bind(*(("outputs", "target") if with_target else ("outputs",)))
+    except TypeError:
+        if not with_target:
+            raise ValueError(
+                f"autopar: expected a target for loss_fn{signature}; found target None; pass it as "
+                "train_step(inputs, target) (or loss(inputs, target)), or compile with loss_fn=None to train the "
+                "model's own loss"
+            ) from None
+        raise ValueError(
+            f"autopar: expected loss_fn to take (outputs, target); found loss_fn{signature}; give it a second "
+            "parameter for the target, or pass target None"
+        ) from None
+
+
 def _require_scalar_loss(cap: Captured) -> None:
-    """Backward starts from one number: a loss of any other shape is refused here, at capture."""
+    """Backward starts from one number: a loss of any other shape, or a Python number (no
+    gradient reaches the model through it), is refused here, at capture."""
     output_node = next(iter(cap.nodes("output")))
     leaves = pytree.tree_leaves(output_node.args[0])
-    value = leaves[cap.user_outputs[0]].meta.get("val") if cap.user_outputs else None
-    if len(cap.user_outputs) != 1 or not isinstance(value, torch.Tensor) or value.numel() != 1:
-        found = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) and len(
-            cap.user_outputs) == 1 else f"{len(cap.user_outputs)} outputs"
-        raise ValueError(
-            f"autopar: expected loss_fn to return one scalar loss (a 0-d tensor); found {found}; reduce it "
-            "(reduction='mean', or .mean()) so that backward starts from one number"
-        )
+    leaf = leaves[cap.user_outputs[0]] if len(cap.user_outputs) == 1 else None
+    value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return
+    if len(cap.user_outputs) != 1:
+        found = f"{len(cap.user_outputs)} outputs"
+    elif isinstance(value, torch.Tensor):
+        found = f"a tensor of shape {tuple(value.shape)}"
+    else:
+        found = f"a Python {type(value).__name__} ({value!r}), which carries no gradient"
+    raise ValueError(
+        f"autopar: expected loss_fn to return one scalar loss tensor (0-d) computed from the outputs; found "
+        f"{found}; return a tensor reduced to one number (reduction='mean', or .mean()), not a Python number "
+        "(.item() detaches it)"
+    )
 

@@ -1,8 +1,9 @@
-"""Small helpers for tensors on a device mesh."""
+"""Small helpers for tensors on a device mesh, and the checks that a mesh can run here."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -21,3 +22,32 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
+
+
+def require_usable(mesh: DeviceMesh) -> None:
+    """A clear error for a mesh this process cannot run on: one it is not a rank of (a mesh
+    smaller than the world), or a ``"cuda"`` mesh on a machine without CUDA."""
+    require_live()
+    if mesh.device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"autopar: expected CUDA devices for a \"cuda\" DeviceMesh; found none on this machine (torch "
+            f"{torch.__version__}, CUDA {'built' if torch.backends.cuda.is_built() else 'not built'}); build the mesh "
+            f"on the CPU with gloo: init_device_mesh(\"cpu\", {tuple(mesh.shape)})"
+        )
+    if mesh.get_coordinate() is None:
+        ranks = mesh.mesh.flatten().tolist()
+        raise ValueError(
+            f"autopar: expected this process (rank {dist.get_rank()} of {dist.get_world_size()}) to be a rank of "
+            f"the DeviceMesh; found a mesh of ranks {ranks}; call autopar.compile only on the mesh's ranks "
+            f"(if dist.get_rank() in {ranks}: ...), or build the mesh over all {dist.get_world_size()} ranks"
+        )
+
+
+def require_live() -> None:
+    """A clear error for a step after ``destroy_process_group()``: its collectives cannot run."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "autopar: expected an initialised process group to train or run on; found none (was "
+            "torch.distributed.destroy_process_group() called?); call the compiled module before destroying "
+            "the process group, or init_process_group and compile again"
+        )

@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
-from autopar.runtime.batch import Cut, DataParallel, SameInputs, check_dims, rows_text, split_batch
+from autopar.runtime.batch import Cut, DataParallel, IndexBounds, SameInputs, check_dims, rows_text, split_batch
 from autopar.runtime.contract import Held, TrainingModule
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
-from autopar.runtime.loss import build_loss_program, model_loss
-from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.loss import build_loss_program, model_loss, require_arguments
+from autopar.runtime.meshes import mesh_device, require_live, whole
 from autopar.runtime.precision import (Precision, apply_precision, capture_cast, captured_under_policy,
                                        masters_reduce_dtype, output_under, warn_under_autocast)
 from autopar.runtime.state_dicts import in_state_dict_order
@@ -189,7 +189,8 @@ class ParallelModule(TrainingModule):
         names = self._compiled.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
-                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}"
+                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}; pass the "
+                "inputs the model was compiled with, or compile with the new ones in the example inputs"
             )
         settings = self._settings(dict(zip(names, flat)))
         tensors = [t for name, t in zip(names, flat) if name not in settings]
@@ -282,11 +283,13 @@ class ParallelModule(TrainingModule):
         rank's rows of it (``data_parallel``): any further split is cut here. Non-tensor
         inputs are passed as given (the variant running was captured with them)."""
         warn_under_autocast("running the compiled model", stacklevel=4)
+        require_live()
         flat = self._flat_inputs(inputs)
         names = self.captured.user_inputs
         if len(flat) != len(names):
             raise ValueError(
-                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}"
+                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}; pass the "
+                "inputs the model was compiled with, or compile with the new ones in the example inputs"
             )
         values = {}
         for i, (name, value) in enumerate(zip(names, flat)):
@@ -311,8 +314,13 @@ class ParallelModule(TrainingModule):
                     f"autopar: expected input {i} of dtype {want}, as in the example inputs; found {value.dtype}; "
                     f"convert it (x.to({want})) or compile with an example of that dtype"
                 )
+            self._index_bounds.check(i, name, value)
             values[name] = self._cut_from(cut, rows, value.to(self.device))
         return values
+
+    @cached_property
+    def _index_bounds(self) -> IndexBounds:
+        return IndexBounds.of(self.captured)
 
     def _flat_inputs(self, inputs: Any) -> list:
         """The input tensors in the captured graph's order. ``inputs``: a tuple of positional
@@ -508,6 +516,7 @@ class ParallelModule(TrainingModule):
                 "autopar: this ParallelModule was compiled without loss_fn but was given a target; pass loss_fn "
                 "to compile, or give target None to train on the model's own loss (Hugging Face: labels= input)"
             )
+        require_arguments(self.loss_fn, target)
         flat = self._run_model(inputs, local, observe)
         user = [output_under(self.precision, flat[i]) for i in self.captured.user_outputs]
         program, loss_cap = self._loss_program_for(target, local)

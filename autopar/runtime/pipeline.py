@@ -47,9 +47,9 @@ from torch.utils import _pytree as pytree
 from autopar.costmodels import Schedule
 from autopar.runtime.contract import Held, TrainingModule
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
-from autopar.runtime.batch import DataParallel, check_dims, split_batch
+from autopar.runtime.batch import DataParallel, IndexBounds, check_dims, split_batch
 from autopar.runtime.loss import build_loss_program
-from autopar.runtime.meshes import mesh_device, whole
+from autopar.runtime.meshes import mesh_device, require_live, whole
 from autopar.runtime.precision import Precision, capture_cast, masters_reduce_dtype, output_under, warn_under_autocast
 from autopar.runtime.state_dicts import in_state_dict_order
 from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
@@ -466,6 +466,9 @@ class PipelineModule(TrainingModule):
         """One schedule run over ``inputs`` (forward and backward of every micro-batch),
         each micro-batch's loss scaled by ``scale`` / micro-batches; its gradients added to
         ``.grad``; this rank's micro-batch losses (the last stage's)."""
+        require_live()
+        for i, (name, x) in enumerate(zip(self.captured.user_inputs, pytree.tree_leaves(inputs))):
+            self._index_bounds.check(i, name, x)
         pp = self.plan.pipeline
         self._loss_scale = scale / pp.micro_batches
         with self._running(inputs, trains=True):
@@ -474,6 +477,10 @@ class PipelineModule(TrainingModule):
             losses = self._run_schedule(inputs, target)
             self._axes = self._loss_axes() if losses else ()
         return losses
+
+    @functools.cached_property
+    def _index_bounds(self) -> IndexBounds:
+        return IndexBounds.of(self.captured)
 
     def _stacked(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the loss: the sum of its micro-batch losses (zero off the last stage)."""

@@ -126,6 +126,10 @@ class GatherBucket(nn.Module):
     def forward(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _GatherFn.apply(_Gathered(self, shards), *shards)
 
+    def axis_calls(self) -> list[tuple[int | None, str]]:
+        """The collectives it calls, each with its mesh axis (``autopar.passes.lowering.agreement``)."""
+        return [(s.axis_number, f"gather of {', '.join(self.names)}") for s in self.steps]
+
     def extra_repr(self) -> str:
         moves = ", ".join(f"all_gather{s.axis_number}" + (" + reduce_scatter" if s.reduce else "")
                           for s in self.steps)

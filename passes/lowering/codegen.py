@@ -36,8 +36,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.passes import rules
+from autopar.passes.rules import registry
 from autopar.passes.exchange import MeshExchange
 from autopar.passes.lowering import buckets
+from autopar.passes.lowering.agreement import agree_before_first_run
 from autopar.passes.lowering.buckets import Gather, GatherBucket
 from autopar.passes.lowering.collectives import Axis, AxisMove, grad_side
 from autopar.passes.layers import layer_path
@@ -93,6 +95,11 @@ class Reshard(nn.Module):
             local = local * 0
         return local
 
+    def axis_calls(self) -> list[tuple[int | None, str]]:
+        """The collectives it calls, each with its mesh axis (``agreement``)."""
+        return [(a, f"{spec_str(self.src)} -> {spec_str(self.dst)}")
+                for a, (s, d) in enumerate(zip(self.src, self.dst)) if s != d]
+
     def extra_repr(self) -> str:
         moves = ", ".join(collectives(self.src, self.dst)) or "no data moves"
         return f"{spec_str(self.src)} -> {spec_str(self.dst)} ({moves}; gradient {spec_str(self.grad)})"
@@ -133,6 +140,10 @@ class LocalKernel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return rules.run_local(self.info, self.strategy, _leaves_in_order(self.info, args, kwargs), self.ctx)
+
+    def axis_calls(self) -> list[tuple[int | None, str]]:
+        """A kernel that trades rows with its peers picks its axes at run time (None: any)."""
+        return [(None, f"{self.strategy.kernel} of {self.info.name}")] if registry.communicates(self.strategy.kernel) else []
 
     def extra_repr(self) -> str:
         return f"{self.strategy.kernel}: {self.info.name} {self.strategy}"
@@ -343,6 +354,7 @@ def lower(
     gm = fx.GraphModule(root, out, class_name="RankProgram")
     input_specs = {n.name: flow.spec[n] for n in flow.order if n in flow.received and n in flow.spec}
     regathers = any(not b.keep for b in bucket_of.values())
+    agree_before_first_run(gm, grad_sync, mesh)
     return RankProgram(gm, input_specs, output_specs, grad_sync, regathers)
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from autopar import costmodels
 from autopar.passes.costing import Costs, build_costs
+from autopar.passes.explain import ranges
 from autopar.passes.plan import Plan
 from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute
 from autopar.passes.planner.microbatch import batch_dims, batch_size, sequences_split
@@ -59,6 +60,7 @@ class Hint:
     # mesh axes over which the experts ops dispatch tokens all-to-all (Megatron-Core's alltoall dispatcher)
     all_to_all_axes: tuple[int, ...] = ()
     untied: list[str] = field(default_factory=list)  # what completing it gave up (tied layers split), for explain()
+    notes: list[str] = field(default_factory=list)  # what the layout does to this model (linears split), for explain()
 
 
 def complete(costs: Costs, hint: Hint, shrunk: ShrunkProblem | None = None) -> dict[fx.Node, int] | None:
@@ -218,14 +220,7 @@ def split_reasons(costs: Costs, hint: Hint, splits: list[list[list[int]]]) -> li
 
 def _layer_ranges(costs: Costs, part: list[int]) -> str:
     """The layers of a tie group's part, as ranges: ``0``, ``1-31``, ``0,2-3``."""
-    numbers = sorted({costs.layer_of[costs.nodes[v]] for v in part if costs.nodes[v] in costs.layer_of})
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][-1] + 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+    return ranges(sorted({costs.layer_of[costs.nodes[v]] for v in part if costs.nodes[v] in costs.layer_of}), ",")
 
 
 def _weights_as_laid(graph: StrategyGraph, hint: Hint, replicated: tuple) -> dict[fx.Node, tuple]:
@@ -326,7 +321,9 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     if solved.result.method.startswith("layout "):
         plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
                             "fastest plan that fits; the solver found none faster")
-        plan.reasons.extend(next(h.untied for h in solved.hints if f"layout {h.name}" == solved.result.method))
+        chosen = next(h for h in solved.hints if f"layout {h.name}" == solved.result.method)
+        plan.reasons.extend(chosen.untied)
+        plan.notes.extend(chosen.notes)
     return plan, solved
 
 
@@ -345,7 +342,8 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
         retry = solve_graph(graph, request.profile, [done.get(h.name, h) for h in hints], memory_limit=limit,
                             time_limit_s=solver_time_s, recompute=True, pricer=solved.costs.pricer)
         if not retry.result.feasible:
-            raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer")
+            raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer",
+                                   pipelines_off=not request.pipeline and graph.mesh_shape[0] > 1)
         solved = fewest_recomputed(retry, limit, time_limit_s=max(solver_time_s / 2, 0.5))
     return fastest_of(solved, manual)
 
@@ -423,6 +421,7 @@ def layout_plan(costs: Costs, hint: Hint, memory_limit: float | None,
     plan = build_plan(solved, laid.assignment, kind=hint.name, axis_names=tuple(axis_names))
     record_recompute(plan, laid.costs)
     plan.reasons.extend(hint.untied)
+    plan.notes.extend(hint.notes)
     return plan, solved
 
 
@@ -543,7 +542,9 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     return Solved(fewer, result, hint_times, solved.hints)
 
 
-def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningError:
+def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off: bool = False) -> PlanningError:
+    """``pipelines_off``: pipeline stages were not searched but could be (an outermost axis
+    over 1): then allowing them is a remedy; on a mesh whose outer axis is 1 it is none."""
     costs, result = solved.costs, solved.result
     need = memory_breakdown(costs, chosen(costs, result.min_memory_assignment))
     parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in need.items())
@@ -554,5 +555,5 @@ def infeasible_error(solved: Solved, devices: int, what: str = "") -> PlanningEr
         f"autopar: no plan fits in {limit / GB:.3g} GB per device{what}; expected a plan within the limit, "
         f"found the smallest predicted memory {total / GB:.3g} GB per device ({parts}). To fit: give devices "
         f"with at least {total / GB:.3g} GB, or about {more}+ devices instead of {devices}, or a smaller "
-        f"batch or sequence (activations), or allow pipeline stages."
+        f"batch or sequence (activations)" + (", or allow pipeline stages (pipeline=True)." if pipelines_off else ".")
     )

@@ -16,8 +16,10 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
   dimension that divides, gathered before use;
 - ``tp``: Megatron tensor parallelism over every axis: the first linear of a pair
   split by output features (column), the one reading a split activation by input
-  features (row), embeddings split by vocabulary; Hugging Face GPT-2's ``Conv1D``
-  (``addmm`` with a weight stored [in, out]) alike, on the transposed dims;
+  features (row), embeddings split by vocabulary. A linear is recognised by its math,
+  however it is written (``autopar.passes.planner.linears``: ``F.linear``, ``x @ w.T``,
+  GPT-2's ``Conv1D`` ``addmm`` with a weight stored [in, out], ``einsum``); the layout's
+  plan notes how many it split (``linears_line``);
 - ``tp+dp``: Megatron on the last (fastest) axis, data parallel on the others;
 - ``tp+zero1``: ``tp+dp`` with the optimizer state sharded over the data-parallel axes
   (Megatron-LM's distributed optimizer);
@@ -51,6 +53,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.passes.placements import Spec, fits
 from autopar.passes.planner.intra_op import Hint
+from autopar.passes.planner.linears import Linear, linears
 from autopar.passes.roles import AxisRole
 from autopar.passes.rules.moe import GROUPED_MM_OPS
 from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
@@ -59,8 +62,6 @@ from autopar.passes.strategy_graph import StrategyGraph
 
 LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "ep",
            "tp+ep")
-LINEAR = "aten.linear.default"  # weight [out, in]
-ADDMM = "aten.addmm.default"  # Conv1D: addmm(bias, x, weight), weight [in, out]
 EMBEDDING = "aten.embedding.default"
 TOPK = "aten.topk.default"
 GROUPED_MM = GROUPED_MM_OPS  # x, w[E, K, N], offs
@@ -87,26 +88,28 @@ def expert_axes(name: str, ndim: int) -> tuple[int, ...]:
     return (ndim - 1,) if name in ("ep", "tp+ep") else ()
 
 
-def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
+def megatron_dims(graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None) -> dict[fx.Node, int]:
     """Parameter placeholder -> the dim Megatron splits it along on the tp axis.
 
     Walks the graph in order, marking activations that are split by the tp axis: a
-    linear reading an unsplit activation is column-parallel (weight and bias split
-    on dim 0, output split); one reading a split activation is row-parallel (weight
-    split on dim 1, bias whole, output whole after its all-reduce). A Conv1D's
-    ``addmm(bias, x, weight)`` with its weight stored [in, out] is the same with the
-    weight's dims swapped (column: dim 1, row: dim 0). Embedding tables are split by
-    vocabulary (dim 0). An MoE router (a linear whose scores reach a ``topk``) stays whole;
-    each expert's grouped matmul is a linear of the same kind (``expert_weights``: the
-    expert parameter's dims). Other ops pass the mark on.
+    linear (``autopar.passes.planner.linears``: a contraction with a parameter, however
+    it is spelt) reading an unsplit activation is column-parallel (weight split on its
+    output-features dim, bias with it, output split); one reading a split activation is
+    row-parallel (weight split on its contracted dim, bias whole, output whole after its
+    all-reduce). So ``linear``'s weight [out, in] splits on dim 0 then 1, and a weight
+    stored [in, out] (GPT-2's ``Conv1D`` addmm, ``x @ w``) on dim 1 then 0. Embedding
+    tables are split by vocabulary (dim 0). An MoE router (a linear whose scores reach a
+    ``topk``) stays whole; each expert's grouped matmul is a linear of the same kind
+    (``expert_weights``: the expert parameter's dims). Other ops pass the mark on.
+    ``found``: ``linears(graph)``, where the caller has it.
     """
     split: set[fx.Node] = set()
     dims: dict[fx.Node, int] = {}
     params = graph.captured.params
-    routers = router_linears(graph)
+    found = linears(graph) if found is None else found
+    routers = router_linears(graph, found)
     for node in graph.captured.nodes("call_function"):
         target = str(node.target)
-        weighted = _weighted(node, target, params)
         if node in routers:
             continue
         if target == MOE_EXPERTS:  # the experts region as one op: gate_up by output features, down by input
@@ -121,13 +124,14 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
         elif target in GROUPED_MM:  # row: input features (w's dim 1)
             for w, dim in expert_weights(node, params).items():
                 dims.setdefault(w, dim[1])
-        elif weighted is not None:
-            x, w, bias, out_dim = weighted
-            row = x in split
-            if isinstance(w, fx.Node) and w.name in params:
-                dims.setdefault(w, 1 - out_dim if row else out_dim)
-            if isinstance(bias, fx.Node) and bias.name in params and not row:
-                dims.setdefault(bias, 0)
+        elif node in found:
+            linear = found[node]
+            row = linear.x in split
+            dim = linear.row if row else linear.column
+            if dim is not None:
+                dims.setdefault(linear.weight, dim)
+            if linear.bias is not None and linear.bias_dim is not None and not row:
+                dims.setdefault(linear.bias, linear.bias_dim)
             if not row:
                 split.add(node)
         elif target == EMBEDDING:
@@ -139,16 +143,17 @@ def megatron_dims(graph: StrategyGraph) -> dict[fx.Node, int]:
     return dims
 
 
-def router_linears(graph: StrategyGraph) -> set[fx.Node]:
+def router_linears(graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None) -> set[fx.Node]:
     """The linears whose outputs reach a ``topk`` through single-input ops (softmax, casts):
-    MoE routers, which score every expert for every token."""
+    MoE routers, which score every expert for every token. ``found``: ``linears(graph)``."""
+    found = linears(graph) if found is None else found
     routers = set()
     for node in graph.captured.nodes("call_function"):
         if str(node.target) != TOPK:
             continue
         source = node.args[0]
         while isinstance(source, fx.Node) and source.op == "call_function":
-            if str(source.target) == LINEAR:
+            if source in found:
                 routers.add(source)
                 break
             if len(source.all_input_nodes) != 1:
@@ -179,24 +184,14 @@ def _expert_args(node: fx.Node) -> tuple[int, ...]:
     return (3, 4) if target == MOE_EXPERTS else (1,) if target in GROUPED_MM else ()
 
 
-def _weighted(node: fx.Node, target: str, params) -> tuple | None:
-    """(input, weight, bias or None, the weight's output-features dim) of a linear, or of a
-    Conv1D's addmm whose weight is a 2-D parameter; None for other ops."""
-    if target == LINEAR:
-        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
-    if target == ADDMM and len(node.args) >= 3:
-        bias, x, w = node.args[:3]
-        if isinstance(w, fx.Node) and w.name in params and w.meta["val"].dim() == 2:
-            return x, w, bias, 1
-    return None
-
-
-def layout_placements(name: str, graph: StrategyGraph) -> tuple[dict[fx.Node, Spec], dict[fx.Node, int]]:
-    """(placement per placeholder, ZeRO level 0..2 per parameter) of layout ``name``."""
+def layout_placements(name: str, graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None
+                      ) -> tuple[dict[fx.Node, Spec], dict[fx.Node, int]]:
+    """(placement per placeholder, ZeRO level 0..2 per parameter) of layout ``name``;
+    ``found``: ``linears(graph)``, where the caller has it."""
     mesh = graph.mesh_shape
     roles = axis_roles(name, len(mesh))
     captured = graph.captured
-    tp_dims = megatron_dims(graph) if AxisRole.TP in roles else {}
+    tp_dims = megatron_dims(graph, found) if AxisRole.TP in roles else {}
     by_expert = expert_axes(name, len(mesh))
     experts = {w for node in captured.nodes("call_function") for arg in _expert_args(node)
                for w in expert_weights(node, captured.params, arg)}
@@ -248,27 +243,65 @@ def _fitting(shape: Sequence[int], spec: Spec, mesh: Sequence[int]) -> Spec:
     return tuple(spec) if fits(shape, tuple(spec), mesh) else (Replicate(),) * len(mesh)
 
 
-def hint(name: str, graph: StrategyGraph, complete: bool = False) -> Hint:
+def split_linears(name: str, graph: StrategyGraph, fixed: dict[fx.Node, Spec],
+                  found: dict[fx.Node, Linear] | None = None) -> tuple[list[str], list[str]]:
+    """(split, whole): the linears (``autopar.passes.planner.linears``; MoE routers, which
+    Megatron keeps whole, aside) whose weight layout ``name`` stores split on its tp axes
+    (``fixed``: its placements), and those it leaves whole there, each named by its weight."""
+    tp = [a for a, role in enumerate(axis_roles(name, len(graph.mesh_shape))) if role is AxisRole.TP]
+    found = linears(graph) if found is None else found
+    routers = router_linears(graph, found)
+    split, whole = [], []
+    for node, linear in found.items():
+        if node in routers:
+            continue
+        spec = fixed.get(linear.weight)
+        on_tp = spec is not None and any(isinstance(spec[a], Shard) for a in tp)
+        (split if on_tp else whole).append(graph.captured.params[linear.weight.name])
+    return split, whole
+
+
+def linears_line(name: str, graph: StrategyGraph, fixed: dict[fx.Node, Spec],
+                 found: dict[fx.Node, Linear] | None = None) -> str | None:
+    """'tp+dp splits 4 of 6 linears on its tp axis; left whole: ...', for a layout with a tp
+    axis (None for others): what Megatron's column-then-row split reached."""
+    if AxisRole.TP not in axis_roles(name, len(graph.mesh_shape)):
+        return None
+    split, whole = split_linears(name, graph, fixed, found)
+    line = f"{name} splits {len(split)} of {len(split) + len(whole)} linears on its tp axis"
+    if whole:
+        names = list(dict.fromkeys(whole))
+        line += "; left whole: " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return line
+
+
+def hint(name: str, graph: StrategyGraph, complete: bool = False, found: dict[fx.Node, Linear] | None = None) -> Hint:
     """Layout ``name`` on ``graph``: its placeholder placements and ZeRO levels. The planner
     completes it with its cost tables (each op the fastest given its producers);
-    ``complete=True`` completes it here by ``autopar.passes.propagate`` (fewest bytes moved)."""
-    fixed, zero = layout_placements(name, graph)
+    ``complete=True`` completes it here by ``autopar.passes.propagate`` (fewest bytes moved).
+    ``found``: ``linears(graph)``, where the caller has it."""
     roles = axis_roles(name, len(graph.mesh_shape))
+    if found is None and AxisRole.TP in roles:
+        found = linears(graph)
+    fixed, zero = layout_placements(name, graph, found)
     tp = tuple(a for a, role in enumerate(roles) if role is AxisRole.TP)
     keep = tuple(a for a, role in enumerate(roles) if role in (AxisRole.TP, AxisRole.EP))
     data = tuple(a for a, role in enumerate(roles) if role is AxisRole.DP and graph.mesh_shape[a] > 1)
+    linears_said = linears_line(name, graph, fixed, found)
     return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
                 batch_whole_axes=tp, everything_whole=name == "replicated",
-                all_to_all_axes=expert_axes(name, len(graph.mesh_shape)) if name == "ep" else ())
+                all_to_all_axes=expert_axes(name, len(graph.mesh_shape)) if name == "ep" else (),
+                notes=[linears_said] if linears_said else [])
 
 
 def hints(graph: StrategyGraph, names: Sequence[str] = LAYOUTS) -> list[Hint]:
     """Every layout in ``names`` that applies to this mesh (duplicates of another dropped)."""
     out, seen = [], set()
+    found = linears(graph)
     for name in names:
         if AxisRole.TP in axis_roles(name, len(graph.mesh_shape)) and name != "tp" and len(graph.mesh_shape) < 2:
             continue  # tp+dp on one axis is tp
-        h = hint(name, graph)
+        h = hint(name, graph, found=found)
         key = (tuple(sorted((n.name, str(s)) for n, s in h.fixed.items())),
                tuple(sorted((n.name, z) for n, z in h.zero.items())))
         if key not in seen:
