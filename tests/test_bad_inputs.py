@@ -156,6 +156,11 @@ def test_an_extra_input(compiled):
            lambda: compiled(TOKENS, attention_mask=torch.ones(4, 8)), "compile with the new ones")
 
 
+def test_a_model_input_given_to_train_step_as_a_keyword(compiled):
+    _error(TypeError, "found keyword(s) ['attention_mask']",
+           lambda: compiled.train_step((TOKENS,), TARGET, attention_mask=torch.ones(4, 8)), "inside the inputs tuple")
+
+
 def test_an_extra_keyword_input():
     class Masked(torch.nn.Module):
         def forward(self, x, scale=None):

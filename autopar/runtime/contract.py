@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -115,6 +116,13 @@ class TrainingModule(CompiledModule):
         ``accumulate=k``: the batch runs as k micro-batches, their gradients summed once.
         ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
         self._require_optimizer()
+        unknown = sorted(set(options) - set(inspect.signature(self.forward_backward).parameters))
+        if unknown:
+            raise TypeError(
+                f"autopar: train_step expected the model's inputs in its first argument and the step's options "
+                f"(max_norm, norm_type, accumulate, local); found keyword(s) {unknown}; pass them inside the "
+                "inputs tuple in the model's order, or, for keyword inputs, compile with example_kwargs= and "
+                "give the inputs as a dict")
         self.zero_grad()
         loss = self.forward_backward(inputs, target, local, accumulate, **options)
         # --- the gradients are summed; clipping goes here, before the optimizer step ---

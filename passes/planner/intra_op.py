@@ -38,7 +38,7 @@ from autopar.passes.solve.heuristics import chain_relaxation_plan
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
-GB = 1e9
+GIB = 2.0 ** 30  # what users read: sizes in GiB, as the pictures draw them
 
 @dataclass
 class Hint:
@@ -310,13 +310,13 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
         budget -= over * 2 ** attempt
     else:
         raise PlanningError(
-            f"autopar: the fastest plan found keeps {over / GB:.3g} GB over the {limit / GB:.3g} GB limit per device "
+            f"autopar: the fastest plan found keeps {over / GIB:.3g} GiB over the {limit / GIB:.3g} GiB limit per device "
             "in copies of saved values read in two placements after four solves with a lower limit; expected a "
             "plan within the limit. Give more memory per device or more devices, or plan with a layout (layout=).")
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     record_recompute(plan, solved.costs)
     if budget != limit:
-        plan.reasons.append(f"solved within {budget / GB:.3g} GB of the {limit / GB:.3g} GB limit: the chosen placements "
+        plan.reasons.append(f"solved within {budget / GIB:.3g} GiB of the {limit / GIB:.3g} GiB limit: the chosen placements "
                             "keep a second copy of a value saved in two placements, which the solve cannot price")
     if solved.result.method.startswith("layout "):
         plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
@@ -547,13 +547,13 @@ def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off
     over 1): then allowing them is a remedy; on a mesh whose outer axis is 1 it is none."""
     costs, result = solved.costs, solved.result
     need = memory_breakdown(costs, chosen(costs, result.min_memory_assignment))
-    parts = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in need.items())
+    parts = ", ".join(f"{k} {v / GIB:.3g} GiB" for k, v in need.items())
     limit = costs.problem.memory_limit or 0.0
     total = sum(need.values())
     more = math.ceil(devices * total / max(limit, 1.0))
     return PlanningError(
-        f"autopar: no plan fits in {limit / GB:.3g} GB per device{what}; expected a plan within the limit, "
-        f"found the smallest predicted memory {total / GB:.3g} GB per device ({parts}). To fit: give devices "
-        f"with at least {total / GB:.3g} GB, or about {more}+ devices instead of {devices}, or a smaller "
+        f"autopar: no plan fits in {limit / GIB:.3g} GiB per device{what}; expected a plan within the limit, "
+        f"found the smallest predicted memory {total / GIB:.3g} GiB per device ({parts}). To fit: give devices "
+        f"with at least {total / GIB:.3g} GiB, or about {more}+ devices instead of {devices}, or a smaller "
         f"batch or sequence (activations)" + (", or allow pipeline stages (pipeline=True)." if pipelines_off else ".")
     )

@@ -33,7 +33,7 @@ from typing import Sequence
 from autopar.passes.explain import duration
 from autopar.passes.layers import layer_path
 from autopar.passes.plan import Plan
-from autopar.passes.planner.intra_op import GB, PlanningError, plan_intra_op
+from autopar.passes.planner.intra_op import GIB, PlanningError, plan_intra_op
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import build_strategy_graph
@@ -238,7 +238,7 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     for p, intra in too_deep:
         tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
     if best is None:
-        raise error or PlanningError(f"autopar: no plan fits in {limit / GB:.3g} GB per device on mesh {shape}")
+        raise error or PlanningError(f"autopar: no plan fits in {limit / GIB:.3g} GiB per device on mesh {shape}")
     best = _no_slower_than_layouts(best, candidates, graph, request)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
     if clock_cut:
