@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.runtime.batch import Cut, DataParallel
+from autopar.runtime.batch import Cut, DataParallel, IndexBounds
 from autopar.runtime.contract import CompiledModule, Held
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.relay import Relay
@@ -88,6 +88,8 @@ class InferenceModule(CompiledModule):
         sources = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         self._parameters = set(programs.prefill.params.values())
+        # ids out of the vocabulary: one process raises, a vocabulary split over ranks would give zero rows
+        self._ids = (programs.prefill.user_inputs[0], IndexBounds.of(programs.prefill))
         self.prefill = self._lay_out(programs.prefill, None, sources)
         self.decode = self._lay_out(programs.decode, "decode", sources)
         self._generator: torch.Generator | None = None  # seeded alike on every rank at first use
@@ -202,6 +204,7 @@ class InferenceModule(CompiledModule):
             raise ValueError(f"autopar: expected input_ids of shape (batch, length) and an integer dtype; found "
                              f"{tuple(input_ids.shape)} {input_ids.dtype}")
         rows, length = input_ids.shape
+        self._ids[1].check(0, self._ids[0], input_ids)
         if rows > work.batch or length > work.prompt_len:
             raise ValueError(
                 f"autopar: this serving plan takes up to {work.batch} prompts of up to {work.prompt_len} tokens; found "

@@ -130,6 +130,7 @@ def error_cases() -> dict:
     expect("prompt longer than planned", lambda: pm.generate(tokens[:2, :8]))
     expect("batch over the planned one", lambda: pm.generate(torch.cat([tokens, tokens])[:5, :4]))
     expect("more new tokens than the cache holds", lambda: pm.generate(tokens[:2, :4], max_new_tokens=11))
+    expect("token ids out of the vocabulary", lambda: pm.generate(tokens[:2, :4] + model.config.vocab_size))
     expect("max_len beyond the model's positions", lambda: autopar.plan(
         model, mesh, inference=autopar.Inference(batch=1, prompt_len=8, max_len=64), hardware="h100"))
     expect("a model without a cache path", lambda: autopar.plan(
