@@ -14,9 +14,10 @@ from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
 from autopar import layouts
 from autopar.planning import plan
+from autopar.passes.planner.constraints import Constraints
 from autopar.dryrun import DryRunResult, dry_run
-from autopar.runtime import checkpoint, faults
-from autopar.runtime.checkpoint import Checkpointer
+from autopar import checkpoint, faults
+from autopar.checkpoint import Checkpointer
 
 __all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "Inference", "layouts",
            "plan",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -36,9 +37,11 @@ from autopar.costmodels.report import profile_table
 from autopar.coverage import coverage
 from autopar.dryrun import dry_run
 from autopar.models import MODELS
+from autopar import op_coverage
 from autopar.passes.explain import device_mesh_call
 from autopar.passes.generation import OBJECTIVES, Inference
 from autopar.passes.plan import Plan
+from autopar.passes.planner.constraints import Constraints
 from autopar.planning import plan
 from autopar.runtime.precision import POLICIES
 
@@ -187,13 +190,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.inference:
+        if args.pin or args.constraints:
+            raise _UsageError("plan --inference takes no --pin or --constraints (pins are for training plans)")
         return _plan_serving(args)
     model, inputs = load_model(args.model, args.batch, args.seq)
     hardware = _hardware(args.hardware)
     with _PhaseBar(enabled=not args.no_progress) as bar:
         result = plan(model, args.mesh, inputs, hardware=hardware, time_limit_s=args.time_limit,
                       pipeline=not args.no_pipeline, layout=args.layout, progress=bar.update,
-                      mp_policy=POLICIES[args.mp] if args.mp else None)
+                      mp_policy=POLICIES[args.mp] if args.mp else None, constraints=_constraints(args))
     print(result.explain())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +213,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(checked.table())
         checked.raise_if_failed()  # an autopar: line naming the rank, exit status 1
     return 0
+
+
+def _constraints(args: argparse.Namespace) -> Constraints | None:
+    """``--constraints FILE.json`` (Constraints' fields), then each ``--pin KEY=VALUE`` over it."""
+    if args.constraints is None and not args.pin:
+        return None
+    given = {}
+    if args.constraints is not None:
+        try:
+            given = json.loads(Path(args.constraints).read_text())
+        except json.JSONDecodeError as exc:
+            raise _UsageError(f"--constraints {args.constraints}: expected JSON of pins such as {{\"tp\": 8, "
+                              f"\"pp\": 4}}, found {exc}") from None
+        if not isinstance(given, dict):
+            raise _UsageError(f"--constraints {args.constraints}: expected a JSON object of pins such as "
+                              f"{{\"tp\": 8}}, found {type(given).__name__}")
+    merged = Constraints.from_dict(given).to_dict()
+    for key, value in Constraints.from_pins(args.pin).to_dict().items():
+        merged[key] = {**merged.get(key, {}), **value} if key == "zero_by_name" else value
+    return Constraints.from_dict(merged)
 
 
 def _plan_serving(args: argparse.Namespace) -> int:
@@ -248,11 +273,43 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """``autopar export PLAN.json MODEL --out FILE``: the plan as a plain-PyTorch module."""
+    saved = Plan.load(_existing(args.plan))
+    model, inputs, *_ = load_model(args.model, args.batch, args.seq)
+    print(saved.export(model, args.out, example_inputs=inputs).summary())
+    return 0
+
+
 def _cmd_coverage(args: argparse.Namespace) -> int:
+    if args.ops is not None:
+        return _op_coverage(args)
+    if args.model is None:
+        raise _UsageError("coverage: expected a MODEL, or --ops for the sharding rules' coverage of ATen ops")
     model, inputs, *kwargs = load_model(args.model, args.batch, args.seq)  # kwargs: where the loader gives them
     found = coverage(model, inputs, kwargs[0] if kwargs else None, mesh_shape=args.mesh, hardware=args.hardware)
     print(found.table())
     return 0
+
+
+def _op_selection(text: str) -> op_coverage.OpSelection:
+    try:
+        return op_coverage.OpSelection(_csv(text))
+    except ValueError as e:  # a name of no ATen op
+        raise argparse.ArgumentTypeError(str(e).removeprefix("autopar: ")) from None
+
+
+def _op_coverage(args: argparse.Namespace) -> int:
+    """``coverage --ops``: the rules checked on torch's OpInfo samples, their table, any wrong strategy."""
+    if args.model is not None:
+        raise _UsageError(f"coverage --ops checks the rules on torch's op samples, not a model; found {args.model!r} "
+                          "(run `autopar coverage MODEL` for a model's ops)")
+    found = op_coverage.walk(args.ops)
+    print(op_coverage.coverage_table(found))
+    for line in found.failures:
+        print(f"wrong: {line}")
+    print(found.summary())
+    return 1 if found.failures else 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -373,6 +430,13 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=None, metavar="NAME",
                    help=f"cost this manual layout instead of searching: {', '.join(LAYOUTS)}")
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
+    p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
+                   help="fix part of the layout, search the rest (repeatable): tp=8, dp=8, pp=4, axes=pp,dp,tp, "
+                   "micro_batches=16, schedule=1f1b, chunks=2, zero=1, zero:PATTERN=LEVEL, recompute=none|all|0,2-5; "
+                   "explain() prices the pins against the plan without them")
+    p.add_argument("--constraints", default=None, metavar="FILE.json",
+                   help="pins as JSON, autopar.Constraints' fields (e.g. {\"tp\": 8, \"zero_by_name\": "
+                   "{\"embed_tokens\": 0}}); --pin adds to them")
     p.add_argument("--mp", choices=sorted(POLICIES), default=None, help="plan for mixed precision as autopar.compile("
                    "mp_policy=) runs it: bf16 = bf16 compute, fp32 master weights, gradients and AdamW state, "
                    "fp32 reductions (default: the model's own dtypes)")
@@ -402,6 +466,21 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B.json")
     p.set_defaults(func=_cmd_diff)
 
+    p = sub.add_parser("export", help="write a saved plan as a Python module that applies it with torch's own APIs",
+                       description="Write PLAN.json for MODEL (as `autopar plan` takes it; captured to follow the "
+                       "plan op by op) as a Python module with parallelize(model, mesh) (and, for a pipeline, "
+                       "pipeline(model, mesh, microbatches, loss_fn)) built on torch's parallelize_module, "
+                       "fully_shard, DistributedDataParallel, checkpoint_wrapper and torch.distributed.pipelining: "
+                       "no autopar import. Prints the plan's choices torch cannot express (the file says so where "
+                       "they occur and uses the nearest layout torch can).")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
+    p.add_argument("--out", default="parallelize.py", metavar="FILE", help="the module to write "
+                   "(default: ./parallelize.py)")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size of the capture (default: the model's)")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length of the capture (default: the model's)")
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("bench", help="auto plan versus manual layouts, predicted and measured (autopar.bench)",
                        description="Run autopar.bench over models and meshes; print its markdown table.")
     p.add_argument("--models", type=_csv, default=None, help="comma-separated, e.g. gpt-small,llama (default: all)")
@@ -415,11 +494,20 @@ def _build() -> argparse.ArgumentParser:
                    "world size (autopar.dry_run) and add its verdict, peak memory and seconds to the table")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("coverage", help="the ops of a model without a sharding rule, and the layouts that apply",
+    p = sub.add_parser("coverage", help="the ops of a model without a sharding rule, and the layouts that apply; "
+                       "or, with --ops, every rule checked on torch's op samples",
                        description="Capture MODEL (as `autopar plan` takes it), list its ops that have no sharding "
                        "rule (they run replicated) and, for every manual layout, whether it applies on the mesh "
-                       "and its predicted step.")
-    p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
+                       "and its predicted step. With --ops instead of MODEL: check every strategy of every rule on "
+                       "torch's OpInfo samples (simulated on 1-, 2- and 3-axis meshes) and print which ATen ops are "
+                       "checked, covered but not checked, or missing, and the core ATen ops with no rule (exit "
+                       "status 1 if a strategy is wrong).")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
+    p.add_argument("--ops", nargs="?", type=_op_selection, const=op_coverage.OpSelection(), default=None,
+                   metavar="OPS",
+                   help="the rules' coverage of ATen ops instead of a model: every op (under a minute), or only OPS, "
+                   "comma-separated (aten.roll,aten.tril.default: seconds)")
     p.add_argument("--mesh", type=_mesh_shape, default=(2, 2), help="mesh shape (default: 2x2)")
     p.add_argument("--hardware", choices=sorted(PRESETS), default="h100", help="preset (default: h100)")
     p.add_argument("--batch", type=_positive, default=None, help="batch size (default: the model's)")

@@ -23,6 +23,7 @@ from autopar.costmodels.profiler import profile_mesh
 from autopar.passes.capture import capture
 from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
+from autopar.passes.planner.constraints import Constraints
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
@@ -40,6 +41,7 @@ def compile(  # noqa: A001  (the public name users expect)
     check_inputs: bool = True,
     mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
     inference: Inference | None = None,
+    constraints: Constraints | None = None,
 ) -> ParallelModule | PipelineModule | InferenceModule:
     """Capture ``model``, plan it for ``mesh`` (or replay ``plan``) and build this rank's part.
 
@@ -66,6 +68,9 @@ def compile(  # noqa: A001  (the public name users expect)
     mp_policy=)``) and records it; a given plan that records one runs under it when
     ``mp_policy`` is None. ``torch.autocast`` around planning or running is not priced: an
     ``autopar.runtime.precision.AutocastWarning`` says so and names the policy instead.
+
+    ``constraints``: pins for the plan made here (``autopar.Constraints``, as ``autopar.plan``
+    takes them); a pipeline pinned here takes the mesh's whole outermost axis.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -84,12 +89,16 @@ def compile(  # noqa: A001  (the public name users expect)
     if optimizer is not None:
         optimizer = _checked_factory(_required_factory(optimizer))
     planned_here = plan is None
+    if constraints is not None and not planned_here:
+        raise ValueError("autopar: compile(plan=...) runs the plan as it is, and constraints= pins a plan made here; "
+                         "pass one of the two (autopar.plan(..., constraints=) makes a pinned plan to pass)")
     if not planned_here:  # (planning here warns itself)
         warn_under_autocast("compiling a plan", stacklevel=3)
     if plan is None:
         # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
-        plan = plan_once(model, mesh, example_inputs, hardware, mp_policy=mp_policy, **keywords)
+        plan = plan_once(model, mesh, example_inputs, hardware, mp_policy=mp_policy, constraints=constraints,
+                         **keywords)
     if mp_policy is None:  # a saved plan priced under a policy replays under it
         mp_policy = recorded_policy(plan.mp_policy)
     if plan.pipeline is not None:

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from autopar import costmodels
+from autopar.costmodels.units import gib_text
 from autopar.passes import rules
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
-from autopar.passes.explain import duration, gib_text
+from autopar.passes.explain import duration
 from autopar.passes.planner import layouts
 from autopar.passes.planner.intra_op import plan_layout
 from autopar.passes.planner.request import PlanningError
@@ -80,7 +81,6 @@ def coverage(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     without = sorted(op for op in ops if rules.rule_for(op) is None)
     profile = costmodels.preset(hardware, tuple(mesh_shape))
     costs = build_costs(graph, profile)
-    names = tuple(f"axis{a}" for a in range(len(mesh_shape)))
     found: dict[str, float | str] = {}
     reasons: dict[str, list[str]] = {}
     memory: dict[str, float] = {}
@@ -97,7 +97,7 @@ def coverage(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                 found[name] = _no_linear_split(len(whole), mesh_shape)
                 continue
         try:
-            plan, _ = plan_layout(costs, {name: hint}, name, None, names)
+            plan, _ = plan_layout(costs, {name: hint}, name, None, profile.axis_names)
         except PlanningError as e:
             found[name] = str(e).removeprefix("autopar: ")
             continue

@@ -26,10 +26,9 @@ from pathlib import Path
 
 from autopar.costmodels import Schedule
 from autopar.costmodels.formulas import BACKWARD_FACTOR
+from autopar.costmodels.units import GIB, MIB, gib_text
 from autopar.passes.explain import _common_prefix, _kinds, expert_axes
 from autopar.passes.placements import parse_spec, spec_str
-
-GIB = float(1 << 30)
 
 
 def write_all(plan, out_dir: str | Path) -> dict[str, Path | str]:
@@ -189,7 +188,7 @@ def memory_per_device(plan, path: str | Path, capacity: float | None = None) -> 
     memory = plan.predicted.memory
     capacity = capacity if capacity is not None else plan.solver.get("memory_limit")
     total_bytes = sum(memory.values())
-    scale, unit = (GIB, "GiB") if total_bytes >= GIB else (float(1 << 20), "MiB")
+    scale, unit = (GIB, "GiB") if total_bytes >= GIB else (MIB, "MiB")
     total = total_bytes / scale
     cap = capacity / scale if capacity else None
     show_cap = cap is not None and total >= 0.05 * cap  # else the bar would vanish beside the line
@@ -216,7 +215,7 @@ def memory_per_device(plan, path: str | Path, capacity: float | None = None) -> 
         ax.text(0.88, cap, f"device memory {cap:.3g} {unit}", va="bottom", ha="right",
                 fontsize=9)
     elif cap is not None:
-        ax.text(0.88, top * 1.1, f"device memory {capacity / GIB:.3g} GiB: off the scale",
+        ax.text(0.88, top * 1.1, f"device memory {gib_text(capacity)}: off the scale",
                 va="top", ha="right", fontsize=9)
     ax.set_xlim(-0.6, 0.9)
     ax.set_ylim(0, top * 1.15)

@@ -38,6 +38,7 @@ import autopar
 from autopar import layouts
 from autopar.bench.workloads import build
 from autopar.cli import load_model
+from autopar.costmodels.units import GIB, MIB
 from autopar.models import GPT, MODELS, GPTConfig, llama3, megatron_gpt
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
@@ -49,7 +50,6 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
 CASES = ("gpt@64", "gpt-pp2@16", "wide-mlp@8", "big-vocab@8", "gpt2@8", "big-vocab@64", "wide-mlp@64",
          "llama70b-2l@64", "mlm-7.1b@96", "llama-zero3-pp2@8")
-GIB = 2**30
 
 
 def main() -> None:
@@ -142,7 +142,7 @@ def _row(label: str, plan, model, inputs, loss) -> str:
         return f"| {label} {shape} | {_in(predicted, GIB)} GiB | FAILED: {failed.where()}: {failed.error} | | | |"
     worst = max(result.ranks, key=lambda r: r.peak)
     measured = [worst.memory.get(k, 0) for k in KINDS]
-    unit, size = ("GiB", GIB) if worst.peak >= GIB else ("MiB", 2**20)
+    unit, size = ("GiB", GIB) if worst.peak >= GIB else ("MiB", MIB)
     # a kind's ratio where the dry run holds at least 1% of the peak in it ("–": less)
     by_kind = "/".join(f"{p / m:.2f}" if m >= worst.peak / 100 else "–" for p, m in zip(predicted, measured))
     # the sum of every kind's most is what the solver constrains; without a pipeline the step

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from autopar.costmodels.units import gib_text
 from autopar.dryrun import dry_run
 from autopar.models import llama3
 from autopar.passes.plan import Plan
@@ -62,8 +63,8 @@ def main() -> None:
         profiler.dump_stats(args.profile)
     wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     print(result.table())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (this process; a worker's is alike)
-    print(f"dry run: {wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {rss:.2f} GiB; "
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (ru_maxrss counts KiB), this process; a worker's is alike
+    print(f"dry run: {wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {gib_text(rss)}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     result.raise_if_failed()
 

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 import autopar
+from autopar.costmodels.units import GIB
 from autopar.models import MODELS, llama3
 
 MS = 1e3
 SIZES = ("8b", "70b", "405b")
-GIB = 2**30
 # Llama 2 70B (Touvron et al. 2023, Table 1; the Hugging Face config of meta-llama/Llama-2-70b-hf):
 # layers, hidden, heads, key-value heads, FFN, vocabulary, positions
 LLAMA2_70B = dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,

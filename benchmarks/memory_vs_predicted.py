@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.costmodels.presets import preset
+from autopar.costmodels.units import MIB
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
 from autopar.passes.plan import Plan, choice_from_plan
@@ -186,10 +187,10 @@ def main(layouts: list[str], mp: str | None) -> None:
                 m = sum(measured.values()) if kind == "total" else measured[kind]
                 ratio = m / p if p else float("inf") if m else 1.0
                 flag = " !" if abs(ratio - 1) > TOLERANCE else ""
-                print(f"| {layout} | {kind} | {p / 2**20:.2f} | {m / 2**20:.2f} | {ratio:.2f}{flag} |")
+                print(f"| {layout} | {kind} | {p / MIB:.2f} | {m / MIB:.2f} | {ratio:.2f}{flag} |")
             unmeasured = {k: b for k, b in predicted.items() if k not in KINDS and b}
             for kind, p in unmeasured.items():
-                print(f"| {layout} | {kind} (not measured, not in the total) | {p / 2**20:.2f} | | |")
+                print(f"| {layout} | {kind} (not measured, not in the total) | {p / MIB:.2f} | | |")
     dist.barrier()
     dist.destroy_process_group()
 

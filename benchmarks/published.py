@@ -46,6 +46,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import autopar
 from autopar import layouts
 from autopar.bench.run import plan_line
+from autopar.costmodels.units import GIB
 from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
 from autopar.passes.capture import capture
@@ -55,7 +56,6 @@ from autopar.passes.strategy_graph import NoRuleWarning
 from autopar.runtime.precision import Precision, capture_cast
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet; FACTS.md)
-GB, GIB = 1e9, 2**30
 GRAND_TETON = "h100-96gb-500w"  # torchtitan's runs: 96 GB HBM2e H100s at 500 W (costmodels/presets.py)
 GPUS_PER_NODE = 8
 # The Llama 3 Herd of Models, sec. 3.3.2 ("Memory"): with pipeline stages' input and output

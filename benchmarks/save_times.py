@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 import autopar
+from autopar.costmodels.units import MIB
 from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
 from tests.distributed.train_check import layout_plan
@@ -71,10 +72,10 @@ def main() -> None:
         complete.append(time.perf_counter() - began)
     if dist.get_rank() == 0:
         newest = Path(root[0]) / f"step_{saver.complete_steps()[-1]:08d}"
-        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file()) / 2**20
+        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file()) / MIB
         print(json.dumps({
             "layout": args.layout, "world": world, "parameters": sum(p.numel() for p in net.parameters()),
-            "checkpoint_mb": round(size, 1),
+            "checkpoint_mib": round(size, 1),
             "sync_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
             "async_complete_s": statistics.median(complete), "all": {"sync": sync, "async_blocked": blocked,
                                                                       "async_complete": complete},

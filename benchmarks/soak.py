@@ -10,7 +10,7 @@ asynchronous. Each rank samples its resident memory (``/proc/self/statm``) after
 step. At the end rank 0 trains the same model one process, on the same batches, and
 prints (and writes to ``--out``) one JSON object:
 
-- ``rss_mb``: per rank, the resident memory at each checkpoint step; ``rss_drift``: per
+- ``rss_mib``: per rank, the resident memory at each checkpoint step; ``rss_drift``: per
   rank, (max - min) / min over the samples after warm-up (the first ``--warmup`` steps);
 - ``loss_diff_max``: the largest |loss - one-process loss| over all steps;
 - ``save_s``: how long the training loop was blocked by each save, synchronous and
@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 import autopar
+from autopar.costmodels.units import MIB
 from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
 from tests.distributed.train_check import layout_plan
@@ -70,13 +71,13 @@ def warmup(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP_LR_STEPS))
 
 
-def rss_mb() -> float:
+def rss_mib() -> float:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE / 2**20
+        return int(f.read().split()[1]) * PAGE / MIB
 
 
-def folder_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+def folder_mib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / MIB
 
 
 def one_process(steps: int) -> list[float]:
@@ -123,7 +124,7 @@ def main() -> None:
         inputs, target = batch(step)
         losses.append(pm.train_step((inputs,), target).item())
         scheduler.step()
-        rss.append(rss_mb())
+        rss.append(rss_mib())
         if (step + 1) % args.every == 0:
             asynchronous = (step + 1) // args.every % 2 == 0
             began = time.perf_counter()
@@ -134,20 +135,20 @@ def main() -> None:
     sampled = [rss[i] for i in range(args.every - 1, args.steps, args.every)]
     after = rss[args.warmup:]
     every_rank = [None] * world
-    dist.all_gather_object(every_rank, {"rss_mb": sampled, "drift": (max(after) - min(after)) / min(after),
+    dist.all_gather_object(every_rank, {"rss_mib": sampled, "drift": (max(after) - min(after)) / min(after),
                                         "blocked": blocked})
     if dist.get_rank() == 0:
         reference = one_process(args.steps)
         newest = Path(root[0]) / f"step_{saver.complete_steps()[-1]:08d}"
         result = {
             "steps": args.steps, "every": args.every, "layout": args.layout, "world": world,
-            "rss_mb": [r["rss_mb"] for r in every_rank],
+            "rss_mib": [r["rss_mib"] for r in every_rank],
             "rss_drift": [round(r["drift"], 4) for r in every_rank],
             "loss_diff_max": max(abs(a - b) for a, b in zip(losses, reference)),
             "loss_first_last": [losses[0], losses[-1]],
             "save_s": {kind: {"median": statistics.median(v), "max": max(v), "n": len(v)}
                        for kind, v in blocked.items() if v},
-            "checkpoint_mb": round(folder_mb(newest), 2),
+            "checkpoint_mib": round(folder_mib(newest), 2),
             "steps_per_s": args.steps / seconds,
             "load_average": os.getloadavg(),
         }

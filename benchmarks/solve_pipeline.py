@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
-from autopar.passes.solve.pipeline_search import LayerCosts, search_pipeline
+from autopar.costmodels.units import GIB
+from autopar.passes.solve.pipeline_search import search_pipeline
+from autopar.passes.solve.stages import LayerCosts
 
 DEVICES, BATCH, LAYERS = 64, 512, 80
-GIB = 2**30
 
 
 def tensor_parallel_cost(intra: int) -> float:
@@ -28,15 +29,15 @@ def tensor_parallel_cost(intra: int) -> float:
     return (0.002 if intra <= 8 else 0.05) * np.log2(intra)
 
 
-def layer_costs(num_stages: int, num_microbatches: int) -> LayerCosts:
-    intra = DEVICES // num_stages
+def layer_costs(stages: int, micro_batches: int) -> LayerCosts:
+    intra = DEVICES // stages
     weight = np.ones(LAYERS)
     weight[[0, -1]] = 3.0  # embedding and head
     return LayerCosts(
-        time=weight * (2.0 / intra + tensor_parallel_cost(intra)) / num_microbatches,
+        time=weight * (2.0 / intra + tensor_parallel_cost(intra)) / micro_batches,
         static_memory=weight * 16 * 0.2 * GIB / intra,  # 0.2 G parameters a layer, 16 bytes each (Adam)
-        activation_memory=weight * 2.0 * GIB * (BATCH / num_microbatches / 64) / intra,
-        boundary_time=np.full(LAYERS - 1, 1e-4 * BATCH / num_microbatches / 64),
+        activation_memory=weight * 2.0 * GIB * (BATCH / micro_batches / 64) / intra,
+        boundary_time=np.full(LAYERS - 1, 1e-4 * BATCH / micro_batches / 64),
         step_overhead=0.05 * np.log2(intra),  # gradient reduction across the intra-op group
     )
 
@@ -44,7 +45,7 @@ def layer_costs(num_stages: int, num_microbatches: int) -> LayerCosts:
 def main() -> None:
     started = time.perf_counter()
     result = search_pipeline(
-        layer_costs, stage_counts=[1, 2, 4, 8, 16], microbatch_counts=[1, 2, 4, 8, 16, 32, 64],
+        layer_costs, stage_counts=[1, 2, 4, 8, 16], micro_batch_counts=[1, 2, 4, 8, 16, 32, 64],
         schedules=("gpipe", "1f1b", "interleaved_1f1b"), chunks_per_rank=(2, 4), memory_limit=80 * GIB,
     )
     elapsed = time.perf_counter() - started
@@ -52,7 +53,7 @@ def main() -> None:
     print(f"{len(result.options)} options ({len(valid)} fit in 80 GiB) searched in {elapsed:.2f} s")
     for option in valid[:5]:
         print(
-            f"  P={option.num_stages:<3} M={option.num_microbatches:<3} {option.schedule:<17} "
+            f"  P={option.stages:<3} M={option.micro_batches:<3} {option.schedule:<17} "
             f"v={option.chunks_per_rank}  step {option.step_time:.3f} s  "
             f"peak {max(option.rank_memory) / GIB:.1f} GiB  starts {option.cut.starts[:6]}"
         )

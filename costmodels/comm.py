@@ -99,18 +99,24 @@ def _collective_fn(collective: str):
     return compiled(f"collective.{collective}")
 
 
-def short(placement: Placement) -> str:
-    """``S(0)``, ``R``, ``P`` (a pending sum), ``P(max)``: the printed short form, the one
-    place it is defined (``autopar.passes.placements`` prints with it too)."""
-    if isinstance(placement, Shard):
-        return f"S({placement.dim})"
-    if isinstance(placement, Replicate):
-        return "R"
-    if isinstance(placement, Partial):
-        return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
+def _base(placement: Placement) -> type:
+    for base in (Shard, Replicate, Partial):  # subclasses (DTensor's MaskPartial, ...) move as their base
+        if isinstance(placement, base):
+            return base
     raise TypeError(
         f"autopar: expected a placement Shard(dim), Replicate() or Partial(); found {placement!r}."
     )
+
+
+def short(placement: Placement) -> str:
+    """``S(0)``, ``R``, ``P`` (a pending sum), ``P(max)``: the printed short form, the one
+    place it is defined (``autopar.passes.placements`` prints with it too)."""
+    base = _base(placement)
+    if base is Shard:
+        return f"S({placement.dim})"
+    if base is Replicate:
+        return "R"
+    return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
 
 
 def _check(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], what: str) -> None:
@@ -141,19 +147,26 @@ def local_numel(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     return math.prod(local)
 
 
-def _transition(src: Placement, dst: Placement) -> str | None:
-    """The collective that takes one mesh axis from ``src`` to ``dst`` (None: local, free)."""
-    if src == dst:
-        return None
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
-            return "all_gather"
-        if isinstance(dst, Shard):
-            return "all_to_all"
-        return None  # S -> P: keep the shard, zeros elsewhere
-    if isinstance(src, Partial):
-        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
-    return None  # R -> S slices, R -> P keeps one rank's copy
+# What takes one mesh axis from one placement to another, by their types: a collective,
+# or a local move that sends nothing. The one table of it: the cost model prices the
+# collectives, and codegen names each Reshard by these words (``passes/lowering/codegen.py``).
+_AXIS_MOVES = {
+    (Shard, Replicate): "all_gather",
+    (Shard, Shard): "all_to_all",
+    (Partial, Replicate): "all_reduce",
+    (Partial, Shard): "reduce_scatter",
+    (Partial, Partial): "all_reduce",  # another reduce op: reduce, then keep one copy
+    (Replicate, Shard): "slice",
+    (Replicate, Partial): "zero_others",  # keep one copy, zeros elsewhere
+    (Shard, Partial): "pad_shard",  # keep the shard, zeros elsewhere
+}
+LOCAL_MOVES = frozenset({"slice", "zero_others", "pad_shard"})
+
+
+def axis_move(src: Placement, dst: Placement) -> str | None:
+    """What takes one mesh axis from ``src`` to ``dst``: a collective, or a local move
+    (one of ``LOCAL_MOVES``); None when they are the same."""
+    return None if src == dst else _AXIS_MOVES[_base(src), _base(dst)]
 
 
 def reshard_plan(
@@ -182,8 +195,8 @@ def _reshard_plan(
     steps: list[Step] = []
 
     def move(axis: int, to: Placement) -> None:
-        kind = _transition(cur[axis], to)
-        if kind is not None and mesh_shape[axis] > 1:
+        kind = axis_move(cur[axis], to)
+        if kind not in LOCAL_MOVES and mesh_shape[axis] > 1:
             before = local_numel(shape, tuple(cur), mesh_shape)
             # an all-gather's buffer is its output: N padded input shards
             buffer = before * mesh_shape[axis] if kind == "all_gather" else before

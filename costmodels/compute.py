@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 
@@ -123,11 +122,6 @@ def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> int:
 def matmul_bytes(m: int, k: int, n: int, itemsize: int, batch: int = 1) -> int:
     """Bytes a matmul reads and writes at least once: both inputs and the output."""
     return batch * (m * k + k * n + m * n) * itemsize
-
-
-def pointwise_bytes(shapes: Sequence[Sequence[int]], itemsize: int) -> int:
-    """Bytes a pointwise op moves: every input and output tensor read or written once."""
-    return sum(math.prod(s) for s in shapes) * itemsize
 
 
 def matmul_time(

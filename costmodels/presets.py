@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from autopar.costmodels.opkinds import POINTWISE_KINDS
-from autopar.costmodels.profile import AxisProfile, CollectiveFit, DeviceProfile, HardwareProfile, Rate
+from autopar.costmodels.profile import (
+    AxisProfile,
+    CollectiveFit,
+    DeviceProfile,
+    HardwareProfile,
+    Rate,
+    default_axis_names,
+)
 
 GB = 1e9
 TFLOPS = 1e12
@@ -309,7 +316,7 @@ def build(
         raise ValueError(
             f"autopar: a mesh shape is a non-empty tuple of positive axis sizes; found {mesh_shape}."
         )
-    names = tuple(axis_names) if axis_names else tuple(f"axis{i}" for i in range(len(mesh_shape)))
+    names = tuple(axis_names) if axis_names else default_axis_names(len(mesh_shape))
     if len(names) != len(mesh_shape):
         raise ValueError(
             f"autopar: {len(names)} axis names {names} for a {len(mesh_shape)}-axis mesh "

@@ -34,10 +34,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autopar.costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    """The names of a mesh's axes when none are given: ``axis0``, ``axis1``, ... Printed
+    beside what the axis does in a plan (``autopar.passes.roles.label_axes``)."""
+    return tuple(f"axis{i}" for i in range(ndim))
+
+
+def is_default_axis_name(name: str) -> bool:
+    """Whether ``name`` is one ``default_axis_names`` gives (a pipeline's stage mesh keeps
+    its axes' names from the whole mesh: ``axis1``, ``axis2``)."""
+    return re.fullmatch(r"axis\d+", name) is not None
 
 PROFILE_VERSION = 4
 

@@ -46,6 +46,7 @@ from autopar.costmodels.profile import (
     HardwareProfile,
     ProfileError,
     Rate,
+    default_axis_names,
 )
 from autopar.costmodels.timing import (
     MATMUL_LAYOUTS,
@@ -415,7 +416,7 @@ def measure_profile(
         if mesh.device_type == "cuda"
         else torch.device("cpu")
     )
-    names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+    names = tuple(mesh.mesh_dim_names or default_axis_names(mesh.ndim))
     shape = tuple(mesh.shape)
     total = (
         sum(len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes)) for n in shape if n > 1)
@@ -464,7 +465,7 @@ def profile_mesh(
             f"autopar: mesh {shape} has {_prod(shape)} ranks but {world} processes are running; "
             f"give a mesh whose sizes multiply to {world} (e.g. --mesh {world})."
         )
-    names = tuple(axis_names) if axis_names else tuple(f"axis{i}" for i in range(len(shape)))
+    names = tuple(axis_names) if axis_names else default_axis_names(len(shape))
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ProfileError(
             f"autopar: expected {len(shape)} distinct axis names for mesh {shape}; found {names}."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from autopar.costmodels.profile import COLLECTIVES, HardwareProfile
+from autopar.costmodels.units import gib_text
 
 
 def _si(x: float, unit: str) -> str:
@@ -57,5 +58,5 @@ def profile_table(profile: HardwareProfile) -> str:
     for kind, table in dev.pointwise.items():
         cells = [f"{_si(table[d].rate, 'B/s')}, {table[d].latency_s * 1e6:.1f}" for d in dev.matmul]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    lines.append(f"\ndevice memory: {_si(dev.memory_bytes, 'B')}")
+    lines.append(f"\ndevice memory: {gib_text(dev.memory_bytes)}")
     return "\n".join(lines)

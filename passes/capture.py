@@ -15,7 +15,7 @@ stay whole, which is the level sharding rules are written for). Then:
   ``repeat_kv`` of an expanded key or value) reads a ``clone`` of its input, so that the copy
   is an op of its own, priced where it runs;
 - a mixture-of-experts region (transformers' grouped-matmul experts) becomes one
-  ``autopar::moe_experts`` op (``autopar.passes.moe_region``), which can split tokens and
+  ``autopar::moe_experts`` op (``autopar.passes.capture_moe``), which can split tokens and
   experts on one axis (all-to-all dispatch).
 
 Works on meta-device models: nothing is allocated. Hugging Face models are taken as
@@ -26,6 +26,7 @@ results are kept as a pytree spec so that outputs can be rebuilt.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
 import os
 import traceback
@@ -38,7 +39,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.passes.moe_region import fuse_moe_experts
+from autopar.passes.capture_moe import fuse_moe_experts
 
 
 @dataclass
@@ -139,6 +140,51 @@ def _without_stack_traces():
         torch.fx.config.do_not_emit_stack_traces = old
 
 
+# draws on the host that a trace would bake into the program as constants
+_HOST_DRAWS = {
+    "numpy.random": ("rand", "randn", "random", "random_sample", "randint", "choice", "uniform", "normal",
+                     "permutation", "shuffle", "binomial"),
+    "random": ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss"),
+}
+
+
+@contextlib.contextmanager
+def _host_draws_noted(found: list[str]) -> Iterator[None]:
+    """Inside: every draw of ``numpy.random`` or ``random`` made by code outside torch is
+    noted in ``found`` (its function and the caller's file and line)."""
+    patched = []
+    for module_name, names in _HOST_DRAWS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in names:
+            original = getattr(module, name)
+
+            def noting(*args, _original=original, _name=f"{module_name}.{name}", **kwargs):
+                caller = traceback.extract_stack(limit=2)[0]
+                if f"{os.sep}torch{os.sep}" not in caller.filename:
+                    found.append(f"{_name} at {caller.filename}:{caller.lineno}")
+                return _original(*args, **kwargs)
+
+            setattr(module, name, noting)
+            patched.append((module, name, original))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _host_draws_message(model: torch.nn.Module, found: list[str]) -> str:
+    return (
+        f"autopar: {type(model).__name__} drew random numbers on the host while it was captured "
+        f"({'; '.join(dict.fromkeys(found))}); expected random values drawn by torch ops (torch.rand, dropout), "
+        "which the runtime draws anew each step: a host draw is traced as a constant, and every step would reuse "
+        "the same values. Switch that feature off for the run (e.g. Hugging Face's mask_time_prob=0 for "
+        "SpecAugment) or draw with torch")
+
+
 def capture(
     model: torch.nn.Module,
     example_inputs: tuple,
@@ -156,13 +202,16 @@ def capture(
     example_inputs, example_kwargs = _distinct_tensors((example_inputs, example_kwargs or {}))
     was_training = model.training
     model.train(train)
+    host_draws: list[str] = []
     try:
-        with _huggingface_quirks(model), _without_stack_traces():
+        with _huggingface_quirks(model), _without_stack_traces(), _host_draws_noted(host_draws):
             ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # turned into one clear error that points at the model's code
         raise CaptureError(_capture_message(model, exc)) from exc
     finally:
         model.train(was_training)
+    if host_draws:
+        raise CaptureError(_host_draws_message(model, host_draws))
     captured = _from_exported(ep, type(model).__name__)
     _merge_tied_parameters(captured, model)
     captured.gm.graph.lint()
@@ -463,10 +512,37 @@ def _capture_message(model: torch.nn.Module, exc: Exception) -> str:
     )
     if "data-dependent" in str(exc).lower() or "GuardOnDataDependent" in type(exc).__name__:
         hint = (
-            "The model branches on, or takes a shape from, a tensor's value. Replace the Python "
-            "branch with torch.where / torch.cond, or make that value a constant."
+            "The model branches on, or takes a shape from, a tensor's value; a plan is static (every "
+            "step runs the same ops). Replace the Python branch with torch.where / torch.cond, or make "
+            "that value a constant; a random draw that decides which ops run (LayerDrop, stochastic "
+            "depth) cannot be planned: switch it off for training under autopar."
         )
+        layerdrop = _layer_drop(model, exc, user[-1] if user else None)
+        if layerdrop:
+            hint = (f"set config.{layerdrop[0]}=0 (found {layerdrop[1]}: LayerDrop draws at random which "
+                    "layers run, which a static plan cannot express).")
     return (
         f"autopar: could not capture {type(model).__name__} with torch.export "
         f"(expected a traceable forward; found {text}).{where} What to do: {hint}"
     )
+
+
+def _layer_drop(model: torch.nn.Module, exc: Exception, failing: traceback.FrameSummary | None
+                ) -> tuple[str, float] | None:
+    """The config's LayerDrop, when the failing model code reads it in training: a Hugging Face
+    config's ``layerdrop`` (``encoder_layerdrop``, ``decoder_layerdrop``) above 0 makes its
+    forward draw ``torch.rand([])`` per layer and skip the layer in Python, a branch on a
+    tensor's value. The model may be wrapped (with its loss)."""
+    if failing is None or not model.training:
+        return None
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename, tb.tb_lineno) != (failing.filename, failing.lineno):
+        tb = tb.tb_next
+    if tb is None or not any(name.endswith("layerdrop") for name in tb.tb_frame.f_code.co_names):
+        return None
+    for module in model.modules():
+        config = getattr(getattr(module, "config", None), "__dict__", {})
+        for name, value in sorted(config.items()):
+            if name.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
+                return name, value
+    return None

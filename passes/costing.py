@@ -14,7 +14,10 @@ price. Per strategy of an op node, on local shapes:
               (``costmodels.backward_ops``: two matmuls for a matmul plus a bias
               gradient's sum, the attention backward kernel, a ``gelu_backward`` for a
               gelu, nothing for an add; 2x the forward for ops the table does not
-              know, Kaplan et al. 2020), each at its own kind's measured rate;
+              know, Kaplan et al. 2020), each at its own kind's measured rate; an op
+              whose rule says its work (``autopar.passes.rules.registry.OpWork``: a
+              grouped matmul, the experts op) is priced from those ops, and the
+              collectives it runs inside itself are added (``Pricer.op_comm``);
               ``Costs.forward`` keeps the forward alone (what recomputation repeats)
     memory  = bytes of the local outputs some backward keeps (``autopar.passes.saved``): an
               op's own output its backward keeps, on the op; an input a consumer's
@@ -57,6 +60,7 @@ from autopar import costmodels
 from autopar.passes.capture import Captured
 from autopar.passes.saved import VIEWS, keep_bases, saved_roles, saved_values
 from autopar.costmodels.precision import META_KEY, MixedPrecision
+from autopar.costmodels.step import comm_time, dual_steps
 from autopar.passes.edge_costs import (UNPACKED, EdgeInput, EdgePrice, EdgePricer, Shares, alike_consumers,
                                        copy_readers, dtype_kind, edge_tables, local_bytes, parameter_shares,
                                        working_copy_memory)
@@ -65,9 +69,7 @@ from autopar.passes.layers import find_layers
 from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, output_spec
 from autopar.passes.placements import local_shape
 from autopar.passes.read_copies import ReadGroup, extra_copy_bytes, read_groups
-from autopar.passes.rules.moe import GROUPED_MM_OPS, rows_share
-from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
-from autopar.passes.rules.moe_experts import experts_time
+from autopar.passes.rules.registry import OpWork, work_of
 from autopar.passes.solve import Follower, SolveProblem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
@@ -76,7 +78,7 @@ ZERO_LEVELS = (0, 1, 2)
 # Ops are priced by ``costmodels.backward_ops``; ``Costs.forward`` holds each op's forward
 # alone; ``BACKWARD_FACTOR`` (``costmodels.formulas``) is the uniform approximation.
 MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-           "aten.matmul.default", "aten.baddbmm.default", *GROUPED_MM_OPS}
+           "aten.matmul.default", "aten.baddbmm.default"}
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
 # In-place writes of some positions of their first input (a static key-value cache's new
 # keys): they move the values they write, not the whole destination
@@ -253,17 +255,23 @@ class Pricer(EdgePricer):
         return self.node[key]
 
     def op_comm(self, ns, on_grad_path: bool) -> np.ndarray:
-        """Seconds per strategy of the collectives an op runs inside itself (the experts op's
-        dispatch, forward and backward); zeros for every other op."""
+        """Seconds per strategy of the collectives an op runs inside itself, forward and
+        backward (its rule's ``OpWork.collectives``, e.g. an experts op's dispatch); zeros for ops
+        without."""
         key = ("op comm", id(ns.strategies), on_grad_path)  # cached for every op: it runs on each op of each build
         if key not in self.node:
-            if ns.info.name != MOE_EXPERTS:
+            rule_work = work_of(ns.info.op)
+            if rule_work is None:
                 self.node[key] = np.zeros(len(ns.strategies))
             else:
                 dtype = dtype_kind(ns.info.outputs[0])
-                self.node[key] = np.array([experts_time(ns.info, s, self.mesh, self.profile, dtype, on_grad_path)[2]
+                self.node[key] = np.array([self._comm(rule_work(ns.info, s, self.mesh, dtype), on_grad_path)
                                            for s in ns.strategies])
         return self.node[key]
+
+    def _comm(self, work: OpWork, on_grad_path: bool) -> float:
+        forward = comm_time(work.collectives, self.profile)
+        return forward + comm_time(dual_steps(work.collectives), self.profile) if on_grad_path else forward
 
     def reads(self, ns, reads: tuple[tuple[int, fx.Node, float], ...]) -> np.ndarray | float:
         """Bytes per strategy of the inputs an op's backward saves as it reads them
@@ -287,16 +295,20 @@ class Pricer(EdgePricer):
         if name in VIEWS or not info.outputs:
             return 0.0, 0.0, 0.0
         out_bytes = float(sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs)))
-        if name == MOE_EXPERTS:  # its grouped matmuls; the dispatch's collectives are in ``op_comm``
-            t, t_forward, _ = experts_time(info, strategy, self.mesh, self.profile, dtype_kind(info.outputs[0]),
-                                           on_grad_path)
-            return t, t_forward, out_bytes if on_grad_path else 0.0
+        rule_work = work_of(info.op)
+        if rule_work is not None:  # what its rule says it does; the collectives inside it are in ``op_comm``
+            ops = rule_work(info, strategy, self.mesh, dtype_kind(info.outputs[0])).ops
+            t = sum(costmodels.compute_time(op.flops, op.bytes, op.dtype, self.profile, op.name, op.heads)
+                    for op in ops)
+            if not on_grad_path:
+                return t, t, 0.0
+            return t + costmodels.backward_time(ops, self.profile), t, out_bytes
         moved = sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins, in_metas)) + out_bytes
         if name in SCATTER_WRITES:  # reads what it writes and writes it in place: the destination is not streamed
             moved = 2.0 * sum(math.prod(x) * m.dtype.itemsize for x, m in zip(ins[1:], in_metas[1:]))
         flops = heads = 0.0
         if name in MATMULS and ins:
-            flops = 2.0 * math.prod(outs[0]) * ins[0][-1] * rows_share(info, strategy, self.mesh)
+            flops = 2.0 * math.prod(outs[0]) * ins[0][-1]
         elif name in ATTENTION and len(ins) >= 2:
             heads = float(math.prod(ins[0][:-2]))  # B H, each head priced by its size
             flops = 4.0 * math.prod(ins[0]) * ins[1][-2]  # QK^T and PV: 2 * 2 * B H Sq Sk D

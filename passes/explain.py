@@ -10,18 +10,14 @@ from __future__ import annotations
 import math
 import re
 from itertools import groupby
-from typing import NamedTuple
 
 from torch.distributed.tensor import Shard
 
+from autopar.costmodels.units import gib_text
 from autopar.passes.placements import parse_spec
-from autopar.passes.rules.moe import EXPERT_KERNEL
-from autopar.passes.rules.moe_experts import KERNEL as EXPERTS_OP_KERNEL
-from autopar.passes.rules.moe_experts import W_GATE_UP, axis_kinds
+from autopar.passes.rules.registry import KernelExplain, kernel_explain
 
 MS = 1e3
-GIB = float(1 << 30)
-MIB = float(1 << 20)
 
 
 def duration(t: float) -> str:
@@ -33,11 +29,6 @@ def duration(t: float) -> str:
     if abs(t) >= 1e-3 or t == 0:
         return f"{t * MS:.4g} ms"
     return f"{t * 1e6:.4g} us"
-
-
-def gib_text(b: float) -> str:
-    """A size in GiB (2**30 bytes, the unit of the pictures), or MiB below a tenth of one."""
-    return f"{b / GIB:.3g} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / MIB:.3g} MiB"
 
 
 def device_mesh_call(plan) -> str:
@@ -87,59 +78,48 @@ def _kinds(memory: dict) -> list[str]:
     return [k for k in order if k in memory] + sorted(k for k in memory if k not in order)
 
 
-# the expert weights' input position in the strategies that run only this rank's experts:
-# a grouped matmul's (``autopar.passes.rules.moe``) and the experts op's w_gate_up
-# (``autopar.passes.rules.moe_experts``)
-_EXPERT_WEIGHT = {EXPERT_KERNEL: 1, EXPERTS_OP_KERNEL: W_GATE_UP}
+def _inputs(text: str) -> tuple:
+    return tuple(parse_spec(s) for s in text[1:text.index(") ->")].split(", "))
 
 
-def _inputs(text: str) -> list:
-    return [parse_spec(s) for s in text[1:text.index(") ->")].split(", ")]
+def _said(text: str) -> KernelExplain | None:
+    """How the kernel a printed strategy runs says it is read (``autopar.passes.rules.registry.
+    KernelExplain``); None for no kernel or one that says nothing."""
+    return kernel_explain(text[text.rindex("[") + 1:-1]) if text.endswith("]") else None
 
 
 def expert_axes(plan) -> tuple[list[str], list[int]]:
-    """(the strategies that run only this rank's experts — grouped matmuls under the
-    ``local_experts`` kernel, experts ops under ``moe_experts`` — and the mesh axes their
-    experts are split over: where the expert weights split dim 0)."""
+    """(the strategies that run only this rank's experts and the mesh axes their experts are
+    split over: where the weights per expert, as their kernel names them, split dim 0)."""
     chosen, axes = [], set()
     for text in plan.strategies.values():
-        kernel = text[text.rindex("[") + 1:-1] if text.endswith("]") else None
-        if kernel not in _EXPERT_WEIGHT:
+        said = _said(text)
+        if said is None:
             continue
-        weights = _inputs(text)[_EXPERT_WEIGHT[kernel]]
+        weights = _inputs(text)[said.experts]
         by_expert = {_mesh_axis(plan, a) for a, p in enumerate(weights) if isinstance(p, Shard) and p.dim == 0}
-        if by_expert:  # the grouped matmul's kernel also runs blocks of rows with every expert: not expert parallel
+        if by_expert:  # a kernel may also run blocks of rows with every expert: not expert parallel
             chosen.append(text)
             axes |= by_expert
     return chosen, sorted(axes)
 
 
 def expert_parallel(plan) -> str | None:
-    """'expert parallel: ...' for a plan that splits experts by expert, naming how tokens
-    reach them (all-to-all or allgather dispatch), else None."""
+    """'expert parallel: ...' for a plan that splits experts by expert, then what its kernels
+    say of the strategies that do (how tokens reach the experts), each phrase counted."""
     chosen, axes = expert_axes(plan)
     if not chosen:
         return None
     where = ", ".join(f"{plan.axis_names[a]} (size {plan.mesh_shape[a]})" for a in axes)
     lines = [f"expert parallel: experts split by expert over {where}"]
-    grouped = [t for t in chosen if t.endswith(f"[{EXPERT_KERNEL}]")]
-    if grouped:
-        lines.append(f"{len(grouped)} grouped matmuls run only the tokens routed to this rank's experts "
-                     "(allgather dispatch: tokens gathered before, outputs reduced after)")
-    dispatch: dict[tuple[str, int], int] = {}
+    counts: dict[tuple[str, int | None], int] = {}
     for text in chosen:
-        if text.endswith(f"[{EXPERTS_OP_KERNEL}]"):
-            ins = _inputs(text)
-            for kind, kind_axes in axis_kinds(_Strategy(tuple(ins))).items():
-                for a in kind_axes if kind != "tp" else ():
-                    key = (kind, _mesh_axis(plan, a))
-                    dispatch[key] = dispatch.get(key, 0) + 1
-    words = {"all_to_all": ("all-to-all", "each rank sends its tokens' rows to the ranks of their experts "
-                                          "and gets the results back"),
-             "allgather": ("allgather", "tokens whole, outputs reduced after")}
-    for (kind, a), n in sorted(dispatch.items(), key=lambda kv: kv[0][1]):
-        name, how = words[kind]
-        lines.append(f"{n} expert layers: {name} dispatch over {plan.axis_names[a]} ({how})")
+        for phrase, a in _said(text).phrases(_inputs(text)):
+            key = (phrase, None if a is None else _mesh_axis(plan, a))
+            counts[key] = counts.get(key, 0) + 1
+    # phrases about no axis first, then by mesh axis
+    for (phrase, a), n in sorted(counts.items(), key=lambda kv: -1 if kv[0][1] is None else kv[0][1]):
+        lines.append(f"{n} {phrase.format(axis=plan.axis_names[a]) if a is not None else phrase}")
     return "; ".join(lines)
 
 
@@ -149,12 +129,6 @@ def _mesh_axis(plan, a: int) -> int:
     if plan.pipeline is None:
         return a
     return [i for i in range(len(plan.mesh_shape)) if i != plan.pipeline.axis][a]
-
-
-class _Strategy(NamedTuple):
-    """A strategy's input placements, read back from its printed form."""
-
-    inputs: tuple
 
 
 def _serving_lines(plan) -> list[str]:
@@ -223,6 +197,7 @@ def explain(plan) -> str:
         lines.append("ZeRO levels: " + ", ".join(f"{n} parameters at {lvl}" for lvl, n in sorted(zero.items())))
     if plan.solver:
         lines.append(_solver_line(plan.solver))
+    lines += pin_lines(plan)
     rows = layer_rows(plan)
     if rows:
         lines += ["", f"{'layers':<16} {'compute':>12} {'comm':>12} {'memory':>10}  parameters"]
@@ -244,6 +219,33 @@ def explain(plan) -> str:
     lines += _candidate_lines(plan)
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def pin_lines(plan) -> list[str]:
+    """A pinned plan (``Plan.pins``) beside the fastest plan the search found without its pins:
+    step time, memory, layout, and what the pins it breaks cost ("pinning tp=8 costs 6.5%
+    (1.31 s against 1.23 s)"); nothing for a plan without pins."""
+    record = getattr(plan, "pins", None)
+    if not record:
+        return []
+    pins, free, broken = ", ".join(record["pins"]), record.get("unpinned"), record.get("broken") or []
+    if free is None:
+        return [f"pins: {pins}; without them no plan fits either, so their price is unknown"]
+    if not broken:
+        return [f"pins: {pins}: the fastest plan without them honours them all, so they cost nothing (this is it)"]
+    t, t0 = plan.predicted.step_time, free["step_time"]
+    m, m0 = sum(plan.predicted.memory.values()), free["memory"]
+    lines = [f"pins: {pins}", f"  {'':<14} {'pinned':>12}  {'without them':>12}",
+             f"  {'step':<14} {duration(t):>12}  {duration(t0):>12}",
+             f"  {'memory/device':<14} {gib_text(m):>12}  {gib_text(m0):>12}",
+             f"  pinned:        {record.get('layout', '')}", f"  without them:  {free['layout']}"]
+    change = t / t0 - 1 if t0 > 0 else math.nan
+    if change >= 0:
+        lines.append(f"  pinning {', '.join(broken)} costs {100 * change:.3g}% ({duration(t)} against {duration(t0)})")
+    else:  # the budgets differ: the search without pins did not reach this plan
+        lines.append(f"  pinning {', '.join(broken)} costs nothing the search can see: this plan is {-100 * change:.3g}% "
+                     f"faster than the one it found without them ({duration(t)} against {duration(t0)})")
+    return lines
 
 
 def _solver_line(s: dict) -> str:

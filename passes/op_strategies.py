@@ -183,7 +183,9 @@ def expand_to_mesh(
             continue
         if _partial_crosses_to_integer(info, inputs, outputs):
             continue
-        strategy = ShardingStrategy(inputs, outputs, kernels.pop() if kernels else None)
+        # no axis (a single device) runs the rule's kernel too, where every option names it
+        kernel = kernels.pop() if kernels else None if combo else base.kernel
+        strategy = ShardingStrategy(inputs, outputs, kernel)
         if strategy not in seen:
             seen.add(strategy)
             result.append(strategy)

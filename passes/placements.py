@@ -8,7 +8,6 @@ DTensor's convention. Short form: ``S(0)R``, ``P`` for a sum, ``P(max)`` for a m
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Collection, Sequence
 
@@ -105,10 +104,6 @@ def local_slice(value, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[in
 
 def is_partial(spec: Spec | None) -> bool:
     return spec is not None and any(isinstance(p, Partial) for p in spec)
-
-
-def mesh_size(mesh_shape: Sequence[int]) -> int:
-    return math.prod(mesh_shape)
 
 
 def gradient_spec(needed: Spec, outputs: Sequence[Spec], shared: Collection[int] = ()) -> Spec:

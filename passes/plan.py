@@ -17,9 +17,11 @@ from typing import Any
 
 from torch import fx
 
+from autopar.costmodels.profile import default_axis_names
 from autopar.costmodels.schedules import Schedule
 from autopar.passes.capture import Captured
 from autopar.passes.explain import diff as plan_diff, explain as explain_plan
+from autopar.passes.export import Exported, export as export_plan
 from autopar.passes.node_keys import node_keys
 from autopar.passes.placements import spec_str
 from autopar.passes.strategy_graph import StrategyGraph
@@ -139,6 +141,11 @@ class Plan:
     candidates: dict[str, float] = field(default_factory=dict)  # layout name -> predicted step time (fits)
     solver: dict[str, Any] = field(default_factory=dict)  # status, method, gap, seconds, decisions
     reasons: list[str] = field(default_factory=list)  # why this plan: comparisons made while planning
+    # Made under pins (``autopar.Constraints``): {"pins": ["tp=8", ...], "constraints": {...},
+    # "layout": words, "unpinned": {"step_time": s, "memory": bytes, "layout": words} or None,
+    # "broken": the pins the unpinned plan breaks}; {} for none (``autopar.passes.planner.
+    # pin_price.price_record``), priced by ``explain()``
+    pins: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(int(s) for s in self.mesh_shape)
@@ -160,6 +167,14 @@ class Plan:
     def diff(self, other: "Plan") -> str:
         """What differs between this plan and ``other``: placements, ZeRO, pipeline, prediction."""
         return plan_diff(self, other)
+
+    def export(self, model_or_factory, path: str | Path, example_inputs: tuple | None = None) -> Exported:
+        """Write this plan as a Python module that lays the model out with torch's own APIs
+        (``parallelize(model, mesh)``; a pipeline's ``pipeline(model, mesh, microbatches,
+        loss_fn)``), importing no autopar; ``model_or_factory``: the model with its
+        ``example_inputs``, or ``"package.module:factory"``. What torch cannot express as
+        planned is said in the file and in the result's ``notes`` (``autopar.passes.export``)."""
+        return export_plan(self, model_or_factory, path, example_inputs)
 
     # --- JSON ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -209,7 +224,7 @@ def plan_from_choice(graph: StrategyGraph, choice: dict[fx.Node, int], *, kind: 
                      axis_names: tuple[str, ...] | None = None) -> Plan:
     """The Plan of one strategy index per node (what the solver or a layout returns)."""
     captured = graph.captured
-    axis_names = axis_names or tuple(f"axis{i}" for i in range(len(graph.mesh_shape)))
+    axis_names = axis_names or default_axis_names(len(graph.mesh_shape))
     strategies, params = {}, {}
     for node, ns in graph.nodes.items():
         strategy = ns.strategies[choice[node]]

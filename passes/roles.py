@@ -10,6 +10,9 @@ read the same as before the type existed.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Sequence
+
+from autopar.costmodels.profile import is_default_axis_name
 
 
 class AxisRole(str, Enum):
@@ -38,3 +41,9 @@ class AxisRole(str, Enum):
         return self.value
 
     __format__ = str.__format__
+
+
+def label_axes(names: Sequence[str], roles: Sequence[str]) -> list[str]:
+    """Each mesh axis as a user reads it: a name the mesh was given as it is, a default name
+    with the axis's role in the plan beside it, ``axis1 (tp)``."""
+    return [f"{name} ({role})" if role and is_default_axis_name(name) else name for name, role in zip(names, roles)]

@@ -11,6 +11,7 @@ wrongly accepts a pending sum is caught.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import random
@@ -22,9 +23,10 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.passes import rules
+from autopar.passes import randomness, rules
 from autopar.passes.exchange import VirtualExchange
 from autopar.passes.rules import registry
+from autopar.passes.rules.random import draws, random_ordinals
 from autopar.passes.placements import Spec
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import OpInfo, ShardingStrategy
@@ -191,8 +193,13 @@ def _run_threaded(info, strategy, local_inputs, mesh_shape, coords) -> dict[Coor
 
 
 def reference(info: OpInfo, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """The unsharded op on copies of the inputs (in-place ops must not touch them)."""
-    args, kwargs = info.fill([t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+    """The unsharded op on copies of the inputs (in-place ops must not touch them); a random
+    op draws the whole tensor from the running key (``autopar.passes.randomness``)."""
+    copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    if draws(info.op, info.args, info.kwargs):  # on no mesh axis: one device holds the whole
+        out = rules.run_local(info, rules.strategies_for(info, ())[0], copies, rules.LocalContext((), ()))
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    args, kwargs = info.fill(copies)
     out = info.op(*args, **kwargs)
     return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
@@ -207,7 +214,11 @@ def check_strategy(
     rtol: float = 1e-4,
     atol: float = 1e-4,
 ) -> None:
-    """Raise SimulationMismatch unless the strategy reproduces the unsharded op."""
+    """Raise SimulationMismatch unless the strategy reproduces the unsharded op (a random op:
+    the whole tensor drawn from the running key, or from a fixed one outside a run)."""
+    if draws(info.op, info.args, info.kwargs) and randomness.current_key() is None:
+        with randomness.drawing(randomness.run_key(0, 0)):
+            return check_strategy(info, strategy, inputs, mesh_shape, rng, expected, rtol, atol)
     expected = reference(info, inputs) if expected is None else expected
     try:
         got = run_strategy(info, strategy, inputs, mesh_shape, rng)
@@ -248,6 +259,7 @@ def simulate_graph(
         return split(whole, spec, mesh, rng)
 
     outputs: list[torch.Tensor] = []
+    streams = random_ordinals(graph.captured.gm.graph)  # each random op's stream, as codegen numbers them
     for node in graph.captured.nodes():
         if node.op == "placeholder":
             value = next(values)
@@ -262,7 +274,8 @@ def simulate_graph(
             ns = graph[node]
             strategy = ns.strategies[choice[node]]
             local_inputs = [needed(src, spec) for src, spec in zip(tensor_inputs(node), strategy.inputs)]
-            per_device = run_on_devices(ns.info, strategy, local_inputs, mesh)
+            with randomness.op(streams[node]) if node in streams else contextlib.nullcontext():
+                per_device = run_on_devices(ns.info, strategy, local_inputs, mesh)
             n_out = len(strategy.outputs)
             env[node] = (
                 [{c: outs[j] for c, outs in per_device.items()} for j in range(n_out)],

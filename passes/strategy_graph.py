@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.passes import rules
+from autopar.passes.rules.random import RANDOM_OPS
 from autopar.passes.capture import Captured
 from autopar.passes.placements import Spec, fits
 from autopar.passes.op_strategies import OpInfo, ShardingStrategy, TensorMeta
@@ -178,6 +179,16 @@ class StrategyGraph:
         return "\n".join(lines)
 
 
+def unkeyed_random(node: fx.Node) -> ValueError:
+    """A random op the runtime cannot draw layout-independently: it would read each rank's own
+    generator, and replicated copies of its output would differ between ranks."""
+    keyed = ", ".join(sorted(str(op) for op in RANDOM_OPS))
+    return ValueError(
+        f"autopar: {node.target} (node {node.name}) draws from torch's generator, which differs between ranks seeded "
+        f"apart, so its copies would silently disagree; expected one of the random ops autopar keys ({keyed}); draw "
+        "the values outside the model and pass them as an input, or use one of those ops")
+
+
 def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int],
                          calls: dict[fx.Node, tuple[OpInfo, str]] | None = None) -> StrategyGraph:
     """Every node's strategies on ``mesh_shape``. ``calls``: a dict kept between graphs of the
@@ -210,6 +221,8 @@ def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int],
                 calls[node] = info, repr((info.name, info.args, info.kwargs, info.outputs))
             info, key = calls[node]
             has_rule = rules.rule_for(node.target) is not None
+            if not has_rule and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                raise unkeyed_random(node)
             if not has_rule:
                 graph.missing_rules[info.name] = graph.missing_rules.get(info.name, 0) + 1
             if key not in known:

@@ -6,7 +6,8 @@ from torch.distributed.tensor import Replicate as R
 from torch.distributed.tensor import Shard as S
 
 from autopar.costmodels import backward_reshard_plan, h100, reshard_plan, reshard_time
-from autopar.costmodels.comm import Step, grad_target, short
+from autopar.costmodels.comm import LOCAL_MOVES, Step, axis_move, grad_target, short
+from autopar.passes.lowering.codegen import collectives
 
 SHAPE, ITEM = (1024, 512), 4
 FULL = 1024 * 512 * 4
@@ -102,3 +103,17 @@ def test_plans_are_cached_and_take_lists_too():
     a = reshard_plan(SHAPE, ITEM, (S(0),), (R(),), (4,))
     assert reshard_plan(SHAPE, ITEM, (S(0),), (R(),), (4,)) is a
     assert reshard_plan(list(SHAPE), ITEM, [S(0)], [R()], [4]) is a
+
+
+def test_one_table_names_what_codegen_runs_and_what_the_cost_model_prices():
+    # codegen names each Reshard by the cost model's moves, axis by axis
+    assert collectives((S(0), P()), (R(), S(1))) == ["all_gather0", "reduce_scatter1"]
+    assert collectives((R(), S(0)), (S(1), S(0))) == ["slice0"]
+    # a local move sends nothing: named, never priced
+    for src, dst in [(R(), S(0)), (R(), P()), (S(0), P())]:
+        assert axis_move(src, dst) in LOCAL_MOVES and plan([src], [dst]) == []
+    for src, dst in [(S(0), R()), (S(0), S(1)), (P(), R()), (P(), S(0)), (P("max"), P())]:
+        move = axis_move(src, dst)
+        assert move not in LOCAL_MOVES and [s.collective for s in plan([src], [dst])] == [move]
+    with pytest.raises(TypeError, match="autopar: expected a placement"):
+        axis_move("S0", R())

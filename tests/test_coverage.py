@@ -11,7 +11,7 @@ from tests.coverage_models import COVERAGE_MODELS, captured
 # The ops these models' graphs contain (torch 2.13, transformers 5.23), listed so that a
 # change in either shows up here as a diff rather than as a silent replicate fallback.
 EXPECTED_OPS = {
-    "autopar.moe_experts.default",  # Mixtral's experts region, fused after capture (passes/moe_region.py)
+    "autopar.moe_experts.default",  # Mixtral's experts region, fused after capture (passes/capture_moe.py)
     "aten.__and__.Tensor", "aten.add.Tensor", "aten.addmm.default", "aten.alias.default",
     "aten.arange.default", "aten.arange.start", "aten.cat.default",
     "aten.clone.default",  # a reshape that copies, split into clone + view at capture
@@ -70,7 +70,7 @@ def test_required_ops_have_rules():
 
 # The ops of ResNet, ConvNeXt, CLIP, Whisper, BART and Mixtral with labels (train mode).
 COVERAGE_MODEL_OPS = {
-    "autopar.moe_experts.default",  # Mixtral's experts region, fused after capture (passes/moe_region.py)
+    "autopar.moe_experts.default",  # Mixtral's experts region, fused after capture (passes/capture_moe.py)
     "aten.__and__.Tensor", "aten.adaptive_avg_pool2d.default", "aten.add.Tensor",
     "aten.alias.default", "aten.arange.default", "aten.arange.start", "aten.argmax.default",
     "aten.batch_norm.default", "aten.cat.default", "aten.clone.default",

@@ -16,7 +16,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar import dryrun, dryrun_tracker, layouts
+from autopar import dryrun, layouts
+from autopar.dryrun import tracker
 from autopar.cli import main
 from autopar.dryrun import DryRunError, distinct_ranks
 from autopar.models import GPT, MODELS, GPTConfig
@@ -153,7 +154,7 @@ def test_the_trackers_peak_is_torchs_memtracker_peak(staged, monkeypatch):
     its depth): the peak and its kinds are what torch's own MemTracker measures."""
     model, inputs, plan = staged
     fast = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
-    monkeypatch.setattr(dryrun_tracker.PeakTracker, "_update_peak_stats", MemTracker._update_peak_stats)
+    monkeypatch.setattr(tracker.PeakTracker, "_update_peak_stats", MemTracker._update_peak_stats)
     torchs = autopar.dry_run(plan, model, inputs, raise_on_failure=True)
     assert [(r.rank, r.peak, r.memory) for r in fast.ranks] == [(r.rank, r.peak, r.memory) for r in torchs.ranks]
     assert all(r.peak > 0 for r in fast.ranks)

@@ -1,5 +1,5 @@
 """The pipeline dry run replays the fewest micro-batches with the same peak
-(``autopar.dryrun_pipeline.replayed_micro_batches``): every rank's peak and every kind at it
+(``autopar.dryrun.pipeline.replayed_micro_batches``): every rank's peak and every kind at it
 equal those of replaying all of the plan's micro-batches, while GPipe, which holds all M at
 its peak, replays all M."""
 
@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar import costmodels, layouts
 from autopar.bench.report import _dry_run_line
-from autopar.dryrun_pipeline import replayed_micro_batches
+from autopar.dryrun.pipeline import replayed_micro_batches
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan

@@ -22,7 +22,7 @@ SUBSET = {
     "bart": ("tp", "auto"),
 }
 # Mixture-of-experts layouts (issue #18, item 2), in the same launch: experts split by expert
-# over the tp axis, each layer's experts op (autopar.passes.moe_region) on this rank's experts
+# over the tp axis, each layer's experts op (autopar.passes.capture_moe) on this rank's experts
 # only; ep's axis splits the batch too, so tokens travel to their experts all-to-all, tp+ep's
 # keeps it whole for Megatron's attention (allgather dispatch); tests/test_layouts_apply.py: which
 MOE = {"mixtral:ep": "all-to-all", "mixtral:tp+ep": "allgather"}

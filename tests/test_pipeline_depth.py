@@ -26,7 +26,7 @@ def test_the_depth_found_is_the_fastest_of_every_depth(send):
 
     def at_depth(v):
         asked.append(v)
-        return search_pipeline(lambda *_: costs, stage_counts=[p], microbatch_counts=[m], schedules=(INTERLEAVED,),
+        return search_pipeline(lambda *_: costs, stage_counts=[p], micro_batch_counts=[m], schedules=(INTERLEAVED,),
                                chunks_per_rank=(v,))
 
     depths = useful_depths(24, p)
@@ -40,7 +40,7 @@ def test_the_depth_found_is_the_fastest_of_every_depth(send):
 
 def test_depth_2_stays_where_deeper_is_slower():
     costs = _costs(24, 2.0)
-    at_depth = lambda v: search_pipeline(lambda *_: costs, stage_counts=[4], microbatch_counts=[8],  # noqa: E731
+    at_depth = lambda v: search_pipeline(lambda *_: costs, stage_counts=[4], micro_batch_counts=[8],  # noqa: E731
                                          schedules=(INTERLEAVED, "1f1b"), chunks_per_rank=(v,))
     first = at_depth(2)
     found = deeper_while_faster(first, useful_depths(24, 4), at_depth)
@@ -58,7 +58,7 @@ def test_the_deepest_depth_is_tried_where_memory_decides_the_recomputation():
                        recompute_time=np.full(layers, 0.3))
 
     def at_depth(v):
-        return search_pipeline(lambda *_: costs, stage_counts=[stages], microbatch_counts=[8],
+        return search_pipeline(lambda *_: costs, stage_counts=[stages], micro_batch_counts=[8],
                                schedules=(INTERLEAVED,), chunks_per_rank=(v,), memory_limit=9.0)
 
     every = {v: at_depth(v).best.step_time for v in range(2, 8)}

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import autopar
-from autopar import costmodels, layouts
+from autopar import layouts
 from autopar.costmodels.memory import schedule_order
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.solve.stages import StageCut, cut_stages, rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, StageCut, cut_stages, rank_peaks
 
 
 def test_the_loss_ranks_interleaved_peak_is_predicted_within_ten_percent():
@@ -74,11 +74,12 @@ def test_one_stage_per_rank_replays_to_the_stage_formula(schedule):
     (``stage_peak``'s two instants), recomputation, gradients and temporaries included."""
 
     layers = 6
-    cut = cut_stages([1.0] * layers, 3, static_memory=[10.0] * layers, activation_memory=[4.0, 5.0] * 3,
-                     in_flight=[4, 4, 4] if schedule == "gpipe" else [3, 2, 1],
-                     in_flight_with_gradients=costmodels.memory.in_flight_with_gradients(schedule, 3, 4),
-                     gradient_memory=[3.0] * layers, accumulating=[2.0] * layers,
-                     temporary_memory=[0.0] * (layers - 1) + [6.0], recompute_saving=[3.0] * layers,
-                     recompute_time=[0.5] * layers, memory_limit=44.0)
+    costs = LayerCosts(time=[1.0] * layers, static_memory=[10.0] * layers, activation_memory=[4.0, 5.0] * 3,
+                       gradient_memory=[3.0] * layers, accumulating=[2.0] * layers,
+                       temporary_memory=[0.0] * (layers - 1) + [6.0], recompute_saving=[3.0] * layers,
+                       recompute_time=[0.5] * layers)
+    in_flight = InFlight.of(schedule, 3, 4)
+    assert in_flight.peak.tolist() == ([4, 4, 4] if schedule == "gpipe" else [3, 2, 1])
+    cut = cut_stages(costs, 3, in_flight, memory_limit=44.0)
     assert cut is not None and any(cut.recomputed)
     assert [p.total for p in rank_peaks(cut, schedule, 4)] == pytest.approx(cut.stage_memory)

@@ -26,7 +26,7 @@ from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_spli
 from autopar.passes.planner.pipeline import LayerNumbers, node_layers, pipeline_plan, search
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import _no_slower_than_layouts
-from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches
+from autopar.passes.solve.stages import InFlight, LayerCosts, cut_stages, describe_cut
 from autopar.passes.strategy_graph import build_strategy_graph
 from autopar.planning import plan
 from tests.profiles import measured_style
@@ -179,20 +179,18 @@ def test_recomputed_stage_memory_equals_the_hand_computation():
     stage 1 one. Per micro-batch a layer saves 10 bytes, of which 2 are its input; static 5.
     Stage 0 (layers 0-1) holds 2 * 5 + 2 * 20 = 50 > 45: recomputing one layer keeps
     50 - 2 * 8 + 8 (one layer rebuilt in backward) = 42 and costs one more forward (0.3)."""
-    time = [1.0] * 4
-    in_flight = in_flight_microbatches("1f1b", 2, 4)
-    assert in_flight == [2, 1]
-    cut = cut_stages(time, 2, static_memory=[5.0] * 4, activation_memory=[10.0] * 4, in_flight=in_flight,
-                     memory_limit=45.0, recompute_saving=[8.0] * 4, recompute_time=[0.3] * 4)
+    costs = LayerCosts(time=[1.0] * 4, static_memory=[5.0] * 4, activation_memory=[10.0] * 4,
+                       recompute_saving=[8.0] * 4, recompute_time=[0.3] * 4)
+    in_flight = InFlight.of("1f1b", 2, 4)
+    assert in_flight.peak.tolist() == [2, 1]
+    cut = cut_stages(costs, 2, in_flight, memory_limit=45.0)
     assert cut.starts == [0, 2]
     assert cut.recomputed == [1, 0]
     assert cut.stage_memory == pytest.approx([2 * 5 + 2 * 20 - 2 * 8 + 8, 2 * 5 + 20])
     assert cut.stage_time == pytest.approx([2.3, 2.0])
-    two = cut_stages(time, 2, static_memory=[5.0] * 4, activation_memory=[10.0] * 4, in_flight=in_flight,
-                     memory_limit=30.0, recompute_saving=[8.0] * 4, recompute_time=[0.3] * 4)
+    two = cut_stages(costs, 2, in_flight, memory_limit=30.0)
     assert two.recomputed == [2, 0] and two.stage_memory[0] == pytest.approx(50 - 2 * 2 * 8 + 8)
-    assert cut_stages(time, 2, static_memory=[5.0] * 4, activation_memory=[10.0] * 4, in_flight=in_flight,
-                      memory_limit=25.0, recompute_saving=[8.0] * 4, recompute_time=[0.3] * 4) is None
+    assert cut_stages(costs, 2, in_flight, memory_limit=25.0) is None
 
 
 def test_pipeline_recompute_memory_counts_inputs_in_flight_and_one_rebuilt_layer():
@@ -223,17 +221,18 @@ def test_stage_cut_with_recompute_equals_brute_force(seed):
     time, static = rng.uniform(0.1, 1.0, layers), rng.uniform(0, 1, layers)
     activation = rng.uniform(0.1, 0.5, layers)
     saving = activation * rng.uniform(0.3, 0.9)  # alike layers differ only in size here
-    redo = rng.uniform(0.05, 0.3, layers)
+    recompute_time = rng.uniform(0.05, 0.3, layers)
     send = rng.uniform(0, 0.2, layers - 1)
-    in_flight = in_flight_microbatches("1f1b", stages, int(rng.integers(1, 6)))
-    limit = float(rng.uniform(0.3, 1.0) * (static.sum() + max(in_flight) * activation.sum()))
+    in_flight = InFlight.of("1f1b", stages, int(rng.integers(1, 6)))
+    limit = float(rng.uniform(0.3, 1.0) * (static.sum() + max(in_flight.peak) * activation.sum()))
+    costs = LayerCosts(time, static_memory=static, activation_memory=activation, boundary_time=send,
+                       recompute_saving=saving, recompute_time=recompute_time)
     best = np.inf
     for cuts in itertools.combinations(range(1, layers), stages - 1):
-        cut = describe_cut([0, *cuts], time, static, activation, in_flight, send, saving, redo, limit)
+        cut = describe_cut(costs, [0, *cuts], in_flight, memory_limit=limit)
         if max(cut.stage_memory) <= limit:
             best = min(best, cut.slowest)
-    cut = cut_stages(time, stages, static_memory=static, activation_memory=activation, in_flight=in_flight,
-                     memory_limit=limit, boundary_time=send, recompute_saving=saving, recompute_time=redo)
+    cut = cut_stages(costs, stages, in_flight, limit)
     if not np.isfinite(best):
         assert cut is None
         return

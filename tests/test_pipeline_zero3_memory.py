@@ -16,13 +16,14 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autopar
-from autopar import dryrun, dryrun_pipeline, layouts
+from autopar import dryrun, layouts
+from autopar.dryrun import pipeline as dryrun_pipeline
 from autopar.models import MODELS
 from autopar.passes.capture import capture
 from autopar.passes.lowering.buckets import GatherBucket
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.solve.stages import describe_cut, rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, describe_cut, rank_peaks
 from autopar.runtime.precision import MixedGather, Precision
 
 BF16_FP32_REDUCE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -123,8 +124,9 @@ def test_a_gather_counts_beyond_the_activations_that_exist_while_it_runs():
     """One stage of two layers, one micro-batch in flight (milliseconds): a forward gathers
     layer l before its and the later layers' activations exist, a backward gathers it again
     while only the later layers' are freed and reduce-scatters once its own are freed too."""
-    activation, gather, scatter, zeros = np.array([3.0, 4.0]), [10.0, 2.0], [9.0, 1.0], np.zeros(2)
-    cut = describe_cut([0], np.ones(2), zeros, activation, [1], zeros, gather=gather, scatter=scatter)
+    activation, gather, scatter = np.array([3.0, 4.0]), [10.0, 2.0], [9.0, 1.0]
+    costs = LayerCosts(time=np.ones(2), activation_memory=activation, gather_memory=gather, scatter_memory=scatter)
+    cut = describe_cut(costs, [0], InFlight([1]))
     assert cut.in_forward == [10.0 - 7.0]  # layer 0's gather, none of the micro-batch's activations made yet
     assert cut.in_backward == [max(10.0 - 4.0, 9.0 - 7.0, 2.0, 1.0 - 4.0)]  # layer 0's gather after layer 1's freed
     (peak,) = rank_peaks(cut, "gpipe", 1)

@@ -12,32 +12,20 @@ import numpy as np
 import pytest
 
 from autopar.costmodels import Schedule
-from autopar.costmodels.memory import in_flight_with_gradients
-from autopar.passes.solve.pipeline_search import LayerCosts, evaluate_pipeline
-from autopar.passes.solve.stages import cut_stages, describe_cut, rank_peaks
+from autopar.passes.solve.pipeline_search import evaluate_pipeline
+from autopar.passes.solve.stages import InFlight, LayerCosts, cut_stages, describe_cut, rank_peaks
 
 INTERLEAVED = Schedule.parse("interleaved_1f1b")
 RANKS, MICRO_BATCHES, CHUNKS = 2, 4, 2
 
 
-def counts(schedule=INTERLEAVED, ranks=RANKS, micro_batches=MICRO_BATCHES, chunks=CHUNKS):
-    """(in flight per virtual stage, in flight with gradients): what the stage DP holds each chunk to."""
-    return (schedule.in_flight_per_stage(ranks, micro_batches, chunks),
-            in_flight_with_gradients(schedule, ranks, micro_batches, chunks))
+def counts(schedule=INTERLEAVED, ranks=RANKS, micro_batches=MICRO_BATCHES, chunks=CHUNKS) -> InFlight:
+    """In flight per virtual stage, at the peak and with gradients: what the stage DP holds each chunk to."""
+    return InFlight.of(schedule, ranks, micro_batches, chunks)
 
 
 def describe(costs: LayerCosts, starts, recomputed):
-    in_flight, graded = counts()
-    send = np.zeros(len(costs.time))
-    send[:-1] = costs.boundary_time if costs.boundary_time is not None else 0.0
-    arrays = [None if x is None else np.asarray(x, dtype=float) for x in (
-        costs.time, costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
-        costs.gradient_memory, costs.accumulating, costs.temporary_memory, costs.gather_memory,
-        costs.scatter_memory)]
-    time, static, activation, saving, redo, gradients, accumulating, temporary, gather, scatter = arrays
-    return describe_cut(starts, time, static, activation, in_flight, send, saving, redo, gradients=gradients,
-                        in_flight_with_gradients=graded, accumulating=accumulating, temporary=temporary,
-                        gather=gather, scatter=scatter, recomputed=recomputed)
+    return describe_cut(costs, starts, counts(), recomputed=recomputed)
 
 
 def worst_rank(cut) -> float:
@@ -46,14 +34,7 @@ def worst_rank(cut) -> float:
 
 def chunk_share_cut(costs: LayerCosts, limit: float):
     """What the search had before ``rank_fit``: the DP's cut, each chunk held to ``limit / v``."""
-    in_flight, graded = counts()
-    return cut_stages(costs.time, RANKS * CHUNKS, static_memory=costs.static_memory,
-                      activation_memory=costs.activation_memory, in_flight=in_flight,
-                      in_flight_with_gradients=graded, memory_limit=limit / CHUNKS,
-                      boundary_time=costs.boundary_time, recompute_saving=costs.recompute_saving,
-                      recompute_time=costs.recompute_time, gradient_memory=costs.gradient_memory,
-                      accumulating=costs.accumulating, temporary_memory=costs.temporary_memory,
-                      gather_memory=costs.gather_memory, scatter_memory=costs.scatter_memory)
+    return cut_stages(costs, RANKS * CHUNKS, counts(), memory_limit=limit / CHUNKS)
 
 
 def test_a_loss_chunk_over_its_share_still_gets_the_cheapest_fitting_recomputation():
@@ -131,21 +112,16 @@ def test_a_cut_described_at_its_own_recomputed_counts_is_the_same_cut(seed):
 
 
 def test_a_forced_count_outside_a_stage_gets_an_autopar_error():
+    costs = LayerCosts(time=[1.0] * 3, static_memory=[1.0] * 3, activation_memory=[1.0] * 3)
     with pytest.raises(ValueError, match=r"autopar: describe_cut expected per stage 0\.\.\(its layers\)"):
-        describe_cut([0, 2], [1.0] * 3, [1.0] * 3, [1.0] * 3, [1, 1], np.zeros(3), recomputed=[3, 0])
+        describe_cut(costs, [0, 2], InFlight([1, 1]), recomputed=[3, 0])
     with pytest.raises(ValueError, match="autopar: describe_cut expected"):
-        describe_cut([0, 2], [1.0] * 3, [1.0] * 3, [1.0] * 3, [1, 1], np.zeros(3), recomputed=[1])
+        describe_cut(costs, [0, 2], InFlight([1, 1]), recomputed=[1])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_schedules_without_chunks_keep_the_dp_cut(schedule):
     costs, limit = random_costs(3)
     option = evaluate_pipeline(costs, RANKS, MICRO_BATCHES, schedule, 1, limit)
-    in_flight, graded = counts(Schedule.parse(schedule), chunks=1)
-    dp = cut_stages(costs.time, RANKS, static_memory=costs.static_memory, activation_memory=costs.activation_memory,
-                    in_flight=in_flight, in_flight_with_gradients=graded, memory_limit=limit,
-                    boundary_time=costs.boundary_time, recompute_saving=costs.recompute_saving,
-                    recompute_time=costs.recompute_time, gradient_memory=costs.gradient_memory,
-                    accumulating=costs.accumulating, temporary_memory=costs.temporary_memory,
-                    gather_memory=costs.gather_memory, scatter_memory=costs.scatter_memory)
+    dp = cut_stages(costs, RANKS, counts(Schedule.parse(schedule), chunks=1), memory_limit=limit)
     assert option.cut == dp

@@ -1,5 +1,5 @@
 """The experts region as one op (``autopar.passes.rules.moe_experts``, fused by
-``autopar.passes.moe_region``): every strategy by SPMD simulation — the all-to-all dispatch
+``autopar.passes.capture_moe``): every strategy by SPMD simulation — the all-to-all dispatch
 runs its virtual devices side by side, trading rows through the simulator's exchange — with
 uneven routing; the simulator catches a dispatch that brings results home in the wrong
 order; the fused graph computes what the captured one did, forward and backward, bit for
@@ -17,7 +17,7 @@ import torch
 from autopar.passes import rules
 from autopar.passes import capture as capture_module
 from autopar.passes.capture import capture
-from autopar.passes.moe_region import fuse_moe_experts
+from autopar.passes.capture_moe import fuse_moe_experts
 from autopar.passes.op_strategies import OpInfo
 from autopar.passes.rules import moe_experts
 from autopar.passes.rules.moe_experts import MOE_EXPERTS, OP_NAME, axis_kinds, experts_work

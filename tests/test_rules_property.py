@@ -16,7 +16,7 @@ from autopar.passes.simulate import check_strategy
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 from autopar.passes.op_strategies import OpInfo
 from tests.coverage_models import COVERAGE_MODELS, captured
-from tests.op_samples import SAMPLERS
+from autopar.op_samples import SAMPLERS
 
 MESHES = [(2,), (4,), (2, 2), (2, 2, 2)]
 checked: list[int] = []

@@ -10,11 +10,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import autopar
 from autopar import costmodels
 from autopar.cli import main
 from autopar.passes.capture import capture
+from autopar.passes.generation import capture_programs, capture_prompt_logits
 from autopar.passes.node_keys import node_keys
 from autopar.passes.planner.relayout import relayout
 from autopar.passes.solve import Follower, SolveProblem, evaluate_memory, evaluate_time, solve
@@ -64,6 +66,23 @@ def test_an_encoder_decoder_model_is_refused_before_capture():
     with pytest.raises(TypeError, match="^autopar: inference expected a decoder-only causal LM; found "
                                         "T5ForConditionalGeneration, an encoder-decoder"):
         autopar.plan(t5, (2,), inference=autopar.Inference(batch=1, prompt_len=4, max_len=8), hardware="h100")
+
+
+def test_prefill_keeps_the_last_positions_logits_and_the_prompt_logits_program_every_one(tiny_llama):
+    """Generation needs the next token's logits only: the prompt's over the vocabulary would be a
+    step's largest tensor (Llama-3-8B, 1,076 prompts of 128: 33 GiB), priced and held for nothing."""
+    model, _ = tiny_llama
+    work = WORKLOAD
+    programs = capture_programs(model, work.batch, work.prompt_len, work.max_len)
+    vocab = model.config.vocab_size
+
+    def logits_shape(captured):
+        out = next(n for n in captured.nodes("output")).args[0]
+        return tuple(pytree.tree_leaves(out)[captured.user_outputs[0]].meta["val"].shape)
+
+    assert logits_shape(programs.prefill) == logits_shape(programs.decode) == (work.batch, 1, vocab)
+    every = capture_prompt_logits(model, work.batch, work.prompt_len, work.max_len)
+    assert logits_shape(every) == (work.batch, work.prompt_len, vocab)
 
 
 def test_a_node_keeps_its_identity_across_no_grad_eval_and_batch_size(tiny_llama):

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 from autopar import costmodels
-from autopar.passes.solve.pipeline_search import LayerCosts, evaluate_pipeline, search_pipeline
-from autopar.passes.solve.stages import cut_stages, describe_cut, in_flight_microbatches, pipeline_step_time, stage_peak
+from autopar.passes.solve.pipeline_search import evaluate_pipeline, search_pipeline
+from autopar.passes.solve.stages import (InFlight, LayerCosts, StageSums, cut_stages, describe_cut, pipeline_step_time,
+                                         stage_peak)
 
 
-def brute_force_cut(time, static, activation, in_flight, limit, send, num_stages):
+def brute_force_cut(costs, in_flight, limit, num_stages):
     best = np.inf
-    for cuts in itertools.combinations(range(1, len(time)), num_stages - 1):
-        cut = describe_cut([0, *cuts], time, static, activation, in_flight, send)
+    for cuts in itertools.combinations(range(1, costs.layers), num_stages - 1):
+        cut = describe_cut(costs, [0, *cuts], in_flight)
         if limit is None or max(cut.stage_memory) <= limit:
             best = min(best, cut.slowest)
     return best
@@ -29,12 +30,12 @@ def test_stage_cut_dp_equals_brute_force(seed):
     static = rng.uniform(0, 1, num_layers)
     activation = rng.uniform(0, 0.5, num_layers)
     send = rng.uniform(0, 0.2, num_layers - 1)
-    in_flight = in_flight_microbatches("1f1b" if seed % 2 else "gpipe", num_stages, int(rng.integers(1, 6)))
-    total = static.sum() + max(in_flight) * activation.sum()
+    in_flight = InFlight.of("1f1b" if seed % 2 else "gpipe", num_stages, int(rng.integers(1, 6)))
+    total = static.sum() + max(in_flight.peak) * activation.sum()
     limit = None if seed % 3 == 0 else float(rng.uniform(0.2, 1.0) * total)
-    expected = brute_force_cut(time, static, activation, in_flight, limit, send, num_stages)
-    cut = cut_stages(time, num_stages, static_memory=static, activation_memory=activation,
-                     in_flight=in_flight, memory_limit=limit, boundary_time=send)
+    costs = LayerCosts(time, static_memory=static, activation_memory=activation, boundary_time=send)
+    expected = brute_force_cut(costs, in_flight, limit, num_stages)
+    cut = cut_stages(costs, num_stages, in_flight, limit)
     if not np.isfinite(expected):
         assert cut is None
         return
@@ -45,7 +46,7 @@ def test_stage_cut_dp_equals_brute_force(seed):
 
 
 def test_even_layers_cut_evenly():
-    cut = cut_stages([1.0] * 8, 4)
+    cut = cut_stages(LayerCosts(time=[1.0] * 8), 4)
     assert cut.starts == [0, 2, 4, 6] and cut.stage_time == [2.0] * 4
 
 
@@ -59,11 +60,11 @@ def test_step_time_formulas():
     assert step < pipeline_step_time([v * chunk] * p, m, "1f1b")
 
 
-def test_in_flight_microbatches_per_schedule():
-    assert in_flight_microbatches("gpipe", 4, 8) == [8, 8, 8, 8]
-    assert in_flight_microbatches("1f1b", 4, 8) == [4, 3, 2, 1]
-    assert in_flight_microbatches("1f1b", 4, 2) == [2, 2, 2, 1]
-    interleaved = in_flight_microbatches("interleaved_1f1b", 4, 8, 2)
+def test_in_flight_micro_batches_per_schedule():
+    assert InFlight.of("gpipe", 4, 8).peak.tolist() == [8, 8, 8, 8]
+    assert InFlight.of("1f1b", 4, 8).peak.tolist() == [4, 3, 2, 1]
+    assert InFlight.of("1f1b", 4, 2).peak.tolist() == [2, 2, 2, 1]
+    interleaved = InFlight.of("interleaved_1f1b", 4, 8, 2).peak.tolist()
     assert len(interleaved) == 8 and interleaved[:4] == interleaved[4:]
     assert interleaved[0] >= interleaved[3]
 
@@ -74,11 +75,11 @@ def test_in_flight_is_the_cost_models_formula_rank_by_rank():
     forwards, spread over v chunks)."""
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)):
         for p, m in ((4, 8), (4, 2), (3, 9)):
-            per_stage = in_flight_microbatches(schedule, p, m, v)
+            per_stage = InFlight.of(schedule, p, m, v).peak
             for r in range(p):
                 want = costmodels.micro_batches_in_flight(schedule, p, m, v, rank=r)
                 assert per_stage[r] == pytest.approx(want), (schedule, p, m, v, r)
-    assert in_flight_microbatches("interleaved_1f1b", 4, 8, 2)[:4] == [5.5, 4.5, 3.5, 2.5]
+    assert InFlight.of("interleaved_1f1b", 4, 8, 2).peak[:4].tolist() == [5.5, 4.5, 3.5, 2.5]
     assert costmodels.micro_batches_in_flight("1f1b", 4, 8, rank=3) == 1
 
 
@@ -94,7 +95,7 @@ def test_search_prefers_more_microbatches_and_respects_memory():
             step_overhead=0.01 * intra,
         )
 
-    result = search_pipeline(layer_costs, stage_counts=[1, 2, 4, 8], microbatch_counts=[1, 4, 16],
+    result = search_pipeline(layer_costs, stage_counts=[1, 2, 4, 8], micro_batch_counts=[1, 4, 16],
                              schedules=("gpipe", "1f1b", "interleaved_1f1b"), chunks_per_rank=(2,),
                              memory_limit=60.0)
     best = result.best
@@ -103,18 +104,24 @@ def test_search_prefers_more_microbatches_and_respects_memory():
     assert [o.step_time for o in result.options] == sorted(o.step_time for o in result.options)
     assert any(o.rejected for o in result.options)
     # Re-evaluating the winner by hand gives the same number.
-    again = evaluate_pipeline(layer_costs(best.num_stages, best.num_microbatches), best.num_stages,
-                              best.num_microbatches, best.schedule, best.chunks_per_rank, 60.0)
+    again = evaluate_pipeline(layer_costs(best.stages, best.micro_batches), best.stages,
+                              best.micro_batches, best.schedule, best.chunks_per_rank, 60.0)
     assert again.step_time == pytest.approx(best.step_time)
 
 
 def test_bad_stage_input_gets_an_autopar_error():
-    with pytest.raises(ValueError, match="autopar: cut_stages expected"):
-        cut_stages([1.0, 2.0], 3)
+    with pytest.raises(ValueError, match="autopar: cut_stages expected 1 <= stages"):
+        cut_stages(LayerCosts(time=[1.0, 2.0]), 3)
     with pytest.raises(ValueError, match="autopar: expected a schedule"):
-        in_flight_microbatches("zigzag", 2, 4)
-    with pytest.raises(ValueError, match="autopar: expected static_memory"):
-        cut_stages([1.0, 2.0], 1, static_memory=[1.0])
+        InFlight.of("zigzag", 2, 4)
+    with pytest.raises(ValueError, match="autopar: LayerCosts expected static_memory with 2 entries"):
+        LayerCosts(time=[1.0, 2.0], static_memory=[1.0])
+    with pytest.raises(ValueError, match="autopar: LayerCosts expected boundary_time with 1 entries"):
+        LayerCosts(time=[1.0, 2.0], boundary_time=[1.0, 1.0])
+    with pytest.raises(ValueError, match="autopar: cut_stages expected in-flight counts for 2 stages"):
+        cut_stages(LayerCosts(time=[1.0, 2.0]), 2, InFlight([1.0]))
+    with pytest.raises(ValueError, match="autopar: InFlight expected with_gradients for as many stages"):
+        InFlight([1.0, 2.0], [1.0])
 
 
 def test_search_accepts_a_table_of_layer_costs():
@@ -123,12 +130,12 @@ def test_search_accepts_a_table_of_layer_costs():
         for p in (1, 2, 3) for m in (1, 2)
     }
     # GPipe: it runs any micro-batch count (torch's 1F1B refuses fewer micro-batches than stages)
-    result = search_pipeline(table, stage_counts=[1, 2, 3], microbatch_counts=[1, 2], schedules=("gpipe",))
+    result = search_pipeline(table, stage_counts=[1, 2, 3], micro_batch_counts=[1, 2], schedules=("gpipe",))
     # (M + P - 1) * slowest: P=3, M=2 -> 4 * (2 layers * 0.5) = 4.0; P=1, M=2 -> 2 * 3 = 6.0.
-    assert (result.best.num_stages, result.best.num_microbatches) == (3, 2)
+    assert (result.best.stages, result.best.micro_batches) == (3, 2)
     assert result.best.step_time == pytest.approx(4.0)
-    one_f_one_b = search_pipeline(table, stage_counts=[1, 2, 3], microbatch_counts=[1, 2], schedules=("1f1b",))
-    assert (one_f_one_b.best.num_stages, one_f_one_b.best.num_microbatches) == (2, 2)  # (3, 2) is not offered
+    one_f_one_b = search_pipeline(table, stage_counts=[1, 2, 3], micro_batch_counts=[1, 2], schedules=("1f1b",))
+    assert (one_f_one_b.best.stages, one_f_one_b.best.micro_batches) == (2, 2)  # (3, 2) is not offered
 
 
 def test_interleaved_needs_whole_rounds_of_micro_batches():
@@ -181,24 +188,26 @@ def test_in_flight_counts_are_torchs_schedule_orders(schedule, v):
     for p, m in ((2, 4), (3, 6), (4, 8), (4, 12), (2, 2)):
         if schedule == "1f1b" and m <= p:
             continue  # torch 2.13's 1F1B order lists a forward past the last micro-batch there
-        peak = in_flight_microbatches(schedule, p, m, v)
-        graded = costmodels.memory.in_flight_with_gradients(schedule, p, m, v)
+        in_flight = InFlight.of(schedule, p, m, v)
+        peak, with_gradients = in_flight.peak, in_flight.with_gradients
         for r, (before, after) in enumerate(_torch_in_flight(schedule, p, m, v)):
             assert max(before, after) == pytest.approx(peak[r]), (p, m, r)
             if schedule == "interleaved_1f1b":
-                assert after <= graded[r] + 1e-9 and (m == p or after == pytest.approx(graded[r])), (p, m, r)
+                assert after <= with_gradients[r] + 1e-9 and (m == p or after == pytest.approx(with_gradients[r])), \
+                    (p, m, r)
             else:
-                assert after == pytest.approx(graded[r]), (p, m, r)
+                assert after == pytest.approx(with_gradients[r]), (p, m, r)
 
 
 def test_gpipe_stage_holds_gradients_only_past_one_micro_batch():
     """GPipe's peak is its first backward's start (M in flight, no gradient yet) unless the
     gradients outgrow one micro-batch's activations (then M - 1 in flight and the gradients)."""
     static, grads, act, m = 10.0, 4.0, 1.0, 8  # static: gradients included
-    peak = costmodels.memory.in_flight_with_gradients("gpipe", 1, m)[0]
-    _, memory, held = stage_peak(static, grads, act, 0.0, 0.0, 1, m, peak, math.inf)
+    in_flight = InFlight.of("gpipe", 1, m).stage(0)
+    assert (float(in_flight.peak), float(in_flight.with_gradients)) == (m, m - 1)
+    _, memory, held = stage_peak(StageSums(static, grads, act, 0.0, 0.0, 1), in_flight, math.inf)
     assert (float(memory), float(held)) == (static + (m - 1) * act, grads)
-    _, memory, held = stage_peak(static, 0.5, act, 0.0, 0.0, 1, m, peak, math.inf)
+    _, memory, held = stage_peak(StageSums(static, 0.5, act, 0.0, 0.0, 1), in_flight, math.inf)
     assert (float(memory), float(held)) == (static - 0.5 + m * act, 0.0)
 
 
@@ -210,17 +219,16 @@ def test_stage_cut_with_gradients_equals_brute_force(seed):
     time, static, activation = rng.uniform(0.1, 1, layers), rng.uniform(0.5, 1, layers), rng.uniform(0, 0.5, layers)
     gradients, saving = static * rng.uniform(0, 0.5), activation * rng.uniform(0.3, 0.9)
     m = int(rng.integers(1, 6))
-    peak, graded = in_flight_microbatches("gpipe", stages, m), costmodels.memory.in_flight_with_gradients("gpipe", stages, m)
+    in_flight = InFlight.of("gpipe", stages, m)
     limit = float(rng.uniform(0.3, 1.0) * (static.sum() + m * activation.sum()))
+    costs = LayerCosts(time, static_memory=static, activation_memory=activation, recompute_saving=saving,
+                       recompute_time=np.zeros(layers), gradient_memory=gradients)
     best = np.inf
     for cuts in itertools.combinations(range(1, layers), stages - 1):
-        cut = describe_cut([0, *cuts], time, static, activation, peak, np.zeros(layers), saving, np.zeros(layers),
-                           limit, gradients, graded)
+        cut = describe_cut(costs, [0, *cuts], in_flight, memory_limit=limit)
         if max(cut.stage_memory) <= limit * (1 + 1e-12):
             best = min(best, cut.slowest)
-    cut = cut_stages(time, stages, static_memory=static, activation_memory=activation, in_flight=peak,
-                     memory_limit=limit, recompute_saving=saving, recompute_time=np.zeros(layers),
-                     gradient_memory=gradients, in_flight_with_gradients=graded)
+    cut = cut_stages(costs, stages, in_flight, limit)
     if not np.isfinite(best):
         assert cut is None
         return

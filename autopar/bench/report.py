@@ -16,6 +16,8 @@ import math
 import os
 from pathlib import Path
 
+from autopar.costmodels.units import GIB, MIB, gib_text
+
 MANUAL_EXCLUDED = ("n/a", "does not fit")
 LOSS_TOLERANCE = 1e-4  # relative; float32 sums in other orders differ by about 1e-7
 COLUMNS = ("model", "layout", "pred step", "meas step", "meas ÷ pred", "pred mem/rank", "meas mem/rank",
@@ -89,9 +91,7 @@ def _time(t: float | None) -> str:
 
 
 def _mem(b: float | None) -> str:
-    if b is None:
-        return "–"
-    return f"{b / 2**30:.3g} GiB" if b >= 2**30 else f"{b / 2**20:.3g} MiB"
+    return "–" if b is None else gib_text(b)
 
 
 def _ratio(x: float | None) -> str:
@@ -253,7 +253,7 @@ def draw_charts(rows: list[dict], meta: dict, out: Path) -> list[str]:
         names.append(_bars(rows, meta, mesh, out, "step", ("predicted_step", "measured_step"), 1e3, "step time (ms)"))
         gib = mesh.startswith("h100")
         names.append(_bars(rows, meta, mesh, out, "memory", ("predicted_memory_total", "measured_memory_total"),
-                           2.0**-30 if gib else 2.0**-20, f"memory per rank ({'GiB' if gib else 'MiB'})"))
+                           1 / GIB if gib else 1 / MIB, f"memory per rank ({'GiB' if gib else 'MiB'})"))
     scatter = _scatter(rows, out)
     return [n for n in names + [scatter] if n]
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 from autopar import costmodels
 from autopar.costmodels.cache import cache_path, check_profile, machine_fingerprint
+from autopar.costmodels.units import gib_text
 from autopar import layouts
 from autopar.bench import report as bench_report
 from autopar.bench.workloads import MODELS, Workload, build
@@ -237,7 +238,7 @@ def plan_model(model: str, spec: MeshSpec, hardware, settings: Settings) -> list
                 settings.say(f"dry-running the auto plan of {model} on {spec.shape}")
                 dry = out[0][0]["dry_run"] = dry_run_row(auto, work, limit)
                 settings.say(f"dry run of {model} on {spec.shape} ({dry['plan']}): {dry['status']}"
-                             + (f", peak {dry['peak'] / 2**30:.3g} GiB{' (over the device)' * dry['over_memory']}, "
+                             + (f", peak {gib_text(dry['peak'])}{' (over the device)' * dry['over_memory']}, "
                                 f"predicted ÷ peak {dry['ratio']:.2f}"
                                 if dry["status"] == "ok" else f": {dry['error']}") + f", {dry['seconds']:.0f} s")
     return out
@@ -311,7 +312,7 @@ def plan_row(plan, limit: float) -> dict:
             "predicted_memory": memory, "predicted_memory_total": total, "fits": fits,
             "prediction": {"compute": plan.predicted.compute, "communication": plan.predicted.communication,
                            "bubble": plan.predicted.bubble},
-            **({} if fits else {"error": f"predicted {total / 2**30:.3g} GiB per device > {limit / 2**30:.3g} GiB"})}
+            **({} if fits else {"error": f"predicted {gib_text(total)} per device > {gib_text(limit)}"})}
 
 
 def pipeline_rows(auto, model: str, label: str) -> list[dict]:

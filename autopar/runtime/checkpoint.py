@@ -21,11 +21,10 @@ rank's RNG states (CPU, and CUDA where used), the plan as JSON, and the user's
 that is the same on every rank (an LR scheduler) is kept once, one that differs (a
 per-rank data position) once per rank.
 
-RNG: the runtime draws dropout masks from each rank's default generator, so ranks that
-run the same rows of the batch in the same stages (tensor-parallel peers) must hold the
-same generator state (one seed on every rank, or one per data-parallel index): a save
-warns when they do not, and a load gives each of them the state saved by the first of
-them in the loading module's plan (its own, when plan and world are those that saved).
+Randomness: the module's random stream (``autopar.runtime.draws``: the agreed seed and the
+count of runs; what dropout draws) is saved once and restored, so a resumed run draws the
+masks the uninterrupted one would have. Each rank's own generators (the user's: data
+order, say) are saved per rank and restored when the world size is the one that saved.
 
 Loading checks before DCP reads a byte, on every rank, each rank raising alike: the
 marker's checksums (every rank reading its share of the files), the names and shapes
@@ -144,38 +143,6 @@ def _rng_kinds() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def _same_rows(pm: Module) -> tuple[int, int]:
-    """Ranks with the same key run the same program on the same rows of the batch: the same
-    pipeline stages and data-parallel index (tensor-parallel peers, say). The runtime draws
-    dropout masks from each rank's default generator, so these ranks' generators must agree:
-    on an activation they all hold whole they must draw the same mask, or their copies of
-    replicated parameters drift apart (and a checkpoint keeps only one copy)."""
-    return pm.pipeline_rank, pm.data_parallel.rank
-
-
-def _check_rng_agrees(pm: Module) -> None:
-    """Warns when ranks that must draw alike (``_same_rows``) hold different RNG states."""
-    mine = (_same_rows(pm), zlib.crc32(pickle.dumps({k: v.tolist() for k, v in _rng_states().items()})))
-    every = gathered(mine)
-    groups: dict[tuple[int, int], dict[int, list[int]]] = {}
-    for rank, (key, crc) in enumerate(every):
-        groups.setdefault(key, {}).setdefault(crc, []).append(rank)
-    split = [sorted(r for ranks in by_crc.values() for r in ranks) for by_crc in groups.values() if len(by_crc) > 1]
-    if split and this_rank() == 0:
-        warnings.warn(
-            f"autopar: ranks that run the same rows of the batch hold different RNG states (ranks {split}); expected "
-            "one seed on all of them (e.g. torch.manual_seed(s) on every rank, or s + data_parallel.rank): "
-            "dropout draws other masks on each, their copies of replicated parameters drift apart, and a "
-            "resumed run differs. Loading gives each the state of the first of them", stacklevel=3)
-
-
-def _rng_source(pm: Module) -> int:
-    """The rank whose saved RNG states this rank takes: the first of the ranks that must draw
-    alike in this module's plan (itself, when the plan and the world are those that saved)."""
-    every = gathered(_same_rows(pm))
-    return every.index(every[this_rank()])
-
-
 def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
@@ -185,9 +152,9 @@ def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
 def _training_state(pm: Module, step: int, extra: dict[str, Stateful] | None) -> dict[str, Any]:
     """Everything a resumed run needs. RNG states are per rank: each under its own rank's key;
     so are the ``extra`` states that differ between ranks (``_extra_states``)."""
-    _check_rng_agrees(pm)
     state = _state_dict(pm, temporaries=False)
     state["step"] = step
+    state["draws"] = pm.draws.state_dict()
     state["world_size"] = world_size()
     state["rng"] = {str(this_rank()): _rng_states()}
     state["extra"], state[PER_RANK] = _extra_states(extra)
@@ -299,7 +266,7 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
     state = _state_dict(pm, temporaries=True)
     _check_matches(path, state, metadata)
     saved = metadata.state_dict_metadata
-    rng_source = _rng_source(pm) if training else None
+    rng_source = this_rank() if training else None
     state.update(agreed(lambda: _checked_request(pm, path, metadata, extra, rng_source)))
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
@@ -311,19 +278,21 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
         return None
     for name, obj in (extra or {}).items():
         obj.load_state_dict(state["extra"][name] if name in state["extra"] else state[PER_RANK][name][str(this_rank())])
+    if "draws" in state:
+        pm.draws.load_state_dict(state["draws"])
     if "rng" in state:
         _set_rng_states(state["rng"][str(rng_source)])
     else:
         warnings.warn(f"autopar: checkpoint {path} was written by {_saved_ranks(saved, 'rng')} ranks, this run has "
-                      f"{world_size()}: RNG states are not restored (dropout masks differ from the run that "
-                      "saved)", stacklevel=3)
+                      f"{world_size()}: each rank's own RNG states (torch's generators: the data order, say) are not "
+                      "restored; the module's random stream (dropout) is", stacklevel=3)
     return int(state["step"])
 
 
 def _checked_request(pm: Module, path: Path, metadata, extra: dict[str, Stateful] | None,
                      rng_source: int | None) -> dict[str, Any]:
     """This rank's checks of the files and the names, and what a resumed run reads besides the
-    module: the step, ``extra`` (shared or this rank's), the RNG states of ``rng_source``."""
+    module: the step, the random stream, ``extra`` (shared or this rank's), the RNG states of ``rng_source``."""
     _check_files(path, metadata)
     _check_groups(path, pm, metadata)
     if rng_source is None:
@@ -331,6 +300,8 @@ def _checked_request(pm: Module, path: Path, metadata, extra: dict[str, Stateful
     saved = metadata.state_dict_metadata
     shared, per_rank = _extra_request(path, saved, extra)
     request = {"step": 0, "extra": shared, PER_RANK: per_rank}
+    if "draws.seed" in saved:
+        request["draws"] = {"seed": 0, "count": 0}
     if _saved_ranks(saved, "rng") == world_size():
         held = {kind: saved[f"rng.{rng_source}.{kind}"] for kind in _rng_kinds() if f"rng.{rng_source}.{kind}" in saved}
         request["rng"] = {str(rng_source): {kind: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)

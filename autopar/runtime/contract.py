@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import inspect
 from typing import Any, Iterator
 
@@ -116,7 +117,7 @@ class TrainingModule(CompiledModule):
         ``accumulate=k``: the batch runs as k micro-batches, their gradients summed once.
         ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
         self._require_optimizer()
-        unknown = sorted(set(options) - set(inspect.signature(self.forward_backward).parameters))
+        unknown = sorted(set(options) - _step_options(type(self)))
         if unknown:
             raise TypeError(
                 f"autopar: train_step expected the model's inputs in its first argument and the step's options "
@@ -183,3 +184,9 @@ class TrainingModule(CompiledModule):
         held = list(self.held_parameters().values())
         copies = [replicas(spec, tuple(mesh.shape) if mesh is not None else ()) for _, spec, mesh in held]
         return clip_grad_norm_([t for t, _, _ in held], copies, self.mesh, max_norm, norm_type, self.device)
+
+
+@functools.cache
+def _step_options(cls: type) -> frozenset[str]:
+    """The keyword options a class's ``forward_backward`` takes (read once per class)."""
+    return frozenset(inspect.signature(cls.forward_backward).parameters)

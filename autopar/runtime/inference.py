@@ -34,11 +34,13 @@ from torch.utils import _pytree as pytree
 
 from autopar.runtime.batch import Cut, DataParallel, IndexBounds
 from autopar.runtime.contract import CompiledModule, Held
+from autopar.runtime.draws import agreed_seed
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.relay import Relay
 from autopar.runtime.stages import stage_parts
 from autopar.passes.capture import Captured, on_device
-from autopar.passes.generation import Inference, capture_programs, is_cache, state_name, step_inputs
+from autopar.passes.generation import (Inference, capture_programs, capture_prompt_logits, is_cache, state_name,
+                                       step_inputs)
 from autopar.passes.lowering.codegen import RankProgram, lower
 from autopar.passes.placements import Spec, local_slice
 from autopar.passes.plan import Plan
@@ -85,13 +87,13 @@ class InferenceModule(CompiledModule):
         programs = capture_programs(model, self.rows, work.prompt_len, work.max_len)
         self.state: dict[str, torch.Tensor] = {}  # qualified name (CachedStep's) -> this rank's shard
         self.specs: dict[str, Spec] = {}
-        sources = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
+        sources = _state_sources(model)
         self._parameters = set(programs.prefill.params.values())
         # ids out of the vocabulary: one process raises, a vocabulary split over ranks would give zero rows
         self._ids = (programs.prefill.user_inputs[0], IndexBounds.of(programs.prefill))
         self.prefill = self._lay_out(programs.prefill, None, sources)
         self.decode = self._lay_out(programs.decode, "decode", sources)
+        self._model = (model,)  # for the prefill of every position's logits (``forward``); a tuple: not a submodule
         self._generator: torch.Generator | None = None  # seeded alike on every rank at first use
         self._sending: list = []  # (handle, tensor) of the sends not yet completed
 
@@ -228,10 +230,19 @@ class InferenceModule(CompiledModule):
         first = step_inputs(ids, mask, self.workload.max_len)
         stream = _Stream(self)
         for j in range(self.micro_batches):
-            stream.launch(self.prefill, self._rows_of(first, j), j)
+            stream.launch(self.prompt_logits, self._rows_of(first, j), j)
         logits = torch.cat([stream.collect() for _ in range(self.micro_batches)])
         stream.finish()
         return logits[:rows, self.workload.prompt_len - length:]
+
+    @functools.cached_property
+    def prompt_logits(self) -> Step:
+        """The prefill returning every prompt position's logits, laid out by the plan as the
+        prefill is (only its last layer's output differs): captured at the first ``forward``."""
+        work = self.workload
+        model = self._model[0]
+        captured = capture_prompt_logits(model, self.rows, work.prompt_len, work.max_len)
+        return self._lay_out(captured, None, _state_sources(model))
 
     def _rows_of(self, inputs: tuple[torch.Tensor, ...], micro_batch: int) -> tuple[torch.Tensor, ...]:
         """A step's inputs for one micro-batch: its rows of each per-sequence input."""
@@ -299,7 +310,7 @@ class InferenceModule(CompiledModule):
         """The sampling generator, seeded alike on every rank (rank 0's seed, broadcast at first
         use: every rank samples in the same calls)."""
         if self._generator is None:
-            self._generator = torch.Generator().manual_seed(_agreed_seed(self.device))
+            self._generator = torch.Generator().manual_seed(agreed_seed(self.device))
         return self._generator
 
     def _pick(self, logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None) -> torch.Tensor:
@@ -354,13 +365,9 @@ class InferenceModule(CompiledModule):
         return held
 
 
-def _agreed_seed(device: torch.device) -> int:
-    """A seed every rank shares: rank 0's, broadcast (so that sampling picks the same tokens
-    on every rank however each was seeded)."""
-    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long, device=device)
-    if dist.is_initialized():
-        dist.broadcast(seed, src=0)
-    return int(seed.item())
+def _state_sources(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name: where the held shards are cut from."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
 
 
 class _Stream:

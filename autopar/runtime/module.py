@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.runtime.batch import Cut, DataParallel, IndexBounds, SameInputs, check_dims, rows_text, split_batch
 from autopar.runtime.contract import Held, TrainingModule
+from autopar.runtime.draws import Draws
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.loss import build_loss_program, model_loss, require_arguments
 from autopar.runtime.meshes import mesh_device, require_live, whole
@@ -110,6 +111,7 @@ class ParallelModule(TrainingModule):
         self._variants = Variants((self._compiled.shapes, self._compiled.setting_key, True), self._compiled)
         self._variant = self._compiled
         self._sync = True  # False inside ``no_sync()``
+        self.draws = Draws.agreed(self.mesh, self.device)  # what random ops draw (dropout): one count per program run
 
     # --- mixed precision ------------------------------------------------------------
     def _recapture(self, captured: Captured) -> Captured:
@@ -180,18 +182,15 @@ class ParallelModule(TrainingModule):
         """Inside: the program for ``inputs`` (whole, or this rank's rows with ``local``) in this mode."""
         previous, self._variant = self._variant, self._variant_for(inputs, local)
         try:
-            yield self._variant
+            with self.draws.next_run():
+                yield self._variant
         finally:
             self._variant = previous
 
     def _variant_for(self, inputs: Any, local: bool) -> Variant:
         flat = self._flat_inputs(inputs)
         names = self._compiled.captured.user_inputs
-        if len(flat) != len(names):
-            raise ValueError(
-                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}; pass the "
-                "inputs the model was compiled with, or compile with the new ones in the example inputs"
-            )
+        _check_count(flat, names)
         settings = self._settings(dict(zip(names, flat)))
         tensors = [t for name, t in zip(names, flat) if name not in settings]
         shapes = tuple(self._whole_shape(name, tuple(t.shape), local)
@@ -286,11 +285,7 @@ class ParallelModule(TrainingModule):
         require_live()
         flat = self._flat_inputs(inputs)
         names = self.captured.user_inputs
-        if len(flat) != len(names):
-            raise ValueError(
-                f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}; pass the "
-                "inputs the model was compiled with, or compile with the new ones in the example inputs"
-            )
+        _check_count(flat, names)
         values = {}
         for i, (name, value) in enumerate(zip(names, flat)):
             if name in self._variant.settings:
@@ -623,3 +618,11 @@ class _AtBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.at_backward()
         return grad, None
+
+
+def _check_count(flat: list, names: list[str]) -> None:
+    if len(flat) != len(names):
+        raise ValueError(
+            f"autopar: expected {len(names)} input(s), as in the example inputs; found {len(flat)}; pass the "
+            "inputs the model was compiled with, or compile with the new ones in the example inputs"
+        )

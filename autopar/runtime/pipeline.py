@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
 from autopar.runtime.contract import Held, TrainingModule
+from autopar.runtime.draws import Draws
 from autopar.runtime.gradsync import GradientSync, Rider, sync_gradients
 from autopar.runtime.batch import DataParallel, IndexBounds, check_dims, split_batch
 from autopar.runtime.loss import build_loss_program
@@ -136,6 +137,7 @@ class PipelineModule(TrainingModule):
         self._axes: tuple[int, ...] = ()  # the intra-op axes the loss is a pending sum over
         self._sync = True  # False inside no_sync()
         self._summed = False  # the gradients hold a sum over ranks (until zero_grad())
+        self.draws = Draws.agreed(self.mesh, self.device)  # what random ops draw (dropout): one count per micro-batch
 
     # --- stages per micro-batch shape and mode ------------------------------------------
     # A call runs the stages for its micro-batches' shapes in this module's mode (train, or
@@ -524,12 +526,20 @@ class PipelineModule(TrainingModule):
         if self.stages[-1].is_last and target is not None:
             kwargs["target"] = self._stage_target(target)
             kwargs["losses"] = losses
+        self.start_draws()
         run = self.schedule.step if target is not None else self.schedule.eval
         if self.stages[0].is_first:
             run(*self._stage_inputs(inputs), **kwargs)
         else:  # no stage here reads the inputs: nothing of them is moved to the device
             run(**kwargs)
         return losses
+
+    def start_draws(self) -> None:
+        """Before a schedule run: its micro-batches take the next counts of ``draws``, micro-batch
+        j the j-th on every stage (as ``ParallelModule`` takes one per micro-batch it runs)."""
+        first = self.draws.take(self._variant.micro_batches)
+        for stage in self._variant.stages:
+            stage.submod.start(self.draws, first)
 
     def _stage_inputs(self, inputs: tuple) -> list[torch.Tensor]:
         """The first stage's arguments: this rank's rows of each input, on the device."""

@@ -15,6 +15,7 @@ a stage on uninitialised tensors, where a received index (int64 positions read b
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from autopar.passes.placements import local_shape
 from autopar.passes.plan import Plan
 from autopar.passes.planner.relayout import relayout_stages
 from autopar.passes.strategy_graph import StrategyGraph
+from autopar.runtime.draws import Draws
 from autopar.runtime.precision import Precision, apply_precision
 
 
@@ -122,12 +124,20 @@ class _Stage(nn.Module):
         self.params = params
         self.state = state
         self.sends_gradient = sends_gradient  # per output: whether a gradient comes back for it
+        self._draws: Draws | None = None  # the module's random stream, and the count of this run's first forward
+        self._first = self._calls = 0
+
+    def start(self, draws: Draws, first: int) -> None:
+        """A schedule run begins: its j-th forward here is micro-batch j, drawing as run ``first + j``."""
+        self._draws, self._first, self._calls = draws, first, 0
 
     def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # send/recv move dense buffers: views (an expand, a transpose) are packed first,
         # on the way out and for the gradients that go back.
         received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
-        with self.saving():
+        count, self._calls = self._first + self._calls, self._calls + 1
+        drawing = self._draws.run(count) if self._draws is not None else contextlib.nullcontext()
+        with self.saving(), drawing:
             outs = self.program(*self.state, *received)
         # an output sent without a gradient (a no-grad region's, made from a parameter) leaves
         # detached: the next stage sends none back for it, and backward needs none

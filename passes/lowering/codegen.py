@@ -35,8 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.passes import rules
+from autopar.costmodels.comm import axis_move
+from autopar.passes import randomness, rules
 from autopar.passes.rules import registry
+from autopar.passes.rules.random import random_ordinals
 from autopar.passes.exchange import MeshExchange
 from autopar.passes.lowering import buckets
 from autopar.passes.lowering.agreement import agree_before_first_run
@@ -49,18 +51,9 @@ from autopar.passes.op_strategies import OpInfo, ShardingStrategy
 
 
 def collectives(src: Spec, dst: Spec) -> list[str]:
-    """What moving ``src`` to ``dst`` costs, axis by axis, in collective names."""
-    names = []
-    for axis, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
-            continue
-        kind = {
-            (Shard, Replicate): "all_gather", (Partial, Replicate): "all_reduce",
-            (Partial, Shard): "reduce_scatter", (Shard, Shard): "all_to_all",
-            (Replicate, Shard): "slice", (Replicate, Partial): "zero_others",
-        }.get((type(a), type(b)), "redistribute")
-        names.append(f"{kind}{axis}")
-    return names
+    """What moving ``src`` to ``dst`` does, axis by axis: each axis's move (``axis_move``,
+    the cost model's table) with the axis's number, ``all_gather1``."""
+    return [f"{axis_move(a, b)}{axis}" for axis, (a, b) in enumerate(zip(src, dst)) if a != b]
 
 
 class Reshard(nn.Module):
@@ -132,14 +125,16 @@ class GradientShare(nn.Module):
 
 
 class LocalKernel(nn.Module):
-    """A rule's local kernel, bound to one node's strategy and this rank's coordinate."""
+    """A rule's local kernel, bound to one node's strategy and this rank's coordinate;
+    ``stream``: a random op's ordinal among its graph's random ops (``random_ordinals``)."""
 
-    def __init__(self, info: OpInfo, strategy: ShardingStrategy, ctx: rules.LocalContext):
+    def __init__(self, info: OpInfo, strategy: ShardingStrategy, ctx: rules.LocalContext, stream: int | None = None):
         super().__init__()
-        self.info, self.strategy, self.ctx = info, strategy, ctx
+        self.info, self.strategy, self.ctx, self.stream = info, strategy, ctx, stream
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return rules.run_local(self.info, self.strategy, _leaves_in_order(self.info, args, kwargs), self.ctx)
+        with randomness.op(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return rules.run_local(self.info, self.strategy, _leaves_in_order(self.info, args, kwargs), self.ctx)
 
     def axis_calls(self) -> list[tuple[int | None, str]]:
         """A kernel that trades rows with its peers picks its axes at run time (None: any)."""
@@ -258,6 +253,7 @@ def lower(
                     whole[v] = 1.0 / math.prod(mesh_shape[a] for a in missing)
                 grad_sync[v.name] = tuple(sync_as[params[v.name]])
     bucket_of = plan_buckets(flow, shared, gather_per_use, storage or {}) if mesh is not None else {}
+    streams = random_ordinals(graph.captured.gm.graph)  # each random op's stream of draws
     out = fx.Graph()
     root = nn.Module()
     env: dict[fx.Node, fx.Node] = {}
@@ -330,7 +326,7 @@ def lower(
             args, kwargs = ns.info.fill(local_inputs)
             rule = rules.rule_for(node.target)
             if strategy.kernel is not None:
-                target = add_module(f"{strategy.kernel}", LocalKernel(ns.info, strategy, ctx))
+                target = add_module(f"{strategy.kernel}", LocalKernel(ns.info, strategy, ctx, streams.get(node)))
                 env[node] = out.call_module(target, args, kwargs)
             else:
                 if rule is not None and rule.localize is not None:

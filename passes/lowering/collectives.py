@@ -2,8 +2,9 @@
 
 Most resharding edges change a single mesh axis: an all-gather (``S(d) -> R``), an
 all-reduce (``P -> R``), a reduce-scatter (``P -> S(d)``), an all-to-all
-(``S(i) -> S(j)``), a local slice (``R -> S(d)``) or a zeroing of all but one part
-(``R -> P``); a gradient-only edge (``R -> R`` whose consumer hands back a share)
+(``S(i) -> S(j)``), a local slice (``R -> S(d)``), a zeroing of all but one part
+(``R -> P``) or a shard padded with zeros where it lies (``S(d) -> P``: no data moves, as the
+cost model prices it); a gradient-only edge (``R -> R`` whose consumer hands back a share)
 all-reduces in backward alone. DTensor's
 ``redistribute`` runs the same collectives but spends more Python time per call than
 a small tensor's collective takes, so :class:`AxisMove` calls them directly on the
@@ -39,7 +40,7 @@ def movable(a: Placement, b: Placement) -> bool:
         return isinstance(a, Shard) or _sum(a)
     if isinstance(b, Shard):
         return isinstance(a, (Replicate, Shard)) or _sum(a)
-    return isinstance(a, Replicate) and _sum(b)  # zero all parts but the first
+    return isinstance(a, (Replicate, Shard)) and _sum(b)  # no data moves: zeros where the value is not kept
 
 
 def grad_side(p: Placement) -> Placement:
@@ -108,7 +109,18 @@ def move(x: torch.Tensor, a: Placement, b: Placement, axis: Axis) -> torch.Tenso
         if isinstance(a, Shard):
             return all_to_all(x, a.dim, b.dim, axis)
         return reduce_scatter(x, b.dim, axis)
+    if isinstance(a, Shard):  # S -> P: each rank's shard where it lies, zeros elsewhere (the parts sum to it)
+        return padded(x, a.dim, axis)
     return x if axis.index == 0 else torch.zeros_like(x)  # R -> P: one copy keeps the value
+
+
+def padded(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """This rank's piece ``x`` of dim ``dim`` in a tensor of the whole dim, zeros elsewhere."""
+    whole = list(x.shape)
+    whole[dim] *= axis.size
+    out = x.new_zeros(whole)
+    out.narrow(dim, axis.index * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
 
 
 class _Move(torch.autograd.Function):

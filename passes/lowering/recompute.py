@@ -7,16 +7,19 @@ program is split (``torch.fx.passes.split_module``) into consecutive segments â€
 recomputed layer, and the stretches between them â€” and each recomputed layer's segment
 is wrapped in non-reentrant checkpointing: its forward keeps only its inputs, and its
 backward runs the forward again (collectives included, on every rank alike) to rebuild
-what it needs.
+what it needs, its random ops drawing what they drew in forward (the forward's key).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
+
+from autopar.passes import randomness
 
 SOURCE = "autopar_node"  # node.meta key: the captured node a program node was made for
 
@@ -30,10 +33,17 @@ class Recomputed(nn.Module):
         self.layer = layer
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(self.segment, *args, use_reentrant=False)
+        return checkpoint(self.segment, *args, use_reentrant=False, context_fn=_same_draws)
 
     def extra_repr(self) -> str:
         return f"layer {self.layer}, recomputed in backward"
+
+
+def _same_draws() -> tuple[ContextManager, ContextManager]:
+    """The forward runs as it is; the recomputation draws under the key of that forward
+    (backward comes after other micro-batches' forwards, in another key)."""
+    key = randomness.current_key()
+    return contextlib.nullcontext(), randomness.drawing(key) if key is not None else contextlib.nullcontext()
 
 
 def layers_to_recompute(recompute: list[str]) -> set[int]:

@@ -8,7 +8,9 @@ budget (the same call gives the same plan; the wall clock is only a reported saf
 Manual layouts that fit only with layers recomputed are costed so (``cost_layout``), and one
 predicted faster than the solver's plan is the plan (``fastest_of``). A memory limit
 nothing meets raises an ``autopar:`` error with the least memory any plan needs, its
-breakdown, and what would make it fit.
+breakdown, and what would make it fit. Pins (``request.constraints``, their ``roles`` on this
+mesh) restrict the one problem the solve, the layouts' completion and their evaluation see
+(``pin_restrictions``); a pinned recomputation is the only one costed.
 """
 
 from __future__ import annotations
@@ -23,22 +25,24 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar import costmodels
+from autopar.costmodels.units import GIB
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.explain import ranges
 from autopar.passes.plan import Plan
 from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute
+from autopar.passes.planner.constraints import check_recompute
 from autopar.passes.planner.microbatch import batch_dims, batch_size, sequences_split
-from autopar.passes.planner.request import PlanningError, PlanRequest
+from autopar.passes.planner.pin_restrictions import PinMasks, broken, pin_masks, restricted
+from autopar.passes.planner.request import DoesNotFit, PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
 from autopar.passes.placements import spec_str
-from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
-from autopar.passes.rules.moe_experts import all_to_all_restriction
+from autopar.passes.roles import AxisRole
+from autopar.passes.rules.registry import restriction_of
 from autopar.passes.solve import SolveOptions, evaluate_memory, plan_costs, solve
 from autopar.passes.solve.heuristics import chain_relaxation_plan
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
-GIB = 2.0 ** 30  # what users read: sizes in GiB, as the pictures draw them
 
 @dataclass
 class Hint:
@@ -57,8 +61,10 @@ class Hint:
     # replicated across TP ranks, the batch split over the data-parallel axes only)
     batch_whole_axes: tuple[int, ...] = ()
     everything_whole: bool = False  # every op computes on whole values (the no-parallelism baseline)
-    # mesh axes over which the experts ops dispatch tokens all-to-all (Megatron-Core's alltoall dispatcher)
-    all_to_all_axes: tuple[int, ...] = ()
+    # the role of each mesh axis under the layout: ops whose rules restrict their strategies
+    # under some roles keep to them (``autopar.passes.rules.registry.RestrictFn``: the experts
+    # op dispatches all-to-all over ``ep`` axes); () restricts none
+    roles: tuple[AxisRole, ...] = ()
     untied: list[str] = field(default_factory=list)  # what completing it gave up (tied layers split), for explain()
     notes: list[str] = field(default_factory=list)  # what the layout does to this model (linears split), for explain()
 
@@ -146,10 +152,13 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
         # the same for every layout on these costs' graph (and its rebuilds): worked out once
         out.soft += costs.pricer.once(("batch kept whole", hint.batch_whole_axes),
                                       lambda: _batch_kept_whole(costs, hint.batch_whole_axes))
-    if hint.all_to_all_axes:
+    if hint.roles:  # what the ops' rules keep themselves to under these roles (``restrict``)
         for node, ns in graph.nodes.items():
-            if str(node.target) == MOE_EXPERTS and node in costs.index:
-                out.soft.append((costs.index[node], all_to_all_restriction(ns.strategies, hint.all_to_all_axes)))
+            rule_restrict = restriction_of(node.target) if node.op == "call_function" else None
+            if rule_restrict is not None and node in costs.index:
+                keep = rule_restrict(ns.strategies, hint.roles)
+                if keep is not None:
+                    out.soft.append((costs.index[node], keep))
     if hint.everything_whole:
         for node, ns in graph.nodes.items():
             if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
@@ -252,11 +261,16 @@ def _used_where_it_lies(need, have) -> bool:
 
 def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints: Sequence[Hint] = (), *,
                 memory_limit: float | None, time_limit_s: float = 60.0, tie_layers: bool = True,
-                recompute: bool = False, pricer=None) -> Solved:
+                recompute: bool | Sequence[int] = False, pricer=None, masks: PinMasks | None = None) -> Solved:
+    """The solve on ``graph``'s costs (``recompute``: the layers recomputed; ``masks``: the
+    pins, restricting the problem the solve, the completions and their evaluation all see)."""
     costs = build_costs(graph, profile, memory_limit=memory_limit, tie_layers=tie_layers, recompute=recompute,
                         pricer=pricer)
-    shrunk = shrink_problem(costs.problem)  # once, for the completions and the solve
-    hints = [h for h in completed(costs, hints, shrunk) if h.choice is not None]  # one that does not apply: left out
+    costs = pinned(costs, masks)
+    shrunk = _shrunk(costs, masks)  # once, for the completions and the solve
+    # one that does not apply, or (pinned) breaks a pin: left out
+    hints = [h for h in completed(costs, hints, shrunk) if h.choice is not None
+             and not pins_broken(costs, costs.assignment(h.choice, h.zero), masks)]
     assignments = [costs.assignment(h.choice, h.zero) for h in hints]
     costs.problem.hints = assignments
     hint_times = {}
@@ -266,6 +280,36 @@ def solve_graph(graph: StrategyGraph, profile: costmodels.HardwareProfile, hints
     options = SolveOptions(time_limit_s=max(time_limit_s, 0.5), relative_gap_limit=1e-3)
     return Solved(costs, solve(costs.problem, options, shrunk=shrunk), hint_times, list(hints))
 
+
+
+def pinned(costs: Costs, masks: PinMasks | None) -> Costs:
+    """``costs`` restricted by the pins' ``masks`` (``pin_restrictions.restricted``), or as they are."""
+    return costs if masks is None else restricted(costs, masks)
+
+
+def _shrunk(costs: Costs, masks: PinMasks | None) -> ShrunkProblem:
+    """``shrink_problem(costs.problem)``; where the pins leave a decision no strategy through
+    followers or tied layers, an ``autopar:`` error naming them."""
+    try:
+        shrunk = shrink_problem(costs.problem)
+        if masks is not None and any(not np.isfinite(t).any() for t in shrunk.node_time):
+            raise ValueError("a decision of tied layers or followers has no strategy left")
+        return shrunk
+    except ValueError as exc:
+        if masks is None:
+            raise
+        raise PlanningError(f"autopar: pins {', '.join(masks.pins())} cannot hold together on mesh {costs.graph.mesh_shape}: "
+                            f"expected a strategy for every op that honours them, found none ({exc}); pin fewer "
+                            "or other roles") from None
+
+
+def pins_broken(costs: Costs, assignment: Sequence[int], masks: PinMasks | None) -> list[str]:
+    """The pins ``assignment`` breaks (``pin_restrictions.broken``); [] without pins."""
+    if masks is None:
+        return []
+    choice, zero = costs.choice(assignment)
+    params = costs.graph.captured.params
+    return broken(costs.graph, choice, {params[ph.name]: level for ph, level in zero.items()}, masks)
 
 
 def completed(costs: Costs, hints: Sequence[Hint], shrunk: ShrunkProblem | None = None) -> list[Hint]:
@@ -291,11 +335,12 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
                             f"{request.mesh_shape}; build the graph on the request's mesh (a pipeline's intra-op "
                             "part: PlanRequest.on_mesh)")
     hints, limit, names = request.hints(graph), request.memory_bytes, request.names
+    masks = request_masks(graph, request)
     if request.layout is not None:
         by_name = {h.name: h for h in hints}
         if request.layout not in by_name:
             raise unknown_layout(request.layout, by_name)
-        costs = layout_costs(graph, request.profile, by_name[request.layout], limit)
+        costs = pinned(layout_costs(graph, request.profile, by_name[request.layout], limit), masks)
         return plan_layout(costs, by_name, request.layout, limit, names)
     # A saved value read in two placements keeps two copies, which the solve cannot see
     # (``Costs.read_copy_bytes``): a plan they put over the limit is solved again with the limit
@@ -303,7 +348,7 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     # intra-op part is not held to its loose limit: the stage search fits every rank with them.
     budget = limit
     for attempt in range(4 if copies_fit else 1):
-        solved = _solve_within(graph, request, hints, budget, solver_time_s)
+        solved = _solve_within(graph, request, hints, budget, solver_time_s, masks)
         over = _with_copies(solved) - (limit or math.inf)
         if over <= 0 or budget is None or not copies_fit:
             break
@@ -313,6 +358,11 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
             f"autopar: the fastest plan found keeps {over / GIB:.3g} GiB over the {limit / GIB:.3g} GiB limit per device "
             "in copies of saved values read in two placements after four solves with a lower limit; expected a "
             "plan within the limit. Give more memory per device or more devices, or plan with a layout (layout=).")
+    if bad := pins_broken(solved.costs, solved.result.assignment, masks):
+        raise PlanningError(f"autopar: pin {' and '.join(bad)} cannot hold on mesh {graph.mesh_shape}"
+                            + (f" within {limit / GIB:.3g} GiB per device" if limit else "")
+                            + ": expected a plan that honours it, the search found none; pin fewer or other roles, "
+                            "or give more memory per device")
     plan = build_plan(solved, solved.result.assignment, kind="auto", axis_names=names)
     record_recompute(plan, solved.costs)
     if budget != limit:
@@ -327,24 +377,51 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     return plan, solved
 
 
+def request_masks(graph: StrategyGraph, request: PlanRequest) -> PinMasks | None:
+    """The request's pins on ``graph`` (its roles on this mesh, its ZeRO levels), or None."""
+    if not request.pinned and request.roles is None:
+        return None
+    masks = pin_masks(graph, request.roles, request.constraints)
+    return None if masks.empty else masks
+
+
+def pinned_recompute(request: PlanRequest) -> str | tuple[int, ...] | None:
+    """The recomputation the request pins ("none", "all", layer numbers), or None: searched."""
+    return request.constraints.recompute if request.constraints is not None else None
+
+
+def recompute_arg(policy: str | tuple[int, ...] | None) -> bool | list[int]:
+    """``build_costs``' ``recompute`` for a pinned policy (None, "none": no layer)."""
+    return True if policy == "all" else list(policy) if isinstance(policy, tuple) else False
+
+
 def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: float | None,
-                  solver_time_s: float) -> Solved:
+                  solver_time_s: float, masks: PinMasks | None = None) -> Solved:
     """The fastest of the solve within ``limit`` (every repeated layer recomputed, then the
-    fewest, where nothing fits without) and the manual layouts that fit."""
+    fewest, where nothing fits without) and the manual layouts that fit; with recomputation
+    pinned, that recomputation only."""
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
-    solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s)
+    policy = pinned_recompute(request)
+    solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s,
+                         recompute=recompute_arg(policy), masks=masks)
+    if policy is not None:
+        check_recompute(request.constraints, len(set(solved.costs.layer_of.values())))
+        if not solved.result.feasible:
+            raise infeasible_error(solved, math.prod(graph.mesh_shape),
+                                   f" with the pin {request.constraints.pin('recompute')}")
+        return fastest_of(solved, [as_laid(solved.costs, h, limit) for h in solved.hints])
     built: dict[int, Costs] = {}  # costs by number of recomputed layers, shared by the layouts
     manual = [cost_layout(solved.costs, h, limit, built) for h in solved.hints]
     if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
         # the layouts completed for the first solve keep their choices; the others are tried again
         done = {h.name: h for h in solved.hints}
         retry = solve_graph(graph, request.profile, [done.get(h.name, h) for h in hints], memory_limit=limit,
-                            time_limit_s=solver_time_s, recompute=True, pricer=solved.costs.pricer)
+                            time_limit_s=solver_time_s, recompute=True, pricer=solved.costs.pricer, masks=masks)
         if not retry.result.feasible:
             raise infeasible_error(retry, math.prod(graph.mesh_shape), " even recomputing every layer",
                                    pipelines_off=not request.pipeline and graph.mesh_shape[0] > 1)
-        solved = fewest_recomputed(retry, limit, time_limit_s=max(solver_time_s / 2, 0.5))
+        solved = fewest_recomputed(retry, limit, time_limit_s=max(solver_time_s / 2, 0.5), masks=masks)
     return fastest_of(solved, manual)
 
 
@@ -449,6 +526,14 @@ def cost_layout(costs: Costs, hint: Hint, memory_limit: float | None, built: dic
     return Laid(hint.name, used, assignment, pc.total_time, pc.memory, fitted is not None)
 
 
+def as_laid(costs: Costs, hint: Hint, memory_limit: float | None) -> Laid:
+    """``hint`` (completed) costed on ``costs`` as they are: its recomputation pinned."""
+    assignment = costs.assignment(hint.choice, hint.zero)
+    pc = plan_costs(costs.problem, assignment)
+    return Laid(hint.name, costs, assignment, pc.total_time, pc.memory,
+                pc.memory <= (memory_limit or math.inf) * (1 + 1e-9))
+
+
 def fastest_of(solved: Solved, manual: Sequence[Laid]) -> Solved:
     """``solved``, or the fastest manual layout that fits where it is predicted faster (a
     layout that fits only with layers recomputed is a different problem from the solver's,
@@ -507,7 +592,8 @@ def _assignment_memory(problem, assignment: Sequence[int]) -> float:
     return evaluate_memory(problem, assignment)
 
 
-def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0) -> Solved:
+def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: float = 0.0,
+                      masks: PinMasks | None = None) -> Solved:
     """The fewest layers recomputed that fit in memory, and the placements solved for them.
 
     ``solved`` recomputes every repeated layer. The layers are alike (tied), so each one
@@ -520,6 +606,7 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     recomputed the trade differs, so re-solving can choose other placements. With
     ``time_limit_s`` > 0 the problem with ``k`` layers recomputed is solved once, given the
     kept placements as a candidate (so it is never worse), and the better one is kept.
+    ``masks``: the pins, which the re-solve keeps to.
     """
     costs, assignment = solved.costs, solved.result.assignment
     if not costs.layer_of or memory_limit is None:
@@ -527,6 +614,7 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     fewer = recompute_to_fit(costs, assignment, memory_limit)
     if fewer is None or fewer is costs:
         return solved
+    fewer = pinned(fewer, masks)
     hints = costs.problem.hints
     fewer.problem.hints = hints + [list(assignment)]
     result = solved.result
@@ -542,7 +630,7 @@ def fewest_recomputed(solved: Solved, memory_limit: float | None, time_limit_s: 
     return Solved(fewer, result, hint_times, solved.hints)
 
 
-def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off: bool = False) -> PlanningError:
+def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off: bool = False) -> DoesNotFit:
     """``pipelines_off``: pipeline stages were not searched but could be (an outermost axis
     over 1): then allowing them is a remedy; on a mesh whose outer axis is 1 it is none."""
     costs, result = solved.costs, solved.result
@@ -551,7 +639,7 @@ def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off
     limit = costs.problem.memory_limit or 0.0
     total = sum(need.values())
     more = math.ceil(devices * total / max(limit, 1.0))
-    return PlanningError(
+    return DoesNotFit(
         f"autopar: no plan fits in {limit / GIB:.3g} GiB per device{what}; expected a plan within the limit, "
         f"found the smallest predicted memory {total / GIB:.3g} GiB per device ({parts}). To fit: give devices "
         f"with at least {total / GIB:.3g} GiB, or about {more}+ devices instead of {devices}, or a smaller "

@@ -28,7 +28,8 @@ layout that fits. Layouts (axis roles: ``dp`` data parallel, ``tp`` tensor paral
 - ``ep``: expert parallel (mixture-of-experts models): ``dp`` with every expert's weights
   on one rank of the last axis (experts split by expert there); each rank's tokens go to
   the ranks of their experts and back all-to-all (Megatron-Core's "alltoall" dispatcher:
-  the experts op, ``autopar.passes.rules.moe_experts``, kept to its all-to-all strategies);
+  the axis's role ``ep`` keeps the experts op to its all-to-all strategies, what its rule's
+  ``restrict`` says);
 - ``tp+ep``: ``tp+dp`` with the experts split by expert over the tp axis instead of
   within each expert (tokens whole there, for Megatron's attention: the dispatch the
   cost model picks, allgather where it is cheaper).
@@ -54,18 +55,14 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.passes.placements import Spec, fits
 from autopar.passes.planner.intra_op import Hint
 from autopar.passes.planner.linears import Linear, linears
+from autopar.passes.planner.megatron import expert_weights, megatron_dims, router_linears
 from autopar.passes.roles import AxisRole
-from autopar.passes.rules.moe import GROUPED_MM_OPS
-from autopar.passes.rules.moe_experts import OP_NAME as MOE_EXPERTS
+from autopar.passes.rules.registry import expert_weights_of
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import StrategyGraph
 
 LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "ep",
            "tp+ep")
-EMBEDDING = "aten.embedding.default"
-TOPK = "aten.topk.default"
-GROUPED_MM = GROUPED_MM_OPS  # x, w[E, K, N], offs
-TRANSPOSE = "aten.transpose.int"
 
 
 def axis_roles(name: str, ndim: int) -> tuple[AxisRole, ...]:
@@ -88,100 +85,9 @@ def expert_axes(name: str, ndim: int) -> tuple[int, ...]:
     return (ndim - 1,) if name in ("ep", "tp+ep") else ()
 
 
-def megatron_dims(graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None) -> dict[fx.Node, int]:
-    """Parameter placeholder -> the dim Megatron splits it along on the tp axis.
-
-    Walks the graph in order, marking activations that are split by the tp axis: a
-    linear (``autopar.passes.planner.linears``: a contraction with a parameter, however
-    it is spelt) reading an unsplit activation is column-parallel (weight split on its
-    output-features dim, bias with it, output split); one reading a split activation is
-    row-parallel (weight split on its contracted dim, bias whole, output whole after its
-    all-reduce). So ``linear``'s weight [out, in] splits on dim 0 then 1, and a weight
-    stored [in, out] (GPT-2's ``Conv1D`` addmm, ``x @ w``) on dim 1 then 0. Embedding
-    tables are split by vocabulary (dim 0). An MoE router (a linear whose scores reach a
-    ``topk``) stays whole; each expert's grouped matmul is a linear of the same kind
-    (``expert_weights``: the expert parameter's dims). Other ops pass the mark on.
-    ``found``: ``linears(graph)``, where the caller has it.
-    """
-    split: set[fx.Node] = set()
-    dims: dict[fx.Node, int] = {}
-    params = graph.captured.params
-    found = linears(graph) if found is None else found
-    routers = router_linears(graph, found)
-    for node in graph.captured.nodes("call_function"):
-        target = str(node.target)
-        if node in routers:
-            continue
-        if target == MOE_EXPERTS:  # the experts region as one op: gate_up by output features, down by input
-            for w, dim in expert_weights(node, params, 3).items():
-                dims.setdefault(w, dim[2])
-            for w, dim in expert_weights(node, params, 4).items():
-                dims.setdefault(w, dim[1])
-        elif target in GROUPED_MM and node.args[0] not in split:  # column: output features (w's dim 2)
-            for w, dim in expert_weights(node, params).items():
-                dims.setdefault(w, dim[2])
-            split.add(node)
-        elif target in GROUPED_MM:  # row: input features (w's dim 1)
-            for w, dim in expert_weights(node, params).items():
-                dims.setdefault(w, dim[1])
-        elif node in found:
-            linear = found[node]
-            row = linear.x in split
-            dim = linear.row if row else linear.column
-            if dim is not None:
-                dims.setdefault(linear.weight, dim)
-            if linear.bias is not None and linear.bias_dim is not None and not row:
-                dims.setdefault(linear.bias, linear.bias_dim)
-            if not row:
-                split.add(node)
-        elif target == EMBEDDING:
-            w = node.args[0]
-            if isinstance(w, fx.Node) and w.name in params:
-                dims.setdefault(w, 0)
-        elif any(a in split for a in node.all_input_nodes):
-            split.add(node)
-    return dims
-
-
-def router_linears(graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None) -> set[fx.Node]:
-    """The linears whose outputs reach a ``topk`` through single-input ops (softmax, casts):
-    MoE routers, which score every expert for every token. ``found``: ``linears(graph)``."""
-    found = linears(graph) if found is None else found
-    routers = set()
-    for node in graph.captured.nodes("call_function"):
-        if str(node.target) != TOPK:
-            continue
-        source = node.args[0]
-        while isinstance(source, fx.Node) and source.op == "call_function":
-            if source in found:
-                routers.add(source)
-                break
-            if len(source.all_input_nodes) != 1:
-                break
-            source = source.all_input_nodes[0]
-    return routers
-
-
-def expert_weights(node: fx.Node, params, arg: int = 1) -> dict[fx.Node, tuple[int, int, int]]:
-    """The expert parameter a grouped matmul multiplies by (argument ``arg``; of the
-    ``moe_experts`` op: 3 and 4), directly or transposed as transformers stores it
-    ([E, N, K]) -> its dims for the matmul's (expert, K, N)."""
-    w = node.args[arg]
-    if isinstance(w, fx.Node) and w.name in params:
-        return {w: (0, 1, 2)}
-    if isinstance(w, fx.Node) and str(w.target) == TRANSPOSE and isinstance(w.args[0], fx.Node) \
-            and w.args[0].name in params:
-        order = list(range(w.args[0].meta["val"].dim()))
-        a, b = (d % len(order) for d in w.args[1:3])
-        order[a], order[b] = order[b], order[a]
-        return {w.args[0]: tuple(order)}
-    return {}
-
-
 def _expert_args(node: fx.Node) -> tuple[int, ...]:
-    """The arguments of ``node`` that are expert weights [E, K, N]."""
-    target = str(node.target)
-    return (3, 4) if target == MOE_EXPERTS else (1,) if target in GROUPED_MM else ()
+    """The arguments of ``node`` that are expert weights [E, K, N] (its rule's ``expert_weights``)."""
+    return tuple(weight.arg for weight in expert_weights_of(node.target))
 
 
 def layout_placements(name: str, graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None
@@ -290,7 +196,7 @@ def hint(name: str, graph: StrategyGraph, complete: bool = False, found: dict[fx
     linears_said = linears_line(name, graph, fixed, found)
     return Hint(name, choose_by_propagation(graph, fixed) if complete else None, zero, fixed, keep, data,
                 batch_whole_axes=tp, everything_whole=name == "replicated",
-                all_to_all_axes=expert_axes(name, len(graph.mesh_shape)) if name == "ep" else (),
+                roles=roles,
                 notes=[linears_said] if linears_said else [])
 
 

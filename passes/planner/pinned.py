@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from autopar import costmodels
+from autopar.costmodels.units import gib_text
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.planner.intra_op import Hint, PlanningError, complete, cost_layout
 from autopar.passes.planner.microbatch import batch_size, batch_split
@@ -149,7 +150,7 @@ def _with_policy(costs: Costs, pinned: Pinned) -> Costs:
 def _over_limit(memory: float, memory_limit: float) -> list[str]:
     if memory <= memory_limit:
         return []
-    return [f"predicted {memory / 2**30:.1f} GiB per GPU, over the device's {memory_limit / 2**30:.1f} GiB, with "
+    return [f"predicted {gib_text(memory)} per GPU, over the device's {gib_text(memory_limit)}, with "
             "the run's own recomputation"]
 
 

@@ -37,20 +37,23 @@ from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar import costmodels
+from autopar.costmodels.profile import default_axis_names
 from autopar.costmodels.memory import gather_working_bytes, scatter_working_bytes
 from autopar.costmodels.precision import MixedPrecision
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.state_costs import state_breakdown
+from autopar.passes.layers import layer_path
 from autopar.passes.node_keys import node_keys
 from autopar.passes.plan import Pipeline, Plan, Prediction
 from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers, storage_specs, zero_levels
-from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
+from autopar.passes.planner.constraints import MeshRoles, micro_batch_roles, pinned_schedules
+from autopar.passes.planner.intra_op import PlanningError, pinned_recompute, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
-from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.request import DoesNotFit, PlanRequest
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
 from autopar.passes.placements import local_shape
-from autopar.passes.solve.pipeline_search import (LayerCosts, PipelineSearchResult, deeper_while_faster,
-                                                  search_pipeline, useful_depths)
+from autopar.passes.solve.pipeline_search import PipelineSearchResult, deeper_while_faster, search_pipeline, useful_depths
+from autopar.passes.solve.stages import LayerCosts
 from autopar.passes.explain import duration
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 
@@ -276,12 +279,14 @@ def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[s
     return state_breakdown(numel, min(level, 1), shards, precision)
 
 
-def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, microbatches, *,
-           memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank: Sequence[int] | None = None):
+def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, micro_batch_counts, *,
+           memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank: Sequence[int] | None = None,
+           recompute: bool = True):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
     ``chunks_per_rank``: the interleaved schedule's depths to try (a pinned layout fixes one);
     None: 2, then deeper ones (``useful_depths``) while each is faster than the last
-    (``deeper_while_faster``).
+    (``deeper_while_faster``). ``recompute`` False: no stage recomputes a layer (recomputation
+    pinned: what the costs hold already).
 
     A stage that does not fit recomputes the fewest of its layers that make it fit
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
@@ -294,14 +299,15 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             time=num.act_time / m, static_memory=num.held_once(m), activation_memory=num.activation / m,
             boundary_time=num.send_times(pp_profile, m) if count > 1 else None,
             step_overhead=num.step_overhead(p),
-            recompute_saving=saving / m, recompute_time=num.forward / m, gradient_memory=num.gradients,
+            recompute_saving=saving / m if recompute else None, recompute_time=num.forward / m if recompute else None,
+            gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
             io_credit=num.io.credit / m,
         )
 
     def run(schedules, depths) -> PipelineSearchResult:
-        return search_pipeline(layer_costs, stage_counts=[stages], microbatch_counts=list(microbatches),
+        return search_pipeline(layer_costs, stage_counts=[stages], micro_batch_counts=list(micro_batch_counts),
                                schedules=schedules, chunks_per_rank=tuple(depths), memory_limit=memory_limit)
 
     found = run(schedules, (2,) if chunks_per_rank is None else chunks_per_rank)
@@ -317,7 +323,7 @@ def rank_memory(num: LayerNumbers, option) -> list[dict[str, float]]:
     the gradients and temporaries (a backward's: the loss's, a gradient being added) held at
     that instant, and the rest activations (micro-batches in flight, recomputed layers'
     inputs and one layer's rebuild)."""
-    p, v = option.num_stages, option.chunks_per_rank
+    p, v = option.stages, option.chunks_per_rank
     out = []
     for rank, peak in enumerate(option.rank_peaks):
         layers = [layer for s in range(rank, p * v, p) for layer in option.cut.layers(s)]
@@ -346,7 +352,7 @@ def pipeline_profile(request: PlanRequest, p: int, intra: tuple[int, ...]) -> co
     stage boundaries) and the intra-op mesh is the remaining axes; a 1-D profile gains an
     intra-op axis of size 1, where every collective is free (as the profiler records one).
     """
-    names = ("pp",) + tuple(f"axis{i + 1}" for i in range(len(intra)))
+    names = ("pp",) + default_axis_names(len(intra) + 1)[1:]
     if request.preset is not None:
         return costmodels.preset(request.preset, (p,) + tuple(intra), names)
     hardware = request.profile
@@ -367,13 +373,16 @@ def pipeline_profile(request: PlanRequest, p: int, intra: tuple[int, ...]) -> co
 
 
 def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest, *, solver_time_s: float,
-                  graph=None, schedules=tuple(costmodels.Schedule)):
+                  graph=None, schedules=tuple(costmodels.Schedule), roles: MeshRoles | None = None):
     """(Plan or None, one line saying what happened) for ``p`` stages over ``(p,) + intra``.
 
     ``request``: the whole mesh's (its hardware priced for this split by ``pipeline_profile``,
-    its memory limit per device, its manual layouts); ``solver_time_s``: the intra-op solve's
-    budget; ``graph``: the strategy graph on ``intra`` when the caller has it; ``schedules``: those
-    the search may choose from."""
+    its memory limit per device, its manual layouts, its pins); ``solver_time_s``: the intra-op
+    solve's budget; ``graph``: the strategy graph on ``intra`` when the caller has it;
+    ``schedules``: those the search may choose from; ``roles``: the pinned roles of ``intra``'s
+    axes. Pins restrict the search itself: the intra-op problem (roles, ZeRO, and the batch kept
+    whole where a pinned micro-batch count needs it: ``constraints.micro_batch_roles``), the
+    micro-batch counts, schedules and depths the stage search tries, and its recomputation."""
 
     full = pipeline_profile(request, p, tuple(intra))
     memory_limit = request.memory_bytes
@@ -382,14 +391,34 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
         machine=full.machine, backend=full.backend, mesh_shape=intra, device=full.device, axes=full.axes[1:],
         source=full.source)
     graph = graph if graph is not None else build_strategy_graph(captured, intra)
-    try:  # the whole model's state over P stages: P times the budget before the cut checks it
-        stage_request = request.on_mesh(intra_profile, memory_limit=memory_limit * p, axis_names=names[1:])
-        plan, solved = plan_intra_op(graph, stage_request, solver_time_s=solver_time_s, copies_fit=False)
-    except PlanningError as exc:
-        return None, f"intra-op part does not fit ({str(exc)[:80]}...)"
+    pins = request.constraints
+    batch = batch_size(graph)
+    if why := _pins_unmet(pins, p, repeated_layer_count(captured), pinned_schedules(pins, schedules)[0]):
+        return None, why
+    if pins is not None and pins.micro_batches is not None:
+        roles = micro_batch_roles(roles, intra, batch, pins.micro_batches)
+        if isinstance(roles, str):
+            return None, roles
+    # the whole model's state over P stages: P times the budget before the cut checks it. Pins
+    # may leave no placements that hold the whole batch's activations so (tensor parallel keeps
+    # them whole): then the budget is that of the smallest micro-batch, and the stage search,
+    # which holds micro-batches, decides what fits.
+    budgets = [memory_limit * p] + ([memory_limit * p * _most_micro_batches(pins, batch)] if request.pinned else [])
+    for budget in budgets:
+        try:
+            stage_request = request.on_mesh(intra_profile, memory_limit=budget, axis_names=names[1:], roles=roles)
+            plan, solved = plan_intra_op(graph, stage_request, solver_time_s=solver_time_s, copies_fit=False)
+            break
+        except DoesNotFit as exc:
+            if budget == budgets[-1]:
+                return None, f"intra-op part does not fit ({str(exc) if request.pinned else str(exc)[:80] + '...'})"
+        except PlanningError as exc:
+            return None, f"intra-op part does not fit ({str(exc) if request.pinned else str(exc)[:80] + '...'})"
     costs = solved.costs
-    if costs.recompute:  # what a stage recomputes is the stage search's to decide, from what it holds
+    policy = pinned_recompute(request)  # pinned: in the costs already, the stage search adds none
+    if costs.recompute and policy in (None, "none"):  # else what a stage recomputes is the stage search's
         costs = build_costs(graph, intra_profile, memory_limit=memory_limit * p, pricer=costs.pricer)
+    schedules, depths = pinned_schedules(pins, schedules)
     candidates = [("auto", solved.result.assignment)]
     hints = solved.hints
     candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
@@ -398,7 +427,6 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     layers = node_layers(costs)
     if shared := parameter_across_layers(graph.captured, layers[0]):  # tied weights: no cut may part them
         return None, shared
-    batch = batch_size(graph)
     dims = batch_dims(graph, batch) if batch else {}
     searched: dict[tuple, tuple] = {}  # layouts that complete alike (tp+dp, tp+sp) are searched once
     for label, assignment in candidates:
@@ -408,13 +436,18 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
                 return None, f"{len(num.act_time)} layers for {p} stages"
             split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1
             counts = valid_counts(batch, split) if batch else [1]
-            r = search(num, full, p, counts, memory_limit=memory_limit, schedules=schedules) if counts else None
+            if pins is not None and pins.micro_batches is not None:
+                counts = [pins.micro_batches] if pins.micro_batches in (
+                    valid_counts(batch, split, limit=batch) if batch else [1]) else []
+            r = search(num, full, p, counts, memory_limit=memory_limit, schedules=schedules, chunks_per_rank=depths,
+                       recompute=policy is None) if counts and schedules else None
             searched[key] = (r, num, split)
         r, num, split = searched[key]
         if r is not None:
             found[label] = (r, num, assignment, (batch or 0, split))
     if not found:
-        return None, "no stage cut fits in memory with micro-batches that divide over the batch split"
+        return None, "no stage cut fits in memory with micro-batches that divide over the batch split" + (
+            f" under the pins {pins}" if request.pinned else "")
     label, (r, num, assignment, batching) = min(found.items(), key=lambda kv: kv[1][0][0].step_time)
     out = _to_plan(costs, assignment, num, r, p, intra, names, batching)
     out.candidates = {k: v[0][0].step_time for k, v in found.items() if k != "auto"}
@@ -423,6 +456,34 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
     return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
+
+
+def _most_micro_batches(pins, batch: int | None) -> int:
+    """The pinned micro-batch count, else the most the batch allows (``valid_counts``)."""
+    if pins is not None and pins.micro_batches is not None:
+        return pins.micro_batches
+    return max(valid_counts(batch, 1, limit=batch)) if batch else 1
+
+
+def _pins_unmet(pins, p: int, layers: int, schedules) -> str:
+    """Why the pinned depth, micro-batch count and schedule cannot run ``p`` stages of
+    ``layers`` repeated layers ("" when they can)."""
+    if pins is None:
+        return ""
+    if pins.chunks is not None and p * pins.chunks > max(layers, 1):
+        return f"chunks={pins.chunks} needs {p * pins.chunks} stages, and the model has {layers} repeated layers"
+    if pins.micro_batches is not None:
+        problems = [s.micro_batch_problem(p, pins.micro_batches) for s in schedules]
+        if problems and all(problems):
+            return f"micro_batches={pins.micro_batches}: {problems[0]}"
+    return ""
+
+
+def repeated_layer_count(captured) -> int:
+    """How many repeated layers the model has (``autopar.passes.layers``): a pipeline of more stages
+    than that has a stage without a layer, so it is not tried."""
+    params = captured.params
+    return len({where for node in captured.nodes() if (where := layer_path(node, params)) is not None})
 
 
 def parameter_across_layers(captured, where: dict) -> str | None:
@@ -446,11 +507,11 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     for s in range(len(option.cut.starts)):
         for layer in option.cut.layers(s):
             stage_of_layer[layer] = s
-    m, v = option.num_microbatches, option.chunks_per_rank
+    m, v = option.micro_batches, option.chunks_per_rank
     bubble = option.schedule.bubble_time(option.cut.stage_time, v)
     overhead = num.step_overhead(p)
     by_rank = rank_memory(num, option)
-    recomputed = recomputed_layers(num, option.cut)
+    recomputed = sorted(set(recomputed_layers(num, option.cut)) | set(costs.recompute))  # a pinned policy's too
     busy = option.step_time - bubble - overhead
     frac = float(num.compute.sum() / max(num.act_time.sum(), 1e-300))
     optimizer = float(num.optimizer.sum()) / p
@@ -477,6 +538,6 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
         f"pipeline of {p} stages on the slow outer axis, {m} micro-batches, {option.schedule.display}"
         f"{f' ({v} chunks per rank)' if v > 1 else ''}: bubble {duration(bubble)} of {duration(option.step_time)}"
         + (f"; {len(recomputed)} of {len(num.act_time)} layers recomputed in backward ("
-           + ("few enough that each rank fits its peak in the schedule's order" if v > 1
-              else "per stage the fewest that fit its micro-batches in flight") + ")" if recomputed else ""))
+           + ("as pinned" if costs.recompute else "few enough that each rank fits its peak in the schedule's order"
+              if v > 1 else "per stage the fewest that fit its micro-batches in flight") + ")" if recomputed else ""))
     return plan

@@ -3,8 +3,9 @@
 For the costliest repeated layer, the collectives the chosen plan runs there (forward
 resharding and the backward duals, gradient syncs included: the items of the prices
 ``autopar.passes.costing`` charges the solver) against those of the fastest manual layout that lays the layer out
-differently: e.g. ``tp on axis1: all_reduce on axis1 0.8 ms/layer beats dp's
-all_reduce on axis0 3.1 ms/layer``. And what each mesh axis does in the plan.
+differently: e.g. ``all_reduce on axis1 (tp) 0.8 ms/layer here; the best other layout, dp, runs
+all_reduce on axis0 (dp) 3.1 ms/layer`` (an axis with a default name shows its role). And what each
+mesh axis does in the plan.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from autopar.passes.solve import evaluate_time
 from autopar.passes.strategy_graph import tensor_inputs
 from autopar.passes.costing import Costs
 from autopar.passes.explain import duration
-from autopar.passes.roles import AxisRole
+from autopar.passes.roles import AxisRole, label_axes
 
 
 def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int) -> dict[str, float]:
@@ -25,12 +26,17 @@ def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int) -> di
     bucket) -> seconds per step, over the edges into ``layer``'s nodes: the items of the very
     prices the solver's edge tables hold (``Costs.edge_price``)."""
     names = costs.profile.axis_names
-    out: dict[str, float] = {}
+    return {f"{what} on {names[axis]}": t for (what, axis), t in _layer_charges(costs, assignment, layer).items()}
+
+
+def _layer_charges(costs: Costs, assignment: Sequence[int], layer: int) -> dict[tuple[str, int], float]:
+    """``layer_collectives`` by (collective or 'bucket copies', mesh axis)."""
+    out: dict[tuple[str, int], float] = {}
     for edge, (_, dst, _) in enumerate(costs.edge_inputs):
         if costs.layer_of.get(dst) != layer:
             continue
         for charge in costs.edge_price(edge, assignment).charges:
-            key = f"{'bucket copies' if charge.copies else charge.collective} on {names[charge.axis]}"
+            key = ("bucket copies" if charge.copies else charge.collective, charge.axis)
             out[key] = out.get(key, 0.0) + charge.seconds
     return out
 
@@ -39,6 +45,12 @@ def axis_roles(costs: Costs, assignment: Sequence[int]) -> list[str]:
     """Per mesh axis, its roles (``AxisRole``) joined by '+': ``dp`` (the batch is split),
     ``tp`` (weights split and used split), ``fsdp`` (weights split and gathered before
     use), with how many weights; ``replica`` for none."""
+    return ["+".join(f"{role} ({weights})" if weights else role for role, weights in axis.items())
+            or f"{AxisRole.REPLICA}" for axis in _roles(costs, assignment)]
+
+
+def _roles(costs: Costs, assignment: Sequence[int]) -> list[dict[str, str]]:
+    """Per mesh axis, its roles -> how many weights they concern ('' for dp); none: a replica."""
     graph = costs.graph
     choice, _ = costs.choice(assignment)
     inputs = [n for n in graph.nodes if n.name in graph.captured.user_inputs]
@@ -53,12 +65,12 @@ def axis_roles(costs: Costs, assignment: Sequence[int]) -> list[str]:
                 src is n and need is not None and isinstance(need[axis], Replicate)
                 for src, need in zip(tensor_inputs(u), graph.nodes[u].strategies[choice[u]].inputs))
             for u in n.users)]
-        parts = [f"{AxisRole.DP}"] if batch else []
+        found = {f"{AxisRole.DP}": ""} if batch else {}
         if len(split) > len(gathered):
-            parts.append(f"{AxisRole.TP} ({len(split) - len(gathered)} weights split)")
+            found[f"{AxisRole.TP}"] = f"{len(split) - len(gathered)} weights split"
         if gathered:
-            parts.append(f"{AxisRole.FSDP} ({len(gathered)} weights gathered)")
-        roles.append("+".join(parts) or f"{AxisRole.REPLICA}")
+            found[f"{AxisRole.FSDP}"] = f"{len(gathered)} weights gathered"
+        roles.append(found)
     return roles
 
 
@@ -74,15 +86,16 @@ def planning_reasons(costs: Costs, assignment: Sequence[int], hints: dict[str, S
         return out
     per_layer = {}
     for layer in layers[:1] + layers[len(layers) // 2:len(layers) // 2 + 1]:
-        per_layer[layer] = layer_collectives(costs, assignment, layer)
+        per_layer[layer] = _layer_charges(costs, assignment, layer)
     layer = max(per_layer, key=lambda k: sum(per_layer[k].values()))
     mine = per_layer[layer]
     for name, other in sorted(hints.items(), key=lambda kv: _time(costs, kv[1])):
-        theirs = layer_collectives(costs, other, layer)
+        theirs = _layer_charges(costs, other, layer)
         if theirs == mine:
             continue
-        out.append(f"layer {layer}: {_describe(mine)} = {duration(sum(mine.values()))}/layer here; the best "
-                   f"other layout, {name}, runs {_describe(theirs)} = {duration(sum(theirs.values()))}/layer")
+        out.append(f"layer {layer}: {_describe(mine, _labels(costs, assignment))} = {duration(sum(mine.values()))}"
+                   f"/layer here; the best other layout, {name}, runs {_describe(theirs, _labels(costs, other))} = "
+                   f"{duration(sum(theirs.values()))}/layer")
         break
     return out
 
@@ -91,8 +104,13 @@ def _time(costs: Costs, assignment) -> float:
     return evaluate_time(costs.problem, assignment)
 
 
-def _describe(collectives: dict[str, float], top: int = 3) -> str:
-    if not collectives:
+def _labels(costs: Costs, assignment: Sequence[int]) -> list[str]:
+    """The mesh axes as ``explain()`` names them: a default name with its role under ``assignment``."""
+    return label_axes(costs.profile.axis_names, ["+".join(roles) for roles in _roles(costs, assignment)])
+
+
+def _describe(charges: dict[tuple[str, int], float], axes: Sequence[str], top: int = 3) -> str:
+    if not charges:
         return "no collectives"
-    parts = sorted(collectives.items(), key=lambda kv: -kv[1])[:top]
-    return " + ".join(f"{k} {duration(v)}" for k, v in parts)
+    parts = sorted(charges.items(), key=lambda kv: -kv[1])[:top]
+    return " + ".join(f"{what} on {axes[axis]} {duration(t)}" for (what, axis), t in parts)

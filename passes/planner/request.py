@@ -17,10 +17,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from autopar import costmodels
+from autopar.passes.planner.constraints import Constraints, MeshRoles
 
 
 class PlanningError(ValueError):
     """No plan fits, or the request cannot be planned."""
+
+
+class DoesNotFit(PlanningError):
+    """No plan fits in the memory limit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +43,10 @@ class PlanRequest:
     pipeline: bool = True  # search pipelines over the outermost axis's factorisations
     outer_axis_only: bool = False  # pipelines only over the whole outermost axis (a given device mesh's shape)
     progress: Callable[[str, int, int | None], None] | None = None  # told each search step as it starts
+    constraints: Constraints | None = None  # the user's pins (``autopar.Constraints``); None: none
+    # the pins' roles on this request's mesh (one of ``constraints.mesh_roles``' ways), set by the
+    # search for each mesh it plans; None: no axis pinned
+    roles: MeshRoles | None = None
     profile: costmodels.HardwareProfile = field(init=False, repr=False, compare=False)  # ``hardware`` resolved
 
     def __post_init__(self) -> None:
@@ -66,6 +75,12 @@ class PlanRequest:
         if self.layouts and self.hint_fn is None:
             raise PlanningError(f"autopar: manual layouts {self.layouts} need a hint function that builds them; "
                                 "found none; pass hint_fn (autopar.passes.planner.layouts.hints)")
+        if self.constraints is not None and not isinstance(self.constraints, Constraints):
+            raise PlanningError(f"autopar: constraints= expected an autopar.Constraints (e.g. Constraints(tp=8, pp=4)), "
+                                f"found {type(self.constraints).__name__}; build one, or Constraints.from_pins([...])")
+        if self.roles is not None and len(self.roles.axes) != len(shape):
+            raise PlanningError(f"autopar: pinned roles for {len(self.roles.axes)} mesh axes, found mesh {shape}; "
+                                "expected one role per axis (constraints.mesh_roles for this mesh)")
         if self.layout is not None and self.layout not in self.layouts:
             raise PlanningError(f"autopar: no layout named {self.layout!r}; expected one of {self.layouts}, "
                                 "or layout=None for the automatic plan")
@@ -99,10 +114,16 @@ class PlanRequest:
         """The manual layouts on ``graph`` (fresh Hints: the planner completes copies of them)."""
         return list(self.hint_fn(graph, self.layouts)) if self.hint_fn is not None else []
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the request carries pins."""
+        return self.constraints is not None and not self.constraints.empty
+
     def on_mesh(self, profile: costmodels.HardwareProfile, *, memory_limit: float,
-                axis_names: Sequence[str]) -> PlanRequest:
+                axis_names: Sequence[str], roles: MeshRoles | None = None) -> PlanRequest:
         """This request for a part of the mesh priced by ``profile`` (a pipeline's intra-op
-        mesh): every manual layout, no pipeline, no layout alone, no progress reports."""
+        mesh, its pinned ``roles``): every manual layout, no pipeline, no layout alone, no
+        progress reports."""
         return replace(self, mesh_shape=tuple(profile.mesh_shape), hardware=profile, memory_limit=memory_limit,
                        axis_names=tuple(axis_names), layout=None, pipeline=False, outer_axis_only=False,
-                       progress=None)
+                       progress=None, roles=roles)

@@ -19,6 +19,12 @@ Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole 
 5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
    broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
 
+With pins (``autopar.Constraints``, ``plan_pinned``): the search without them first, then,
+unless its plan honours them all, the search under them: only the depths their roles can be
+laid on (``constraints.mesh_roles``), each intra-op problem restricted by them
+(``pin_restrictions``), the pipeline search held to the pinned settings; ``Plan.pins``
+records what they cost.
+
 A memory limit nothing meets raises an ``autopar:`` error with the least memory any
 plan needs, its breakdown, and what would make it fit.
 """
@@ -31,22 +37,20 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from autopar.passes.explain import duration
-from autopar.passes.layers import layer_path
 from autopar.passes.plan import Plan
-from autopar.passes.planner.intra_op import GIB, PlanningError, plan_intra_op
-from autopar.passes.planner.pipeline import pipeline_plan
+from autopar.costmodels.units import GIB
+from autopar.passes.planner.constraints import MeshRoles, check_mesh, check_recompute, intra_axes, mesh_roles
+from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
+from autopar.passes.planner.pin_price import broken_pins, price_record
+from autopar.passes.planner.pin_restrictions import check_patterns
+from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
 def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
     """(P, intra-op shape) with P > 1 taken out of the outermost (slowest) axis."""
-    out = []
-    for p in range(2, shape[0] + 1):
-        if shape[0] % p == 0:
-            intra = tuple(s for s in (shape[0] // p,) + shape[1:] if s > 1) or (1,)
-            out.append((p, intra))
-    return out
+    return [(p, intra_axes(shape, p)[0]) for p in range(2, shape[0] + 1) if shape[0] % p == 0]
 
 
 def pipeline_factorisations(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
@@ -70,13 +74,6 @@ def pipeline_options(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
         shape = request.mesh_shape
         options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
     return options
-
-
-def repeated_layer_count(captured) -> int:
-    """How many repeated layers the model has (``autopar.passes.layers``): a pipeline of more stages
-    than that has a stage without a layer, so it is not tried."""
-    params = captured.params
-    return len({where for node in captured.nodes() if (where := layer_path(node, params)) is not None})
 
 
 # Seconds one pipeline depth takes to plan besides its solve (strategies and costs on its
@@ -184,47 +181,122 @@ class SafetyNet:
         return ""
 
 
+class Graphs:
+    """Strategy graphs of one capture by mesh, built once (each op call's OpInfo shared too):
+    a pinned search plans the same meshes twice, with the pins and without."""
+
+    def __init__(self, captured) -> None:
+        self.captured = captured
+        self.calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
+        self.built: dict[tuple[int, ...], StrategyGraph] = {}
+
+    def on(self, mesh: tuple[int, ...]) -> StrategyGraph:
+        if tuple(mesh) not in self.built:
+            self.built[tuple(mesh)] = build_strategy_graph(self.captured, tuple(mesh), self.calls)
+        return self.built[tuple(mesh)]
+
+
 def plan_captured(captured, request: PlanRequest) -> Plan:
     """Intra-op plan on ``request.mesh_shape``, and (``request.pipeline``) pipelined plans over
     factorisations; the fastest wins. ``request.progress(phase, done, total)``, if given, is
     called as each of the ``total`` search steps starts. ``request.outer_axis_only``: pipelines
     only over the whole outermost axis (a plan for a given device mesh keeps its shape); none on
-    a 1-D mesh."""
+    a 1-D mesh. With pins (``request.constraints``): ``plan_pinned``."""
+    if request.pinned:
+        return plan_pinned(captured, request)
+    return _search(captured, request, Graphs(captured))
+
+
+def plan_pinned(captured, request: PlanRequest) -> Plan:
+    """The fastest plan that honours the pins, and what they cost: the search without them
+    first; where its plan honours every pin it is the plan (the pins cost nothing), else the
+    search again with the pins as restrictions of its problems (``_search``). ``Plan.pins``
+    records the unpinned plan's step time and memory and the pins it breaks (``explain()``)."""
+    pins, started, cpu_started = request.constraints, time.perf_counter(), time.process_time()
+    check_mesh(pins, request.mesh_shape, request.pipeline)
+    check_patterns(pins, captured.params)
+    layers = repeated_layer_count(captured)
+    check_recompute(pins, layers)
+    graphs = Graphs(captured)
+    free_request = replace(request, constraints=None, progress=_prefixed(request.progress, "without pins: "))
+    try:
+        free = _search(captured, free_request, graphs)
+    except PlanningError:
+        free = None
+    breaks = broken_pins(free, pins, request.mesh_shape, graphs.on, layers) if free is not None else None
+    if free is not None and not breaks:
+        best = free
+    else:
+        try:
+            best = _search(captured, request, graphs)
+        except PlanningError as exc:
+            raise PlanningError(f"autopar: no plan honours the pins {pins}"
+                                + ("" if free is None else f" (without them: {duration(free.predicted.step_time)})")
+                                + f": {str(exc).removeprefix('autopar: ')}") from None
+    best.pins = price_record(pins, best, free, breaks)
+    best.solver["planning_seconds"] = time.perf_counter() - started  # both searches
+    best.solver["planning_cpu_seconds"] = time.process_time() - cpu_started
+    return best
+
+
+def _prefixed(progress, prefix: str):
+    """``progress`` told each phase with ``prefix``, and never "done" (a search follows)."""
+    if progress is None:
+        return None
+    return lambda phase, done, total: None if phase == "done" else progress(prefix + phase, done, total)
+
+
+def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
+    """``plan_captured``'s search; with pins, over the factorisations their roles can be laid on
+    (``constraints.mesh_roles``), each planned under them."""
     started = time.perf_counter()
     net = SafetyNet.start(request.time_limit_s)
     report = request.progress or (lambda phase, done, total: None)
     shape, limit, time_limit_s = request.mesh_shape, request.memory_bytes, request.time_limit_s
+    pins = request.constraints if request.pinned else None
+    where_of = lambda p, intra: f"pp{p}x{'x'.join(map(str, intra))}"  # noqa: E731
+    tried = {"no pipeline": ""}
     options = pipeline_options(request)
     layers = repeated_layer_count(captured)
     too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
     options = [(p, intra) for p, intra in options if p <= max(layers, 1)]
+    roles: dict[int, MeshRoles | None] = {}  # stages -> the pinned roles of its intra-op axes
+    if pins is not None:
+        laid = {p: mesh_roles(pins, shape, p) for p in [1] + [p for p, _ in options]}
+        for p, intra in options:
+            if isinstance(laid[p], str):
+                tried[where_of(p, intra)] = f"not tried: {laid[p]}"
+        options = [(p, intra) for p, intra in options if not isinstance(laid[p], str)]
+        roles = {p: r[0] for p, r in laid.items() if not isinstance(r, str)}
+        if 1 not in roles:
+            tried["no pipeline"] = f"not tried: {laid[1]}"
     budget = min(len(options), factorisation_budget(captured, time_limit_s))
-    report("strategies", 0, 1 + budget)
-    calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
-    graph = build_strategy_graph(captured, shape, calls)
+    flat = pins is None or 1 in roles  # the no-pipeline plan is searched
+    total = int(flat) + budget
+    report("strategies", 0, total)
     # a fixed share, not what the clock left: the same call gets the same search (the rest of
     # the time: costs, completion, stage search)
     solver_time = 0.5 * time_limit_s / (1 + budget)
     best, error, candidates = None, None, {}
-    where_of = lambda p, intra: f"pp{p}x{'x'.join(map(str, intra))}"  # noqa: E731
-    tried = {"no pipeline": ""}
-    report("no pipeline", 0, 1 + budget)
-    try:
-        best, _ = plan_intra_op(graph, request, solver_time_s=solver_time)
-        tried["no pipeline"] = duration(best.predicted.step_time)
-        candidates.update(best.candidates)
-    except PlanningError as exc:
-        error, tried["no pipeline"] = exc, str(exc)
+    flat_request = replace(request, roles=roles.get(1))
+    if flat:
+        report("no pipeline", 0, total)
+        try:
+            best, _ = plan_intra_op(graphs.on(shape), flat_request, solver_time_s=solver_time)
+            tried["no pipeline"] = duration(best.predicted.step_time)
+            candidates.update(best.candidates)
+        except PlanningError as exc:
+            error, tried["no pipeline"] = exc, str(exc)
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
     outcome: dict[int, str] = {}
     clock_cut = ""
     while len(results) < budget and (i := next_factorisation(options, results)) is not None:
         p, intra = options[i]
-        report(where_of(p, intra), len(results) + 1, 1 + budget)
+        report(where_of(p, intra), len(results) + int(flat), total)
         if clock_cut := net.cut():  # a safety net: the deterministic budget did not run out
             break
         candidate, outcome[i] = pipeline_plan(captured, p, intra, request, solver_time_s=solver_time,
-                                              graph=build_strategy_graph(captured, intra, calls))
+                                              graph=graphs.on(intra), roles=roles.get(p))
         results[i] = candidate.predicted.step_time if candidate is not None else math.inf
         if candidate is None:
             continue
@@ -238,8 +310,11 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     for p, intra in too_deep:
         tried[where_of(p, intra)] = f"not tried: {p} stages for {layers} repeated layers"
     if best is None:
+        if pins is not None:
+            raise PlanningError("autopar: " + "; ".join(f"{k}: {v.removeprefix('autopar: ')}" for k, v in tried.items()))
         raise error or PlanningError(f"autopar: no plan fits in {limit / GIB:.3g} GiB per device on mesh {shape}")
-    best = _no_slower_than_layouts(best, candidates, graph, request)
+    if flat:
+        best = _no_slower_than_layouts(best, candidates, graphs.on(shape), flat_request)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
     if clock_cut:
         best.solver["clock_cut"] = True  # a safety net, not the budget, left options out
@@ -248,5 +323,5 @@ def plan_captured(captured, request: PlanRequest) -> Plan:
     best.solver["planning_seconds"] = time.perf_counter() - started
     best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started  # this process's, solver threads included
     best.solver["memory_limit"] = limit
-    report("done", 1 + budget, 1 + budget)
+    report("done", total, total)
     return best

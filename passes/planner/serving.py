@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from autopar.costmodels.units import gib_text
 from autopar.passes.generation import Inference, Programs, capture_programs
 from autopar.passes.plan import Plan
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.search import pipeline_options
-from autopar.passes.planner.serving_layout import GIB, PIPELINED_LAYOUTS, joint_problem, plan_on_mesh
+from autopar.passes.planner.serving_layout import PIPELINED_LAYOUTS, joint_problem, plan_on_mesh
 from autopar.passes.planner.serving_stages import pipelined
 
 def plan_serving(model, inference: Inference, request: PlanRequest) -> Plan:
@@ -49,8 +50,8 @@ def largest_batch(model, inference: Inference, request: PlanRequest) -> Plan:
             batch = max(unit, batch // 2 // unit * unit)
             continue
         plan.reasons.insert(0, f"batch {batch}: the largest the memory holds (one sequence's cache and activations "
-                               f"{per_sequence / GIB:.3g} GiB per device beside {memory.get('parameters', 0.0) / GIB:.3g} "
-                               "GiB of weights)")
+                               f"{gib_text(per_sequence)} per device beside {gib_text(memory.get('parameters', 0.0))} "
+                               "of weights)")
         return plan
     return one
 

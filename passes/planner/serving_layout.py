@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar.costmodels.units import gib_text
 from autopar.passes.explain import duration
 from autopar.passes.generation import Inference, Programs, is_cache
 from autopar.passes.inference_costs import ServingCosts, build_serving_costs, step_activation_bytes
@@ -38,7 +39,6 @@ from autopar.passes.solve.joint import join
 from autopar.passes.solve.shrink import shrink_problem
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
-GIB = 2.0 ** 30
 # The manual layouts a serving plan is compared with: ZeRO and FSDP would gather the
 # weights for every token, which no serving system does.
 SERVING_LAYOUTS = ("replicated", "dp", "tp", "tp+dp")
@@ -166,9 +166,9 @@ def _solve(joint: Joint, hints: list[list[int]], limit: float, request: PlanRequ
 
 
 def _too_big(programs: Programs, request: PlanRequest, least: float, limit: float) -> str:
-    return (f"autopar: no serving layout of {programs.prefill.model_name} fits in {limit / GIB:.3g} GiB "
+    return (f"autopar: no serving layout of {programs.prefill.model_name} fits in {gib_text(limit)} "
             f"per device on mesh {request.mesh_shape} at batch {programs.batch} and {programs.max_len} positions (the "
-            f"least found needs {least / GIB:.3g} GiB with its activations); use more devices, a smaller batch or a "
+            f"least found needs {gib_text(least)} with its activations); use more devices, a smaller batch or a "
             "shorter max_len")
 
 

@@ -12,6 +12,7 @@ from autopar.passes.rules import (  # noqa: F401  (importing registers the rules
     moe_experts,
     norm,
     pointwise,
+    random,
     reduction,
     spatial,
     view,

@@ -18,16 +18,22 @@ contraction over K with the expert as a grouping index:
   (``sort``) is whole, so the tokens are gathered over such an axis, but the expert work
   and its activations are split there instead of repeated.
 
-A bias (``aten._grouped_mm``'s [E, N]) splits with N and no other way here.
+A bias (``aten._grouped_mm``'s [E, N]) splits with N and no other way here. The rule
+gives the registry its work (FLOPs over the rows a device computes, :func:`rows_share`) and
+its weight per expert (split by a manual layout as a linear's); the kernel, how explain()
+words it.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar import costmodels
 from autopar.passes.placements import local_shape, shard_offset
-from autopar.passes.rules.registry import kernel, register
+from autopar.passes.rules.registry import ExpertWeight, KernelExplain, OpWork, kernel, register
 from autopar.passes.op_strategies import AxisOption, OpInfo
 
 R = Replicate()
@@ -36,7 +42,18 @@ EXPERT_KERNEL = "local_experts"  # named on strategies: plans and explain() read
 GROUPED_MM_OPS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 
-@register(*GROUPED_MM_OPS)
+def _work(info: OpInfo, strategy, mesh_shape, dtype: str) -> OpWork:
+    """The registry's ``work``: one matmul, 2 x rows x K x N FLOPs over the rows this device
+    computes (``rows_share``), its local inputs and outputs streamed."""
+    ins = [(local_shape(m.shape, s, mesh_shape), m) for m, s in zip(info.inputs, strategy.inputs) if s is not None]
+    outs = [local_shape(m.shape, s, mesh_shape) for m, s in zip(info.outputs, strategy.outputs)]
+    out_bytes = float(sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs)))
+    moved = sum(math.prod(x) * m.dtype.itemsize for x, m in ins) + out_bytes
+    flops = 2.0 * math.prod(outs[0]) * ins[0][0][-1] * rows_share(info, strategy, mesh_shape)
+    return OpWork((costmodels.Op(flops, moved, dtype, info.name, out_bytes),))
+
+
+@register(*GROUPED_MM_OPS, work=_work, expert_weights=(ExpertWeight(1),))  # x, w[E, K, N], offs
 def grouped_mm(info: OpInfo) -> list[AxisOption]:
     if len(info.inputs) > 3:  # x, w, offs, bias[E, N]
         return [AxisOption((R, Shard(2), R, Shard(1)), (Shard(1),))]
@@ -59,7 +76,13 @@ def rows_share(info: OpInfo, strategy, mesh_shape) -> float:
     return local_shape(experts, strategy.inputs[1], mesh_shape)[0] / experts[0]
 
 
-@kernel(EXPERT_KERNEL)
+def _routed_rows(inputs: tuple) -> list[tuple[str, None]]:
+    """explain()'s phrase of a grouped matmul that runs only this rank's experts."""
+    return [("grouped matmuls run only the tokens routed to this rank's experts (allgather dispatch: tokens "
+             "gathered before, outputs reduced after)", None)]
+
+
+@kernel(EXPERT_KERNEL, explain=KernelExplain(1, _routed_rows))
 def local_experts(info, strategy, args, kwargs, ctx):
     """This device's block of rows (all rows, where x is not split by rows) through this
     device's experts (all, where w is not split by expert); rows of other experts are zero.

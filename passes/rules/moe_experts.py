@@ -4,7 +4,7 @@
 w_down[E, I, H], grouped_mm) -> out[T, H]``: every token's k routed rows through their
 experts' gated MLP (``silu(gate) * up``, then down), weighted and summed per token. It is
 the region of transformers' grouped-matmul experts (sort by expert, histc, cumsum, two
-grouped matmuls, scatter back), recognised after capture by ``autopar.passes.moe_region``;
+grouped matmuls, scatter back), recognised after capture by ``autopar.passes.capture_moe``;
 ``grouped_mm`` names the grouped matmul that region called, so the op computes what the
 model did. Its implementation is that math (CompositeImplicitAutograd: autograd, meta and
 fake tensors come with the ops it calls).
@@ -27,6 +27,11 @@ All but the first run the ``moe_experts`` kernel (:func:`experts_on_mesh`), whic
 strategy axis by axis, so any combination over the mesh is one kernel. Row counts are read
 on the host (``tolist``) to size the exchange: uneven counts are run as they are, no
 capacity padding, so a fake-tensor dry run cannot size them (it raises).
+
+Beside the strategies the rule tells the registry what the passes after it need, so none
+of them names the op: its work per strategy (:func:`experts_work`, priced by costing), that
+a layout's ``ep`` axes keep it to all-to-all dispatch, its weights per expert (Megatron's
+column for ``w_gate_up``, row for ``w_down``), and how explain() words the dispatch.
 """
 
 from __future__ import annotations
@@ -43,15 +48,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import costmodels
 from autopar.costmodels.comm import Step
-from autopar.costmodels.step import comm_time, dual_steps
 from autopar.passes.op_strategies import AxisOption, OpInfo
 from autopar.passes.placements import local_shape, shard_offset
-from autopar.passes.rules.registry import kernel, register
+from autopar.passes.roles import AxisRole
+from autopar.passes.rules.registry import ExpertWeight, KernelExplain, OpWork, kernel, register
 
 R = Replicate()
 OP_NAME = "autopar.moe_experts.default"
 KERNEL = "moe_experts"  # named on strategies: plans and explain() read it
-IDS, WEIGHTS, W_GATE_UP, W_DOWN = 1, 2, 3, 4  # tensor input positions (0: hidden)
+IDS, WEIGHTS, W_GATE_UP, W_DOWN = 1, 2, 3, 4  # tensor input positions, argument positions too (0: hidden)
 
 _LIB = torch.library.Library("autopar", "DEF")
 _LIB.define("moe_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, "
@@ -83,7 +88,40 @@ _LIB.impl("moe_experts", moe_experts_reference, "CompositeImplicitAutograd")
 MOE_EXPERTS = torch.ops.autopar.moe_experts.default
 
 
-@register(OP_NAME)
+def _work(info: OpInfo, strategy, mesh_shape: Sequence[int], dtype: str) -> OpWork:
+    """The registry's ``work``: the grouped matmuls by the roofline that prices every matmul,
+    the rest as one bandwidth-bound op, the exchanges as ``experts_work`` counts them."""
+    work = experts_work(info, strategy, mesh_shape)
+    ops = [costmodels.Op(flops, moved, dtype, work.grouped_mm) for flops, moved in work.matmuls]
+    ops.append(costmodels.Op(0.0, work.elementwise_bytes, dtype, ""))  # "": a bandwidth-bound op
+    return OpWork(tuple(ops), work.forward)
+
+
+def _restrict(strategies, roles: Sequence[AxisRole]) -> np.ndarray | None:
+    """A layout with expert-parallel axes (``AxisRole.EP``: they split the batch and the
+    experts) keeps the op to the strategies that dispatch all-to-all over every one of them
+    (Megatron-Core's "alltoall" dispatcher); 0 allowed, inf not."""
+    axes = {a for a, role in enumerate(roles) if role is AxisRole.EP}
+    if not axes:
+        return None
+    return np.array([0.0 if axes <= set(axis_kinds(s)["all_to_all"]) else np.inf for s in strategies])
+
+
+_DISPATCH_WORDS = {
+    "all_to_all": "all-to-all dispatch over {axis} (each rank sends its tokens' rows to the ranks of their experts "
+                  "and gets the results back)",
+    "allgather": "allgather dispatch over {axis} (tokens whole, outputs reduced after)",
+}
+
+
+def _phrases(inputs: tuple) -> list[tuple[str, int]]:
+    """explain()'s phrases of a strategy running the kernel: how tokens reach the experts on each axis."""
+    kinds = _axis_kinds(inputs)
+    return [(f"expert layers: {_DISPATCH_WORDS[kind]}", a) for kind in _DISPATCH_WORDS for a in kinds[kind]]
+
+
+@register(OP_NAME, work=_work, restrict=_restrict,
+          expert_weights=(ExpertWeight(W_GATE_UP, "column"), ExpertWeight(W_DOWN, "row")))
 def moe_experts(info: OpInfo) -> list[AxisOption]:
     S0 = Shard(0)
     return [
@@ -98,7 +136,12 @@ def axis_kinds(strategy) -> dict[str, tuple[int, ...]]:
     """The mesh axes of a strategy by what the experts do there: ``all_to_all`` (tokens and
     experts split: rows exchanged), ``allgather`` (experts split, tokens whole), ``tp``
     (each expert's MLP split), the rest data parallel or replicated."""
-    tokens, w = strategy.inputs[0], strategy.inputs[W_GATE_UP]
+    return _axis_kinds(strategy.inputs)
+
+
+def _axis_kinds(inputs: Sequence) -> dict[str, tuple[int, ...]]:
+    """``axis_kinds`` from the strategy's input placements alone (what a plan's text gives back)."""
+    tokens, w = inputs[0], inputs[W_GATE_UP]
     kinds: dict[str, list[int]] = {"all_to_all": [], "allgather": [], "tp": []}
     for a, (t, p) in enumerate(zip(tokens, w)):
         if p == Shard(0):
@@ -108,13 +151,7 @@ def axis_kinds(strategy) -> dict[str, tuple[int, ...]]:
     return {kind: tuple(axes) for kind, axes in kinds.items()}
 
 
-def all_to_all_restriction(strategies, axes: Sequence[int]) -> np.ndarray:
-    """A layout's restriction (0 allowed, inf not) to the strategies that dispatch
-    all-to-all over every axis of ``axes``."""
-    return np.array([0.0 if set(axes) <= set(axis_kinds(s)["all_to_all"]) else np.inf for s in strategies])
-
-
-@kernel(KERNEL, communicates=True)
+@kernel(KERNEL, communicates=True, explain=KernelExplain(W_GATE_UP, _phrases))
 def experts_on_mesh(info: OpInfo, strategy, args: tuple, kwargs: dict, ctx) -> torch.Tensor:
     """This device's share of the experts: rows sent over the all-to-all axes to the ranks of
     their experts, run on this device's experts (rows of experts held elsewhere on an
@@ -265,18 +302,3 @@ def experts_work(info: OpInfo, strategy, mesh_shape: Sequence[int]) -> ExpertsWo
     down = (2.0 * run * inner * width, (run * inner + run * width) * itemsize + held * inner * width * w_item)
     elementwise = (5 * rows * width + run * (cols + inner)) * itemsize
     return ExpertsWork(str(info.args[5]), (up, down), tuple(steps), elementwise)
-
-
-def experts_time(info: OpInfo, strategy, mesh_shape: Sequence[int], profile, dtype,
-                 on_grad_path: bool) -> tuple[float, float, float]:
-    """(forward + backward, forward, collectives) seconds of one device's share: the grouped
-    matmuls by the roofline that prices every matmul (``costmodels.compute_time``, backward
-    by ``costmodels.backward_time``), the exchanges as a step meets them, backward's their duals."""
-    work = experts_work(info, strategy, mesh_shape)
-    ops = [costmodels.Op(flops, moved, dtype, work.grouped_mm) for flops, moved in work.matmuls]
-    ops.append(costmodels.Op(0.0, work.elementwise_bytes, dtype, ""))  # "": a bandwidth-bound op
-    forward = sum(costmodels.compute_time(op.flops, op.bytes, dtype, profile, op.name) for op in ops)
-    comm = comm_time(work.forward, profile)
-    if not on_grad_path:
-        return forward, forward, comm
-    return forward + costmodels.backward_time(ops, profile), forward, comm + comm_time(dual_steps(work.forward), profile)

@@ -60,7 +60,7 @@ UNARY = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default,
     aten.rsqrt.default, aten.sqrt.default, aten.sin.default, aten.cos.default,
     aten.reciprocal.default, aten.square.default, aten.erf.default, aten.log1p.default,
-    aten.pow.Tensor_Scalar, aten.dropout.default, aten.logical_not.default,
+    aten.pow.Tensor_Scalar, aten.logical_not.default,
     aten.bitwise_not.default, aten.clamp.default, aten.clamp_min.default,
     aten.clamp_max.default, aten.eq.Scalar, aten.ne.Scalar, aten.ge.Scalar, aten.gt.Scalar,
     aten.le.Scalar, aten.lt.Scalar, aten.gelu_.default, aten.silu_.default, aten.relu_.default,

@@ -1,66 +1,75 @@
-"""Pipeline stages: where to cut the layers, how much each stage holds, step time.
+"""The stage search: layers cut into pipeline stages, what each stage holds, the step time.
 
-Layers ``0..L-1`` run in order. A cut into ``S`` contiguous stages is the list of
-start layers ``starts`` (``starts[0] = 0``); stage ``s`` holds ``[starts[s],
-starts[s+1])``. Per micro-batch, stage ``s`` takes
+Inputs
+    ``LayerCosts``, per layer ``l`` of ``0..L-1`` (per micro-batch where it scales with one):
+    ``time[l]`` (forward + backward seconds), ``static_memory[l]`` (bytes held whatever is in
+    flight; of them ``gradient_memory[l]`` gradients and ``temporary_memory[l]`` alive only while
+    one of its backwards runs), ``activation_memory[l]`` (bytes per micro-batch in flight),
+    ``boundary_time[l]`` (the send after layer ``l < L - 1``), ``recompute_saving[l]`` and
+    ``recompute_time[l]`` (the bytes a recomputed layer does not keep, the seconds its forward
+    adds again), ``accumulating[l]`` (the largest gradient a backward makes before adding it to
+    the accumulated one), ``gather_memory[l]`` and ``scatter_memory[l]`` (what its ZeRO-3 gather,
+    and its gradients' reduce-scatter, hold while they run:
+    ``costmodels.memory.gather_working_bytes``, ``scatter_working_bytes``); per stage of layers
+    ``[a, b)``, ``stage_io[a, b]`` (bytes per micro-batch of the values it receives and sends,
+    which torch's ``PipelineStage`` keeps until that micro-batch's backward, beyond its layers'
+    activations) and ``io_credit[a, b]`` (of them, what its recomputed layers' kept inputs
+    charge too: the received tensor is that input; ``autopar.passes.planner.stage_io``).
+    ``InFlight``, per (virtual) stage ``s``: ``peak[s]`` micro-batches whose activations the
+    schedule keeps alive at the stage's peak, ``with_gradients[s]`` once a backward has made its
+    gradients (``InFlight.of``: the schedule's counts). ``memory_limit``: bytes per stage.
 
-    time(s)   = sum of layer_time over its layers + boundary_time[last layer]
-                (the point-to-point send after it; none after the last stage)
-    memory(s) = sum of static_memory - G + max(in_flight[s] * A, G + with_gradients[s] * A + T)
+Variables
+    ``starts``: the first layer of each of the ``S`` stages (``starts[0] = 0``, increasing);
+    stage ``s`` holds layers ``[starts[s], starts[s+1])``;
+    ``k[s]``: how many of stage ``s``'s ``n[s]`` layers recompute.
 
-where ``A`` is the stage's activation_memory summed, ``G`` its gradient_memory (a part of
-static_memory), ``in_flight[s]`` how many micro-batches' activations the schedule keeps
-alive on that stage at its peak (``in_flight_microbatches``) and ``with_gradients[s]`` how
-many once a backward has made the gradients: GPipe's peak is its first backward's start,
-M in flight and no gradient made yet, and each backward frees one micro-batch as the
-gradients appear (``costmodels.memory.in_flight_with_gradients``), while each later backward
-makes a gradient before adding it to the accumulated one: ``T``, the largest of the stage's
-``accumulating`` (per layer). Without ``with_gradients`` the gradients are held at the peak.
+Objective (``cut_stages``)
+    minimise  max_s time(s, k[s])
+    time(s, k) = sum of time over its layers + boundary_time[its last layer] (none after the
+                 last stage) + k * mean recompute_time over its layers
 
-Recomputation (``recompute_saving`` given): a stage that does not fit recomputes the
-fewest ``k`` of its layers that make it fit. A recomputed layer keeps only its inputs
-(``saving[l]`` less per micro-batch in flight), runs its forward again in backward
-(``recompute_time[l]`` more per micro-batch), and backward rebuilds one recomputed
-layer (one micro-batch's) at a time, so the stage holds the largest saving of its
-layers once more:
+Constraints (``stage_peak``: every stage, on its sums over its layers ``StageSums``)
+    memory(s, k[s]) <= memory_limit, the larger of two instants:
+      before any gradient:  static - G + R + peak[s] * (A - k * X / n) + (k > 0) * Y
+      with the gradients:   static + R + with_gradients[s] * (A - k * X / n) + T + (k > 0) * Y
+    where ``static`` is static_memory summed (temporary_memory included, held throughout here;
+    ``rank_peaks`` tells it apart), ``G`` gradient_memory summed, ``A``
+    activation_memory summed + stage_io, ``X`` recompute_saving summed + io_credit, ``Y`` the
+    largest recompute_saving (backward rebuilds one recomputed layer of one micro-batch at a
+    time), ``T`` the largest accumulating (each backward after the first makes a gradient
+    before adding it to the accumulated one) and ``R`` the largest gather_memory or
+    scatter_memory (one runs at a time; held throughout, as ``T``); ``k[s]`` is the fewest that
+    fit (``fewest_recomputed``). GPipe's peak is its first backward's start, M in flight and no
+    gradient made yet, and each backward frees one micro-batch as the gradients appear
+    (``costmodels.memory.in_flight_with_gradients``); without ``with_gradients`` the gradients
+    are held at the peak. A recomputed layer keeps only its inputs (``recompute_saving[l]`` less
+    per micro-batch in flight) and runs its forward again in backward; the means over a stage's
+    layers are exact for alike layers (a model's repeated layers), and
+    ``autopar.passes.planner.pipeline.recomputed_layers`` picks the ``k`` with the largest saving,
+    which save at least the mean.
 
-    memory(s, k) = memory(s) with A less k * mean saving, + (k > 0) * max saving
-    time(s, k)   = time(s) + k * mean recompute_time
-
-(the means over the stage's layers: exact for alike layers, the repeated layers of a
-model; ``recomputed_layers`` picks the ``k`` with the largest saving, which save at
-least the mean).
-
-A stage also holds, per micro-batch in flight, the values it receives and sends (torch's
-``PipelineStage`` keeps them until that micro-batch's backward) beyond what its layers'
-activations charge: ``io[a, b]`` for a stage of layers [a, b), added to ``A``; of it,
-``credit[a, b]`` is what its recomputed layers' kept inputs charge too (the received tensor is
-that input), added to the stage's saving (``autopar.passes.planner.stage_io``).
-
-A rank's peak (``rank_peaks``) replays the order torch's schedule runs its stages in with
-each stage's parts apart (held always, gradients from its first backward, one micro-batch's
-activations per micro-batch in flight, and what exists only during one of its backwards:
-``T``, a rebuilt layer, a gradient being added). For one stage per rank that is
-``memory(s)``; with interleaving it is less than the chunks' own peaks added up: the chunk
-holding the loss runs each micro-batch's backward right after its forward while the
-rank's other chunks fill, so its temporaries meet one micro-batch of its own in flight.
-
-ZeRO-3 stages gather a layer's weights at its first use and free them after, in forward and
-again in backward (``gather[l]`` bytes while it runs: ``costmodels.memory.gather_working_bytes``),
-where its gradients are then reduce-scattered (``scatter[l]``: ``scatter_working_bytes``). A
-forward gathers layer l before its and the later layers' activations exist; a backward gathers
-it again while they, less those of the later layers, still exist, and reduce-scatters once its
-own are freed too. So a stage's forward holds ``max_l(gather[l] - A[l:])`` beyond its micro-batch's
-activations, and a backward ``max_l max(gather[l] - A[l+1:], scatter[l] - A[l:])`` with
-``A[l:]`` the micro-batch's activations of layers l onward in the stage (none below 0). The
-cut's DP holds the stage's largest ``gather`` or ``scatter`` throughout, as it holds ``T``.
-
-``cut_stages`` minimises the slowest stage time subject to ``memory(s) <= limit`` for
-every stage, by the exact DP
+Search (``cut_stages``): the exact DP over prefix sums, every (start a, end b) at once
 
     best[s][b] = min over a < b of max(best[s-1][a], time(layers a..b-1 as stage s))
 
-over prefix sums (``O(S * L^2)``, vectorised over ``a``).
+(``O(S * L^2)``, vectorised over ``a``), a span whose memory is over the limit excluded.
+
+A cut described (``describe_cut``: the DP's, or any cut with given recomputed counts) keeps
+each stage's memory apart in the parts a rank's peak is replayed from (``rank_peaks``): held
+always, gradients from its first backward, one micro-batch's activations per micro-batch in
+flight, and what exists only during one of its backwards (``T``, a rebuilt layer, a gradient
+being added). For one stage per rank that replay is ``memory(s)``; with interleaving it is less
+than the chunks' own peaks added up: the chunk holding the loss runs each micro-batch's
+backward right after its forward while the rank's other chunks fill, so its temporaries meet
+one micro-batch of its own in flight. A ZeRO-3 stage gathers a layer's weights at its first use
+and frees them after, in forward and again in backward, where its gradients are then
+reduce-scattered: a forward gathers layer l before its and the later layers' activations
+exist; a backward gathers it again while they, less those of the later layers, still exist,
+and reduce-scatters once its own are freed too. So a stage's forward holds
+``max_l(gather_memory[l] - A[l:])`` beyond its micro-batch's activations, and a backward
+``max_l max(gather_memory[l] - A[l+1:], scatter_memory[l] - A[l:])`` with ``A[l:]`` the
+micro-batch's activations of layers l onward in the stage (none below 0).
 
 Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks, is the
 schedule's own (``costmodels.Schedule.step_time``):
@@ -81,7 +90,100 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from autopar.costmodels import Schedule
-from autopar.costmodels.memory import schedule_order
+from autopar.costmodels.memory import in_flight_with_gradients, schedule_order
+
+# LayerCosts' fields with one number per layer (None: zeros), and per stage of layers [a, b)
+_PER_LAYER = ("static_memory", "activation_memory", "recompute_saving", "recompute_time", "gradient_memory",
+              "accumulating", "temporary_memory", "gather_memory", "scatter_memory")
+_PER_SPAN = ("stage_io", "io_credit")
+
+
+@dataclass
+class LayerCosts:
+    """Per-layer numbers of one (pipeline depth, micro-batch count): the stage search's input
+    (module docstring). Arrays of float64 once built; a field left None is zeros."""
+
+    time: Sequence[float]  # forward + backward seconds per micro-batch
+    static_memory: Sequence[float] | None = None  # parameters, gradients, optimizer state: bytes per device
+    activation_memory: Sequence[float] | None = None  # bytes per device per micro-batch in flight
+    boundary_time: Sequence[float] | None = None  # L - 1 sends between layer l and l + 1
+    step_overhead: float = 0.0  # seconds per step outside the pipeline (gradient sync, optimizer)
+    # per micro-batch: bytes a recomputed layer does not keep, seconds its forward adds again
+    # (either None: no layer may be recomputed; ``cut_stages`` picks the fewest per stage)
+    recompute_saving: Sequence[float] | None = None
+    recompute_time: Sequence[float] | None = None
+    gradient_memory: Sequence[float] | None = None  # the gradients' part of static_memory
+    accumulating: Sequence[float] | None = None  # the largest gradient a backward adds
+    temporary_memory: Sequence[float] | None = None  # the part of static_memory alive only in a backward
+    gather_memory: Sequence[float] | None = None  # what its ZeRO-3 gather holds while it runs
+    scatter_memory: Sequence[float] | None = None  # ... and its gradients' reduce-scatter
+    # per stage of layers [a, b) ([L + 1, L + 1]): bytes per micro-batch it holds of the values it
+    # receives and sends beyond activation_memory, and of them what its recomputed layers free
+    stage_io: np.ndarray | None = None
+    io_credit: np.ndarray | None = None
+    recomputable: bool = field(init=False, default=False)  # recompute_saving and recompute_time given
+
+    def __post_init__(self) -> None:
+        self.recomputable = self.recompute_saving is not None and self.recompute_time is not None
+        self.time = np.asarray(self.time, dtype=np.float64)
+        if self.time.ndim != 1 or len(self.time) < 1:
+            raise ValueError(f"autopar: LayerCosts expected time as one number per layer (at least one), "
+                             f"found shape {self.time.shape}; give each layer's seconds per micro-batch.")
+        layers = len(self.time)
+        for name in _PER_LAYER:
+            setattr(self, name, _per_layer(getattr(self, name), layers, name))
+        self.boundary_time = _per_layer(self.boundary_time, layers - 1, "boundary_time")
+        for name in _PER_SPAN:
+            setattr(self, name, _per_span(getattr(self, name), layers, name))
+
+    @property
+    def layers(self) -> int:
+        return len(self.time)
+
+
+@dataclass(frozen=True, eq=False)
+class InFlight:
+    """Micro-batches whose activations a stage keeps alive, per (virtual) stage, or one stage's
+    as numbers: ``peak`` at its peak, ``with_gradients`` once a backward has made its gradients
+    (None: as at the peak, the gradients held then; module docstring)."""
+
+    peak: np.ndarray
+    with_gradients: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        peak = np.asarray(self.peak, dtype=np.float64)
+        after = peak if self.with_gradients is None else np.asarray(self.with_gradients, dtype=np.float64)
+        if after.shape != peak.shape:
+            raise ValueError(f"autopar: InFlight expected with_gradients for as many stages as peak "
+                             f"({peak.shape}), found {after.shape}; give one count per stage.")
+        object.__setattr__(self, "peak", peak)
+        object.__setattr__(self, "with_gradients", after)
+
+    @classmethod
+    def of(cls, schedule: str | Schedule, stages: int, micro_batches: int, chunks_per_rank: int = 1) -> InFlight:
+        """The schedule's counts per (virtual) stage (``Schedule.in_flight_per_stage``: ``M`` under
+        GPipe, ``min(M, P - r)`` under 1F1B, Megatron's warm-up under interleaved 1F1B, each chunk
+        holding its rank's rounded-up count; ``costmodels.memory.in_flight_with_gradients``)."""
+        schedule = Schedule.parse(schedule)
+        return cls(schedule.in_flight_per_stage(stages, micro_batches, chunks_per_rank),
+                   in_flight_with_gradients(schedule, stages, micro_batches, chunks_per_rank))
+
+    def stage(self, s: int) -> InFlight:
+        return InFlight(self.peak[s], self.with_gradients[s])
+
+
+class StageSums(NamedTuple):
+    """What ``stage_peak`` reads of a stage, over its layers: numbers for one stage, arrays for
+    many (the DP's every span ``[a, b)`` at once). Module docstring: ``static`` + ``R``, ``G``,
+    ``A``, ``X``, ``Y``, ``n``, ``T``."""
+
+    static: np.ndarray  # bytes held whatever is in flight (gradients, a running ZeRO-3 gather included)
+    gradients: np.ndarray  # the gradients' part of static
+    activation: np.ndarray  # bytes per micro-batch in flight (what it receives and sends included)
+    saving: np.ndarray  # of activation, what recomputing every layer frees
+    largest_saving: np.ndarray  # a recomputed layer rebuilt in backward
+    layers: np.ndarray
+    adding: np.ndarray | float = 0.0  # a gradient being added to the accumulated ones
 
 
 @dataclass
@@ -114,104 +216,56 @@ class StageCut:
         return range(self.starts[stage], end)
 
 
-def in_flight_microbatches(schedule: str | Schedule, num_ranks: int, num_microbatches: int,
-                           chunks_per_rank: int = 1) -> list[int]:
-    """Micro-batches whose activations each (virtual) stage keeps alive at its peak
-    (``Schedule.in_flight_per_stage``: ``M`` under GPipe, ``min(M, P - r)`` under 1F1B,
-    Megatron's warm-up under interleaved 1F1B, each chunk holding its rank's rounded-up
-    count)."""
-    return Schedule.parse(schedule).in_flight_per_stage(num_ranks, num_microbatches, chunks_per_rank)
-
-
-def pipeline_step_time(
-    stage_time: Sequence[float], num_microbatches: int, schedule: str | Schedule, chunks_per_rank: int = 1
-) -> float:
+def pipeline_step_time(stage_time: Sequence[float], micro_batches: int, schedule: str | Schedule,
+                       chunks_per_rank: int = 1) -> float:
     """Predicted pipeline time of one step from per-micro-batch (virtual) stage times
     (``Schedule.step_time``)."""
-    return Schedule.parse(schedule).step_time(stage_time, num_microbatches, chunks_per_rank)
+    return Schedule.parse(schedule).step_time(stage_time, micro_batches, chunks_per_rank)
 
 
-def cut_stages(
-    layer_time: Sequence[float],
-    num_stages: int,
-    *,
-    static_memory: Sequence[float] | None = None,
-    activation_memory: Sequence[float] | None = None,
-    in_flight: Sequence[int] | None = None,
-    memory_limit: float | None = None,
-    boundary_time: Sequence[float] | None = None,
-    recompute_saving: Sequence[float] | None = None,
-    recompute_time: Sequence[float] | None = None,
-    gradient_memory: Sequence[float] | None = None,
-    in_flight_with_gradients: Sequence[float] | None = None,
-    accumulating: Sequence[float] | None = None,
-    temporary_memory: Sequence[float] | None = None,
-    gather_memory: Sequence[float] | None = None,
-    scatter_memory: Sequence[float] | None = None,
-    stage_io: np.ndarray | None = None,
-    io_credit: np.ndarray | None = None,
-) -> StageCut | None:
-    """Contiguous cut minimising the slowest stage; ``None`` when no cut fits in memory.
-    ``recompute_saving`` / ``recompute_time``: per layer and micro-batch, the bytes a
-    recomputed layer does not keep and the seconds it adds; ``gradient_memory``: per layer,
-    the gradients' part of ``static_memory``; ``in_flight_with_gradients``: per stage, the
-    micro-batches in flight once gradients exist; ``accumulating``: per layer, the largest
-    gradient a backward makes before adding it to the accumulated one (module docstring);
-    ``temporary_memory``: per layer, the part of ``static_memory`` alive only while one of
-    its backwards runs (``rank_peaks`` tells them apart; the cut holds it throughout);
-    ``gather_memory`` / ``scatter_memory``: per layer, what its ZeRO-3 gather and its gradients'
-    reduce-scatter hold while they run (module docstring; the cut holds a stage's largest
-    throughout); ``stage_io`` / ``io_credit``: per stage of layers [a, b), ``[a, b]`` of an
-    ``[L + 1, L + 1]`` matrix: what it holds per micro-batch of the values it receives and sends
-    beyond ``activation_memory``, and of them what recomputing its layers frees (module docstring)."""
-    time = np.asarray(layer_time, dtype=np.float64)
-    num_layers = len(time)
-    if not 1 <= num_stages <= num_layers:
+def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None,
+               memory_limit: float | None = None) -> StageCut | None:
+    """The contiguous cut of ``costs``' layers into ``stages`` stages minimising the slowest,
+    each stage recomputing the fewest layers that fit ``memory_limit`` with ``in_flight``
+    micro-batches (None: one per stage); ``None`` when no cut fits (module docstring)."""
+    num_layers = costs.layers
+    if not 1 <= stages <= num_layers:
         raise ValueError(
-            f"autopar: cut_stages expected 1 <= num_stages <= number of layers ({num_layers}), "
-            f"found num_stages={num_stages}; use fewer pipeline stages."
+            f"autopar: cut_stages expected 1 <= stages <= number of layers ({num_layers}), "
+            f"found stages={stages}; use fewer pipeline stages."
         )
-    static = _per_layer(static_memory, num_layers, "static_memory")
-    activation = _per_layer(activation_memory, num_layers, "activation_memory")
-    send = np.zeros(num_layers)
-    if boundary_time is not None:
-        send[:-1] = _per_layer(boundary_time, num_layers - 1, "boundary_time")
-    flights = _per_stage(in_flight, np.ones(num_stages), num_stages, "in_flight")
-    graded = _per_stage(in_flight_with_gradients, flights, num_stages, "in_flight_with_gradients")
-    saving = _per_layer(recompute_saving, num_layers, "recompute_saving")
-    redo = _per_layer(recompute_time, num_layers, "recompute_time")
-    gradients = _per_layer(gradient_memory, num_layers, "gradient_memory")
-    adding = _per_layer(accumulating, num_layers, "accumulating")
-    gather = _per_layer(gather_memory, num_layers, "gather_memory")
-    scatter = _per_layer(scatter_memory, num_layers, "scatter_memory")
-    time_prefix, static_prefix, activation_prefix, saving_prefix, redo_prefix, gradient_prefix = (
-        np.concatenate([[0.0], np.cumsum(x)]) for x in (time, static, activation, saving, redo, gradients)
-    )
+    in_flight = _for_stages(in_flight, stages, "cut_stages")
+    time_prefix, static_prefix, activation_prefix, saving_prefix, recompute_prefix, gradient_prefix = (
+        np.concatenate([[0.0], np.cumsum(x)]) for x in (
+            costs.time, costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
+            costs.gradient_memory))
     cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
 
     # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b); each stage
     # s is one step over every (start a, end b) at once, a on rows and b on columns.
-    best = np.full((num_stages, num_layers + 1), np.inf)
-    choice = np.zeros((num_stages, num_layers + 1), dtype=np.int64)
+    best = np.full((stages, num_layers + 1), np.inf)
+    choice = np.zeros((stages, num_layers + 1), dtype=np.int64)
     a = np.arange(num_layers + 1)[:, None]
     b = np.arange(num_layers + 1)[None, :]
-    sent = np.concatenate([[0.0], send])  # sent[b] = send[b - 1], the send after layer b - 1
+    sent = np.concatenate([[0.0], costs.boundary_time, [0.0]])  # sent[b]: the send after layer b - 1
     span_time = time_prefix[b] - time_prefix[a]
-    span_static = static_prefix[b] - static_prefix[a]
-    span_activation = activation_prefix[b] - activation_prefix[a] + _per_span(stage_io, num_layers, "stage_io")
-    span_layers = np.maximum(b - a, 1)
-    span_saving = saving_prefix[b] - saving_prefix[a] + _per_span(io_credit, num_layers, "io_credit")
-    span_redo = redo_prefix[b] - redo_prefix[a]
-    span_gradients = gradient_prefix[b] - gradient_prefix[a]
-    span_peak, span_adding = _span_max(saving), _span_max(adding)
-    span_static = span_static + _span_max(np.maximum(gather, scatter))  # one running, held throughout
-    for s in range(num_stages):
-        last = s == num_stages - 1
-        ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (num_stages - 1 - s)))
+    span_recompute_time = recompute_prefix[b] - recompute_prefix[a]
+    spans = StageSums(
+        # a ZeRO-3 gather or reduce-scatter running, held throughout
+        static=static_prefix[b] - static_prefix[a] + _span_max(np.maximum(costs.gather_memory, costs.scatter_memory)),
+        gradients=gradient_prefix[b] - gradient_prefix[a],
+        activation=activation_prefix[b] - activation_prefix[a] + costs.stage_io,
+        saving=saving_prefix[b] - saving_prefix[a] + costs.io_credit,
+        largest_saving=_span_max(costs.recompute_saving),
+        layers=np.maximum(b - a, 1),
+        adding=_span_max(costs.accumulating),
+    )
+    for s in range(stages):
+        last = s == stages - 1
+        ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (stages - 1 - s)))
         starts = (a == 0) if s == 0 else ((a >= s) & (a < b))
-        k, memory, _ = stage_peak(span_static, span_gradients, span_activation, span_saving, span_peak, span_layers,
-                                  flights[s], graded[s], cap, span_adding)
-        stage = span_time + k * span_redo / span_layers + (0.0 if last else sent[b])
+        k, memory, _ = stage_peak(spans, in_flight.stage(s), cap)
+        stage = span_time + k * span_recompute_time / spans.layers + (0.0 if last else sent[b])
         before = best[s - 1][:, None] if s else np.zeros((num_layers + 1, 1))
         value = np.where(starts & ends & (memory <= cap), np.maximum(before, stage), np.inf)
         k = np.argmin(value, axis=0)
@@ -220,66 +274,64 @@ def cut_stages(
     if not np.isfinite(best[-1][num_layers]):
         return None
     starts, b = [], num_layers
-    for s in range(num_stages - 1, -1, -1):
+    for s in range(stages - 1, -1, -1):
         starts.append(int(choice[s][b]))
         b = starts[-1]
     starts.reverse()
-    return describe_cut(starts, time, static, activation, flights, send, saving, redo, cap, gradients, graded, adding,
-                        _per_layer(temporary_memory, num_layers, "temporary_memory"), gather, scatter,
-                        stage_io=stage_io, io_credit=io_credit)
+    return describe_cut(costs, starts, in_flight, memory_limit=cap)
 
 
-def describe_cut(starts, time, static, activation, in_flight, send, saving=None, redo=None,
-                 memory_limit: float = math.inf, gradients=None, in_flight_with_gradients=None,
-                 accumulating=None, temporary=None, gather=None, scatter=None,
-                 recomputed: Sequence[int] | None = None, stage_io=None, io_credit=None) -> StageCut:
-    """Times and memories of a given cut, each stage recomputing the fewest layers that fit
-    ``memory_limit`` (used by the DP and by brute-force tests), or ``recomputed[s]`` of them
-    where given (whatever that holds: ``solve.rank_fit`` picks them by the ranks' replayed
-    peaks), and the parts of each stage's memory that ``rank_peaks`` replays the schedule with."""
-    n = len(time)
+def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight | None = None, *,
+                 memory_limit: float = math.inf, recomputed: Sequence[int] | None = None) -> StageCut:
+    """Times and memories of the cut of ``costs``' layers at ``starts``, each stage recomputing
+    the fewest layers that fit ``memory_limit`` with ``in_flight`` micro-batches (None: one per
+    stage; used by the DP and by brute-force tests), or ``recomputed[s]`` of them where given
+    (whatever that holds: ``solve.rank_fit`` picks them by the ranks' replayed peaks), and the
+    parts of each stage's memory that ``rank_peaks`` replays the schedule with."""
+    n = costs.layers
     if recomputed is not None:
         _check_recomputed(recomputed, starts, n)
-    saving, redo, gradients, adding, temporary, gather, scatter = (
-        np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
-        for x in (saving, redo, gradients, accumulating, temporary, gather, scatter))
-    time, static, activation, send = (np.asarray(x, dtype=np.float64) for x in (time, static, activation, send))
-    graded = in_flight if in_flight_with_gradients is None else in_flight_with_gradients
+    in_flight = _for_stages(in_flight, len(starts), "describe_cut")
     # every stage at once (a stage is layers [a, b)): its sums and maxima over its layers
     first = np.asarray(starts, dtype=np.intp)
     ends = np.append(first[1:], n)
     sizes = (ends - first).astype(np.float64)
     total, most = partial(np.add.reduceat, indices=first), partial(np.maximum.reduceat, indices=first)
-    running = most(np.maximum(gather, scatter))  # a gather or reduce-scatter, as the DP holds it
-    largest_adding = most(adding)
-    # what each stage holds of the values it receives and sends, and what recomputing frees of it
-    io, credit = (_per_span(x, n, name)[first, ends] for x, name in ((stage_io, "stage_io"), (io_credit, "io_credit")))
-    activations, savings = total(activation) + io, total(saving) + credit
-    k, memory, grads = stage_peak(total(static) + running, total(gradients), activations, savings,
-                                  most(saving), sizes, np.asarray(in_flight, dtype=np.float64)[:len(first)],
-                                  np.asarray(graded, dtype=np.float64)[:len(first)],
-                                  memory_limit if recomputed is None else math.inf, largest_adding, recomputed)
+    gather, scatter, saving = costs.gather_memory, costs.scatter_memory, costs.recompute_saving
+    largest_adding = most(costs.accumulating)
+    stage = StageSums(
+        static=total(costs.static_memory) + most(np.maximum(gather, scatter)),  # as the DP holds a running one
+        gradients=total(costs.gradient_memory),
+        # with what each stage holds of the values it receives and sends, and what recomputing frees of it
+        activation=total(costs.activation_memory) + costs.stage_io[first, ends],
+        saving=total(saving) + costs.io_credit[first, ends],
+        largest_saving=most(saving),
+        layers=sizes,
+        adding=largest_adding,
+    )
+    k, memory, grads = stage_peak(stage, in_flight, memory_limit if recomputed is None else math.inf, recomputed)
     k = k.astype(int)
     sent = np.zeros(len(first))  # the boundary send after each stage but the last
-    sent[ends < n] = send[ends[ends < n] - 1]
-    stage_time = total(time) + k * total(redo) / sizes + sent
+    sent[ends < n] = costs.boundary_time[ends[ends < n] - 1]
+    stage_time = total(costs.time) + k * total(costs.recompute_time) / sizes + sent
     # each stage's parts of ``stage_peak``'s memory, apart, for ``rank_peaks`` to replay: k
     # recomputed layers keep the mean saving less per micro-batch, one of them rebuilt while a
     # backward runs; a ZeRO-3 gather or reduce-scatter runs in a backward, and in a forward,
     # beyond its micro-batch's activations (module docstring)
-    fewer_kept = k * savings / sizes  # per micro-batch, what its k recomputed layers do not keep
-    kept = activation - saving * np.repeat(k / sizes, ends - first)  # per layer, one micro-batch's
+    fewer_kept = k * stage.saving / sizes  # per micro-batch, what its k recomputed layers do not keep
+    kept = costs.activation_memory - saving * np.repeat(k / sizes, ends - first)  # per layer, one micro-batch's
     suffix = np.append(np.cumsum(kept[::-1])[::-1], 0.0)
     onward = suffix[:n] - np.repeat(suffix[ends], ends - first)  # its stage's layers l onward
     after = onward - kept
+    temporary = total(costs.temporary_memory)
     return StageCut(list(starts), stage_time.tolist(), memory.tolist(), n, k.tolist(), grads.tolist(),
                     np.where(grads > 0, largest_adding, 0.0).tolist(),
-                    held_always=(total(static) - total(gradients) - total(temporary)).tolist(),
-                    gradient_bytes=total(gradients).tolist(),
-                    per_micro_batch=(activations - fewer_kept).tolist(),
-                    in_backward=(total(temporary) + np.maximum(0.0, most(np.maximum(gather - after,
-                                                                                    scatter - onward)))).tolist(),
-                    rebuilt=np.where(k > 0, most(saving), 0.0).tolist(),
+                    held_always=(total(costs.static_memory) - stage.gradients - temporary).tolist(),
+                    gradient_bytes=stage.gradients.tolist(),
+                    per_micro_batch=(stage.activation - fewer_kept).tolist(),
+                    in_backward=(temporary + np.maximum(0.0, most(np.maximum(gather - after,
+                                                                             scatter - onward)))).tolist(),
+                    rebuilt=np.where(k > 0, stage.largest_saving, 0.0).tolist(),
                     adding=largest_adding.tolist(),
                     in_forward=np.maximum(0.0, most(gather - onward)).tolist())
 
@@ -290,6 +342,16 @@ def _check_recomputed(recomputed: Sequence[int], starts, num_layers: int) -> Non
         raise ValueError(f"autopar: describe_cut expected per stage 0..(its layers) recomputed, for stages of "
                          f"{sizes.tolist()} layers; found {list(recomputed)}; give one count per stage, at most "
                          "its layers.")
+
+
+def _for_stages(in_flight: InFlight | None, stages: int, caller: str) -> InFlight:
+    """``in_flight`` checked to count ``stages`` stages (None: one micro-batch each)."""
+    if in_flight is None:
+        return InFlight(np.ones(stages))
+    if in_flight.peak.shape != (stages,):
+        raise ValueError(f"autopar: {caller} expected in-flight counts for {stages} stages, found shape "
+                         f"{in_flight.peak.shape}; give one count per (virtual) stage (InFlight.of).")
+    return in_flight
 
 
 class RankPeak(NamedTuple):
@@ -315,7 +377,7 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
     out = []
     for rank, actions in enumerate(schedule_order(schedule, ranks, micro_batches, v)):
         base = sum(cut.held_always[s] for s in range(rank, ranks * v, ranks))
-        in_flight, graded, gradients = 0.0, set(), 0.0
+        in_flight, with_gradients, gradients = 0.0, set(), 0.0  # with_gradients: stages past their first backward
         best = RankPeak(base, 0.0, 0.0)
 
         def at(temporary: float, rebuilt: float = 0.0) -> RankPeak:
@@ -327,9 +389,9 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
                 best = _higher(best, at(cut.in_forward[s] if cut.in_forward else 0.0))
                 continue
             during, rebuilt = cut.in_backward[s], cut.rebuilt[s]
-            if s not in graded:  # its first backward: before any gradient, then with them, one micro-batch freed
+            if s not in with_gradients:  # its first backward: before any gradient, then with them, one micro-batch freed
                 best = _higher(best, at(during, rebuilt))
-                graded.add(s)
+                with_gradients.add(s)
                 gradients += cut.gradient_bytes[s]
                 in_flight -= cut.per_micro_batch[s]
                 best = _higher(best, at(during + cut.adding[s], rebuilt))
@@ -344,43 +406,43 @@ def _higher(best: RankPeak, candidate: RankPeak) -> RankPeak:
     return candidate if candidate.total > best.total else best
 
 
-def stage_peak(static, gradients, activation, saving, peak, layers, in_flight, with_gradients, limit, adding=0.0,
-               recomputed=None):
-    """(k recomputed, the stage's peak bytes, the gradient bytes held at that peak) of a stage
-    holding ``static`` bytes (``gradients`` of them gradients) and ``activation`` bytes per
-    micro-batch: the larger of two instants, ``in_flight`` micro-batches before any gradient
-    exists and ``with_gradients`` after, ``adding`` bytes more while a gradient is added to
-    the accumulated ones (module docstring), with the fewest recomputed layers
-    that fit ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given.
-    Works on arrays and on numbers."""
-    before = static - gradients + in_flight * activation
+def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=None):
+    """(k recomputed, the stage's peak bytes, the gradient bytes held at that peak) of ``stage``:
+    the larger of two instants, ``in_flight.peak`` micro-batches before any gradient exists and
+    ``in_flight.with_gradients`` after, ``stage.adding`` bytes more while a gradient is added to
+    the accumulated ones (module docstring), with the fewest recomputed layers that fit
+    ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given. Works on
+    arrays (every span, or every stage, at once) and on numbers."""
+    static, gradients, activation, saving, largest_saving, layers, adding = stage
+    peak, with_gradients = in_flight.peak, in_flight.with_gradients
+    before = static - gradients + peak * activation
     after = static + with_gradients * activation + adding
-    k_before, _ = fewest_recomputed(before, in_flight * saving, peak, layers, limit)
-    k_after, _ = fewest_recomputed(after, with_gradients * saving, peak, layers, limit)
+    k_before, _ = fewest_recomputed(before, peak * saving, largest_saving, layers, limit)
+    k_after, _ = fewest_recomputed(after, with_gradients * saving, largest_saving, layers, limit)
     k = np.maximum(k_before, k_after) if recomputed is None else np.asarray(recomputed, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = np.where(layers > 0, saving / layers, 0.0)
-    rebuild = np.where(k > 0, peak, 0.0)
-    at_before = before - in_flight * k * mean + rebuild
+    rebuild = np.where(k > 0, largest_saving, 0.0)
+    at_before = before - peak * k * mean + rebuild
     at_after = after - with_gradients * k * mean + rebuild
     memory = np.maximum(at_before, at_after)
     memory = np.where((k <= layers) & (memory <= limit), memory, np.inf)
     return np.where(np.isfinite(memory), k, 0.0), memory, np.where(at_after >= at_before, gradients, 0.0)
 
 
-def fewest_recomputed(memory, saving, peak, layers, limit):
+def fewest_recomputed(memory, saving, largest_saving, layers, limit):
     """(k, memory with k recomputed): the fewest of ``layers`` layers to recompute for a stage
     of ``memory`` bytes (none recomputed) to fit ``limit``, where all of them recomputed save
     ``saving`` bytes (its micro-batches in flight) and rebuilding one layer in backward holds
-    ``peak`` bytes more. Works on arrays (the DP's every span at once) and on numbers; a
-    stage that cannot fit has memory inf."""
-    memory, saving, peak = (np.asarray(x, dtype=np.float64) for x in (memory, saving, peak))
+    ``largest_saving`` bytes more. Works on arrays (the DP's every span at once) and on numbers;
+    a stage that cannot fit has memory inf."""
+    memory, saving, largest_saving = (np.asarray(x, dtype=np.float64) for x in (memory, saving, largest_saving))
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = saving / layers
-        needed = np.ceil((memory + peak - limit) / mean * (1 - 1e-12))
+        needed = np.ceil((memory + largest_saving - limit) / mean * (1 - 1e-12))
     k = np.where(memory <= limit, 0.0, np.where(mean > 0, np.clip(needed, 1.0, None), np.inf))
     with np.errstate(invalid="ignore"):
-        fitted = memory - k * mean + np.where(k > 0, peak, 0.0)
+        fitted = memory - k * mean + np.where(k > 0, largest_saving, 0.0)
     fitted = np.where((k <= layers) & (fitted <= limit), fitted, np.inf)
     return np.where(np.isfinite(fitted), k, 0.0), fitted
 
@@ -394,22 +456,14 @@ def _span_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _per_stage(values, default: np.ndarray, stages: int, name: str) -> np.ndarray:
-    if values is None:
-        return default
-    array = np.asarray(values, dtype=np.float64)
-    if len(array) != stages:
-        raise ValueError(f"autopar: expected {name} for {stages} stages, found {len(array)}.")
-    return array
-
-
 def _per_span(values, layers: int, name: str) -> np.ndarray:
     if values is None:
         return np.zeros((layers + 1, layers + 1))
     array = np.asarray(values, dtype=np.float64)
     if array.shape != (layers + 1, layers + 1):
-        raise ValueError(f"autopar: expected {name} of shape {(layers + 1, layers + 1)} (a stage's first layer "
-                         f"by its end), found {array.shape}.")
+        raise ValueError(f"autopar: LayerCosts expected {name} of shape {(layers + 1, layers + 1)} (a stage's "
+                         f"first layer by its end, for {layers} layers), found {array.shape}; give one number "
+                         "per stage [a, b).")
     return array
 
 
@@ -418,5 +472,6 @@ def _per_layer(values, length: int, name: str) -> np.ndarray:
         return np.zeros(length)
     array = np.asarray(values, dtype=np.float64)
     if array.shape != (length,):
-        raise ValueError(f"autopar: expected {name} with {length} entries, found shape {array.shape}.")
+        raise ValueError(f"autopar: LayerCosts expected {name} with {length} entries, found shape {array.shape}; "
+                         f"give one number per {'boundary between layers' if name == 'boundary_time' else 'layer'}.")
     return array

@@ -27,7 +27,7 @@ import autopar
 from autopar.runtime import checkpoint
 from autopar.passes.capture import capture
 from autopar.passes.plan import Pipeline, Plan
-from tests.distributed import mp_check
+from tests.distributed import dropout_check, mp_check
 from tests.distributed.plans import case_plan, layout_plan, pipeline_plan, planned
 
 STEPS = 5
@@ -367,9 +367,9 @@ def recompute_case(spec: str) -> dict:
 def moves_case() -> dict:
     """moves (4 ranks): every move of a tensor between two placements of a 2x2 mesh that
     codegen runs axis by axis (``AxisMove.chain``) over more than one axis, or with an
-    all-to-all (``S(i) -> S(j)`` on an axis), gives the same forward values and the same
-    input gradient as DTensor's redistribute (the reference), for each gradient layout a
-    consumer can hand back (its own placement, or shares where it is replicated)."""
+    all-to-all (``S(i) -> S(j)`` on an axis), gives the same forward values (a Partial's sum)
+    and the same input gradient as DTensor's redistribute (the reference), for each gradient
+    layout a consumer can hand back (its own placement, or shares where it is replicated)."""
     import itertools
 
     from torch.distributed.tensor import Partial, distribute_tensor
@@ -387,6 +387,13 @@ def moves_case() -> dict:
             if isinstance(p, Partial):
                 x = x * (1 + coord[a]) / 3.0
         return x
+
+    def summed(y, spec):  # a Partial's parts may be split otherwise (S -> P keeps each shard in place): their sum
+        y = y.clone(memory_format=torch.contiguous_format)  # collectives need a dense buffer of its own
+        for a, p in enumerate(spec):
+            if isinstance(p, Partial):
+                dist.all_reduce(y, group=mesh.get_group(a))
+        return y
 
     gen = torch.Generator().manual_seed(0)
     value, gradient = (torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(2))
@@ -408,7 +415,7 @@ def moves_case() -> dict:
                 x = local_of(value, src).requires_grad_()
                 y = module(x)
                 y.backward(local_of(gradient, grad))
-                results.append((y.detach(), x.grad))
+                results.append((summed(y.detach(), dst), x.grad))
             checked += 1
             if not all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(*results)):
                 mismatched.append(chained.extra_repr())
@@ -863,6 +870,8 @@ def main(cases: list[str]) -> None:
                 result = eval_case(spec)
             elif spec.startswith("odd-batch:"):
                 result = odd_batch_case(spec)
+            elif spec.startswith("dropout:"):  # layout-independent dropout (tests/distributed/dropout_check.py)
+                result = {**dropout_check.run_case(spec.removeprefix("dropout:")), "case": spec}
             elif spec.startswith("mp:"):  # mixed precision, batched into this launch (tests/distributed/mp_check.py)
                 result = {**mp_check.run(spec.removeprefix("mp:")), "case": spec}
             else:

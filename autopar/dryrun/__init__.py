@@ -19,12 +19,12 @@ offsets); without a pipeline, the first rank and the last.
 
 Pipelines: one process holding one rank at a time cannot run send/recv between stages, so
 the schedule's own action list for this rank is replayed on fake activations, and the
-shapes one stage sends are checked against those the next expects (``autopar.dryrun_pipeline``).
+shapes one stage sends are checked against those the next expects (``autopar.dryrun.pipeline``).
 Only the fewest micro-batches whose schedule reaches every state of the plan's are replayed
 (1F1B: P + 1 of M; ``replayed_micro_batches``): the same peak in a fraction of the time.
-A pipeline's whole batch is made on a device the tracker does not count (``dryrun_tracker.
-HOST``, a real run's host memory): a rank is charged the rows its runtime moves to its
-device (``PipelineModule._stage_inputs``), not views of the whole batch.
+A pipeline's whole batch is made on a device the tracker does not count (``tracker.HOST``,
+a real run's host memory): a rank is charged the rows its runtime moves to its device
+(``PipelineModule._stage_inputs``), not views of the whole batch.
 
 Speed: the model is captured and its strategy graph built once, then the distinct ranks
 run in worker processes forked from that state (one per core), each rank's step on its own
@@ -35,8 +35,8 @@ with the square of the model's depth.
 A plan that fails its dry run is a planner bug: the result names the rank and the error.
 
 Here: the driver (one capture, the distinct ranks, worker processes, one rank's build and
-step); the memory measurement is ``autopar.dryrun_tracker``, the results and their table
-``autopar.dryrun_results``.
+step); the memory measurement is ``autopar.dryrun.tracker``, the results and their table
+``autopar.dryrun.results``.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ from autopar.runtime.loss import WithLoss
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy
-from autopar.dryrun_pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
-from autopar.dryrun_serving import dry_run_serving
-from autopar.dryrun_results import DryRunError, DryRunResult, RankResult
-from autopar.dryrun_tracker import CPU, HOST, FakeState, create_optimizer_state, peak_memory, tracker_for
+from autopar.dryrun.pipeline import check_stage_boundaries, pipeline_step, replayed_micro_batches
+from autopar.dryrun.serving import dry_run_serving
+from autopar.dryrun.results import DryRunError, DryRunResult, RankResult
+from autopar.dryrun.tracker import CPU, HOST, FakeState, create_optimizer_state, peak_memory, tracker_for
 from autopar.passes.capture import Captured, capture, on_device
 from autopar.passes.loss_memory import cross_entropy, default_loss
 from autopar.passes.plan import Plan, choice_from_plan
@@ -106,13 +106,13 @@ def dry_run(
     run in, forked after the one capture they share (default: one per core, at most one per
     rank; 1 runs them here, one after another). ``micro_batches``: how many of a pipeline
     plan's micro-batches to replay (default: the fewest with the same peak memory as all of
-    them, ``autopar.dryrun_pipeline.replayed_micro_batches``; the plan's count replays all).
+    them, ``autopar.dryrun.pipeline.replayed_micro_batches``; the plan's count replays all).
 
     Needs no process group of its own: it starts torch's fake one per rank and destroys it
     after; one already initialised here is an error (run the dry run outside torchrun).
 
     A serving plan (``Plan.inference``) takes no example inputs: each distinct rank runs its
-    prefill and a decode step (``autopar.dryrun_serving``).
+    prefill and a decode step (``autopar.dryrun.serving``).
     """
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
@@ -123,7 +123,7 @@ def dry_run(
     started = time.perf_counter()
     shape = tuple(plan.mesh_shape)
     chosen = list(ranks) if ranks is not None else distinct_ranks(plan)
-    if plan.inference is not None:  # a serving plan: its prefill and decode step (autopar.dryrun_serving)
+    if plan.inference is not None:  # a serving plan: its prefill and decode step (autopar.dryrun.serving)
         coordinates = [_coordinate(r, shape) for r in chosen]
         result = dry_run_serving(plan, model, chosen, coordinates, [_predicted_for(plan, c) for c in coordinates])
         if raise_on_failure:

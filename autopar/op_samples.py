@@ -484,12 +484,30 @@ def reflection_pad_sample(rng):
     return aten.reflection_pad2d.default, (_t(rng, rng.choice(SIZES), 4, 5), [1, 2, 0, 1]), {}
 
 
+def drawn(op, *values, **kwargs):
+    """A random op making a tensor of a random shape (``rand``, ``randint``)."""
+    return lambda rng: (op, (*values, _shape(rng, rng.randint(1, 3))), dict(kwargs))
+
+
+def bernoulli_sample(rng):
+    """Probabilities in [0, 1]."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    return aten.bernoulli.default, (torch.rand(_shape(rng, rng.randint(1, 3)), generator=gen),), {}
+
+
 SAMPLERS = {
     "add": binary(aten.add.Tensor), "sub": binary(aten.sub.Tensor), "mul": binary(aten.mul.Tensor),
     "div": binary(aten.div.Tensor), "eq": binary(aten.eq.Tensor), "maximum": binary(aten.maximum.default),
     "neg": unary(aten.neg.default), "gelu": unary(aten.gelu.default), "silu": unary(aten.silu.default),
     "tanh": unary(aten.tanh.default), "rsqrt": scalar_op(aten.add.Tensor, 3.0),
     "pow": scalar_op(aten.pow.Tensor_Scalar, 2), "dropout_eval": scalar_op(aten.dropout.default, 0.0, True),
+    # random ops: every rank's shard drawn from the run's key (autopar.passes.randomness)
+    "dropout": scalar_op(aten.dropout.default, 0.3, True),
+    "native_dropout": scalar_op(aten.native_dropout.default, 0.3, True),
+    "rand_like": unary(aten.rand_like.default), "randn_like": unary(aten.randn_like.default),
+    "randint_like": scalar_op(aten.randint_like.default, 9), "bernoulli_p": scalar_op(aten.bernoulli.p, 0.3),
+    "bernoulli": bernoulli_sample, "rand": drawn(aten.rand.default), "randn": drawn(aten.randn.default),
+    "randint": drawn(aten.randint.low, 2, 11),
     "to": scalar_op(aten.to.dtype, torch.float64), "clone": unary(aten.clone.default),
     "view": reshape_sample, "reshape": merge_sample, "transpose": transpose_sample,
     "permute": permute_sample, "unsqueeze": unsqueeze_sample, "expand": expand_sample,

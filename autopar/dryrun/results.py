@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.dryrun_tracker import KINDS
+from autopar.costmodels.units import gib_text
+from autopar.dryrun.tracker import KINDS
 
 
 @dataclass
@@ -50,7 +51,7 @@ class DryRunResult:
     ranks: list[RankResult]
     predicted: dict[str, float]
     seconds: float = 0.0
-    # a pipeline's (micro-batches replayed, the plan's): the fewest with the same peak (``dryrun_pipeline``)
+    # a pipeline's (micro-batches replayed, the plan's): the fewest with the same peak (``autopar.dryrun.pipeline``)
     micro_batches: tuple[int, int] | None = None
 
     @property
@@ -110,18 +111,18 @@ class DryRunResult:
                  f"{len(self.ranks)} distinct run{self.replayed()}) in {self.seconds:.1f} s"]
         for r in self.ranks:
             if r.ok:
-                kinds = ", ".join(f"{k} {_gib(v)}" for k, v in _kinds(r.memory).items())
-                lines.append(f"  {r.where()}: ok, peak {_gib(r.peak)} ({kinds}), {r.seconds:.1f} s")
+                kinds = ", ".join(f"{k} {gib_text(v, 4)}" for k, v in _kinds(r.memory).items())
+                lines.append(f"  {r.where()}: ok, peak {gib_text(r.peak, 4)} ({kinds}), {r.seconds:.1f} s")
                 if r.predicted:
-                    predicted = ", ".join(f"{k} {_gib(v)}" for k, v in _kinds(r.predicted).items())
-                    lines.append(f"    predicted {_gib(sum(r.predicted.values()))} ({predicted}); "
+                    predicted = ", ".join(f"{k} {gib_text(v, 4)}" for k, v in _kinds(r.predicted).items())
+                    lines.append(f"    predicted {gib_text(sum(r.predicted.values()), 4)} ({predicted}); "
                                  f"predicted / dry run {r.ratio:.2f}")
                 lines.extend(f"    warning: {w}" for w in r.warnings)
             else:
                 lines.append(f"  {r.where()}: FAILED: {r.error}")
         if self.peak:
-            lines.append(f"predicted {_gib(self.predicted_total)} per device; dry-run peak {_gib(self.peak)}; "
-                         f"predicted / dry run = {self.ratio:.2f}")
+            lines.append(f"predicted {gib_text(self.predicted_total, 4)} per device; "
+                         f"dry-run peak {gib_text(self.peak, 4)}; predicted / dry run = {self.ratio:.2f}")
         return "\n".join(lines)
 
 
@@ -134,6 +135,3 @@ def _kinds(memory: dict) -> dict:
     return {k: memory.get(k, 0) for k in KINDS if k in memory or k in ("parameters", "activations")} | {
         k: v for k, v in memory.items() if k not in KINDS}
 
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"

@@ -21,7 +21,7 @@ import torch
 
 from autopar.costmodels.memory import schedule_order
 from autopar.costmodels.schedules import Schedule
-from autopar.dryrun_results import RankResult
+from autopar.dryrun.results import RankResult
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.placements import local_shape
 from autopar.runtime.pipeline import PipelineModule
@@ -38,6 +38,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     replayed = micro_batches or pp.micro_batches
     pm._build_loss(target.chunk(pp.micro_batches)[0])  # reads the shape alone
     pm.zero_grad()
+    pm.start_draws()  # its micro-batches' random ops draw as the schedule's would
     # what the runtime moves to this rank's device for the step: the first stage's rows of the
     # inputs, the last stage's of the target (the whole batch: host memory, not tracked)
     inputs = pm._stage_inputs(inputs) if pm.stages[0].is_first else None

@@ -27,7 +27,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autopar.dryrun_results import DryRunResult, RankResult
+from autopar.dryrun.results import DryRunResult, RankResult
 from autopar.runtime.inference import InferenceModule
 from autopar.passes.generation import example_inputs, is_cache, meta_twin
 from autopar.passes.plan import Plan
