@@ -19,6 +19,6 @@ from autopar.dryrun import DryRunResult, dry_run
 from autopar import checkpoint, faults
 from autopar.checkpoint import Checkpointer
 
-__all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "Inference", "layouts",
+__all__ = ["compile", "Captured", "capture", "StrategyGraph", "build_strategy_graph", "Plan", "Inference", "Constraints", "layouts",
            "plan",
            "dry_run", "DryRunResult", "checkpoint", "faults", "Checkpointer"]

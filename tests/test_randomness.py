@@ -21,7 +21,7 @@ from autopar.passes import randomness, simulate
 from autopar.passes.capture import capture
 from autopar.passes.op_strategies import OpInfo
 from autopar.passes.rules.random import RANDOM_OPS
-from autopar.passes.rules.registry import strategies_for
+from autopar.passes.rules.registry import registered_ops, strategies_for
 from autopar.passes.strategy_graph import build_strategy_graph
 
 MESHES = [(2,), (2, 3), (2, 1, 2)]
@@ -117,7 +117,13 @@ def test_a_random_op_autopar_does_not_key_is_an_error_not_a_replicated_drift():
         build_strategy_graph(captured, (2,))
 
 
-def test_the_keyed_ops_are_every_op_with_a_random_rule():
-    assert {str(op) for op in RANDOM_OPS} >= {"aten.dropout.default", "aten.rand.default", "aten.bernoulli.default"}
-    for op in RANDOM_OPS:
-        assert torch.Tag.nondeterministic_seeded in op.tags, op
+def test_every_op_with_a_rule_that_torch_tags_as_seeded_draws_from_the_key():
+    """A rule for a random op that ran torch's own op would draw from each rank's generator."""
+    seeded = set()
+    for name in registered_ops():
+        packet, _, overload = name.removeprefix("aten.").rpartition(".")
+        op = getattr(getattr(aten, packet, None), overload, None) if name.startswith("aten.") else None
+        if op is not None and torch.Tag.nondeterministic_seeded in op.tags:
+            seeded.add(op)
+    keyed = set(RANDOM_OPS) | {aten.scaled_dot_product_attention.default}  # its dropout: keyed_attention
+    assert seeded == keyed, sorted(map(str, seeded ^ keyed))

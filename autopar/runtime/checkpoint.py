@@ -266,8 +266,7 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
     state = _state_dict(pm, temporaries=True)
     _check_matches(path, state, metadata)
     saved = metadata.state_dict_metadata
-    rng_source = this_rank() if training else None
-    state.update(agreed(lambda: _checked_request(pm, path, metadata, extra, rng_source)))
+    state.update(agreed(lambda: _checked_request(pm, path, metadata, extra, training)))
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001  (DCP gathers every rank's failure into one)
@@ -281,7 +280,7 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
     if "draws" in state:
         pm.draws.load_state_dict(state["draws"])
     if "rng" in state:
-        _set_rng_states(state["rng"][str(rng_source)])
+        _set_rng_states(state["rng"][str(this_rank())])
     else:
         warnings.warn(f"autopar: checkpoint {path} was written by {_saved_ranks(saved, 'rng')} ranks, this run has "
                       f"{world_size()}: each rank's own RNG states (torch's generators: the data order, say) are not "
@@ -290,12 +289,13 @@ def _read(pm: Module, path: Path, extra: dict[str, Stateful] | None, training: b
 
 
 def _checked_request(pm: Module, path: Path, metadata, extra: dict[str, Stateful] | None,
-                     rng_source: int | None) -> dict[str, Any]:
-    """This rank's checks of the files and the names, and what a resumed run reads besides the
-    module: the step, the random stream, ``extra`` (shared or this rank's), the RNG states of ``rng_source``."""
+                     training: bool) -> dict[str, Any]:
+    """This rank's checks of the files and the names, and (``training``) what a resumed run reads
+    besides the module: the step, the random stream, ``extra`` (shared or this rank's), this
+    rank's RNG states."""
     _check_files(path, metadata)
     _check_groups(path, pm, metadata)
-    if rng_source is None:
+    if not training:
         return {}
     saved = metadata.state_dict_metadata
     shared, per_rank = _extra_request(path, saved, extra)
@@ -303,9 +303,10 @@ def _checked_request(pm: Module, path: Path, metadata, extra: dict[str, Stateful
     if "draws.seed" in saved:
         request["draws"] = {"seed": 0, "count": 0}
     if _saved_ranks(saved, "rng") == world_size():
-        held = {kind: saved[f"rng.{rng_source}.{kind}"] for kind in _rng_kinds() if f"rng.{rng_source}.{kind}" in saved}
-        request["rng"] = {str(rng_source): {kind: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                                            for kind, meta in held.items()}}
+        rank = this_rank()
+        held = {kind: saved[f"rng.{rank}.{kind}"] for kind in _rng_kinds() if f"rng.{rank}.{kind}" in saved}
+        request["rng"] = {str(rank): {kind: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                                      for kind, meta in held.items()}}
     return request
 
 

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.runtime.batch import DataParallel
 from autopar.runtime.faults import failures_shared
 from autopar.runtime.clipping import clip_grad_norm_, replicas
+from autopar.runtime.draws import Draws
 from autopar.runtime.zero1 import OptimizerSlices
 from autopar.passes.placements import Spec
 from autopar.passes.plan import Plan
@@ -97,11 +98,12 @@ class CompiledModule(nn.Module, abc.ABC):
 
 class TrainingModule(CompiledModule):
     """The training step every training layout shares (the module docstring). A subclass
-    sets ``optimizer`` (None: compiled without a factory), ``optimizer_slices`` and
+    sets ``optimizer`` (None: compiled without a factory), ``optimizer_slices``, ``draws`` and
     ``_sync`` (True outside ``no_sync()``), and implements ``forward_backward``."""
 
     optimizer: torch.optim.Optimizer | None
     optimizer_slices: OptimizerSlices
+    draws: Draws  # the random stream dropout draws from (checkpoints save it)
 
     @abc.abstractmethod
     def forward_backward(self, inputs: Any, target: torch.Tensor | None, local: bool, accumulate: int,

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from torch import fx
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Shard
 
 from autopar.passes.capture import Captured
 from autopar.passes.node_keys import node_keys

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Placement, Shard
 
+from autopar.costmodels.units import gib_text
 from autopar.passes.export.data_parallel import DataParallel
 from autopar.passes.export.reading import Reading
 from autopar.passes.export.snippets import (DISTRIBUTE_AS_PLANNED, LOCAL_BATCH, SPLIT_ON_ENTRY, STAGE_CLASSES,
@@ -73,15 +74,14 @@ def _axis_words(layout: Layout) -> str:
 
 
 def _docstring(layout: Layout) -> str:
-    plan, axes = layout.plan, layout.reading.axes
+    plan = layout.plan
     predicted = plan.predicted
-    memory = sum(predicted.memory.values()) / 2**30
     head = (f'{layout.model_name} laid out as autopar\'s plan "{plan.kind}" lays it out, with torch\'s own APIs '
             "only: this file imports no autopar.")
     about = (f"The plan's mesh: {_axis_words(layout)}. Predicted by autopar"
              f"{' for ' + plan.hardware if plan.hardware else ''}: {predicted.step_time * 1e3:.3g} ms per step, "
-             f"{memory:.3g} GiB per device.")
-    mesh = f'mesh = init_device_mesh("cuda", MESH_SHAPE, mesh_dim_names=AXIS_NAMES)  # "cpu" under gloo'
+             f"{gib_text(sum(predicted.memory.values()))} per device.")
+    mesh = 'mesh = init_device_mesh("cuda", MESH_SHAPE, mesh_dim_names=AXIS_NAMES)  # "cpu" under gloo'
     x = layout.input_name
     if layout.stages is None:
         loop = [mesh, "model = parallelize(model, mesh)", "optimizer = torch.optim.AdamW(model.parameters())",
