@@ -445,7 +445,7 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--inference", action="store_true", help="plan serving instead of training: prefill and "
                    "decode with a key-value cache (a Hugging Face causal LM); --batch sequences (default 1; with "
-                   "--objective throughput, the largest that fits)")
+                   "--objective throughput, searched: the one serving the most tokens/s per device)")
     p.add_argument("--prompt", type=_positive, default=128, metavar="N", help="with --inference: prompt tokens "
                    "(default: 128)")
     p.add_argument("--max-len", type=_positive, default=2048, metavar="N", help="with --inference: positions cached, "

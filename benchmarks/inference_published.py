@@ -13,9 +13,9 @@
 2. **``--table``**: the auto plan against every serving layout for Llama-3 8B, 70B and 405B
    shapes (bf16) on 8 and 16 H100s (meshes (1, 8) and (2, 8): 8-GPU nodes), under the
    latency objective (one sequence, 128 prompt tokens, 2,048 positions) and the throughput
-   objective (the largest batch that fits): time to first token, time per output token,
-   tokens/s per GPU, memory per GPU, and each plan's generation time over the best manual
-   layout's. ``--dry-run`` also dry-runs every auto plan (``autopar.dry_run``).
+   objective (the batch searched from the largest that fits): time to first token, time per
+   output token, tokens/s per GPU, memory per GPU, and each plan's generation time over the
+   best manual layout's. ``--dry-run`` also dry-runs every auto plan (``autopar.dry_run``).
 
 Everything runs on the meta device; the table and the command, commit and machine go to
 ``<out>/inference_published_<hardware>_<yyyymmdd>.md``.

@@ -40,7 +40,7 @@ INFERENCE_FIELDS = ("batch", "prompt_len", "max_len", "objective", "micro_batche
 @dataclass(frozen=True, kw_only=True)
 class Inference:
     """An inference workload to plan for: ``batch`` sequences (None with the throughput
-    objective: the largest batch that fits), prompts of up to ``prompt_len`` tokens,
+    objective: searched, from the largest that fits), prompts of up to ``prompt_len`` tokens,
     generation up to ``max_len`` tokens in all (the cache's length).
 
     ``objective="latency"``: minimise the time to first token plus (``max_len`` -
@@ -62,8 +62,8 @@ class Inference:
             raise ValueError(f"autopar: Inference(objective=) expected one of {OBJECTIVES}; found "
                              f"{self.objective!r}; pass objective='latency' or 'throughput'")
         if self.batch is None and self.objective != "throughput":
-            raise ValueError("autopar: Inference(batch=None) means the largest batch that fits, which only the "
-                             "throughput objective chooses; give a batch (e.g. batch=1) for objective='latency'")
+            raise ValueError("autopar: Inference(batch=None) means the batch is searched, which only the "
+                             "throughput objective does; give a batch (e.g. batch=1) for objective='latency'")
         for name in ("batch", "prompt_len", "max_len", "micro_batches"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

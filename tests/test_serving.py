@@ -174,6 +174,30 @@ def test_a_serving_plan_dry_runs_holding_the_weights_and_cache_it_predicts(tiny_
     assert "kv_cache" in result.table()
 
 
+def test_the_throughput_batch_is_searched_down_from_the_largest_that_fits(tiny_llama):
+    """Without a batch the throughput plan tries the largest batch the memory holds, then
+    halves it while the halved batch serves more tokens per second per device; the plan is
+    the best of the batches tried (one device: each halving reads the weights for fewer
+    sequences and serves less, so the search stops after one)."""
+    model, _ = tiny_llama
+    kwargs = dict(hardware="h100", time_limit_s=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = autopar.plan(model, (1,), inference=autopar.Inference(
+            batch=1, prompt_len=6, max_len=16, objective="throughput"), **kwargs).predicted.memory
+        per_sequence = one["kv_cache"] + one["activations"]
+        limit = one["parameters"] + 40.5 * per_sequence
+        found = autopar.plan(model, (1,), inference=autopar.Inference(
+            batch=None, prompt_len=6, max_len=16, objective="throughput"), memory_limit=limit, **kwargs)
+    tried = [(int(b), float(t)) for b, t in
+             (pair.split(": ") for pair in found.reasons[0].split("(")[1].split(")")[0].split(", "))]
+    assert [b for b, _ in tried] == [40, 20], tried  # the largest the memory holds, then its half
+    assert tried[1][1] < tried[0][1], "half the sequences read the same weights: fewer tokens per second"
+    assert found.inference["batch"] == 40
+    assert found.predicted.tokens_per_second_per_device == pytest.approx(tried[0][1], rel=1e-3)
+    assert sum(found.predicted.memory.values()) <= limit
+
+
 def test_a_pipeline_with_micro_batches_in_flight_holds_every_cache_and_dry_runs(tiny_llama):
     """Two stages, two micro-batches of 4 sequences: the programs are captured at 4, each
     stage holds the cache of all 8 (as much as one batch of 8 through the stages in turn)

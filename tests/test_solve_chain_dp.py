@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from autopar.passes.solve import SolveOptions, SolveProblem, evaluate_memory, evaluate_time, solve
-from autopar.passes.solve.chain_dp import chain_order, chain_tables, lagrangian_chain, viterbi
+from autopar.passes.solve.chain_dp import chain_order, chain_tables, constrained_chain_dp, lagrangian_chain, viterbi
 from autopar.passes.solve.heuristics import chain_relaxation_plan, improve_locally
 from autopar.passes.solve.shrink import shrink_problem
 
@@ -77,3 +77,22 @@ def test_warm_start_plan_fits_and_local_search_never_hurts(seed):
     skipped = solve(problem, SolveOptions(max_ilp_variables=10))
     assert skipped.method == "heuristic" and any("ILP skipped" in n for n in skipped.notes)
     assert skipped.bound == pytest.approx(bound + shrunk.constant_time) and skipped.bound <= result.objective + 1e-9
+
+
+def test_a_pair_no_strategies_can_join_leaves_no_plan_not_a_crash_or_a_plan_of_infinite_time():
+    """An edge forbidding every pair of its ends' strategies (inf, as a pin that no layout can
+    honour leaves it) makes the problem infeasible: the chain passes of the heuristics see a
+    position with no finite strategy, and no plan of infinite time is returned as a plan."""
+    chain = random_chain(np.random.default_rng(3), n=12, k=3, memory_fraction=0.4, skip_every=3)
+    edges = list(chain.edges)
+    a, b, cost = edges[-1]
+    edges[-1] = (a, b, np.full_like(cost, np.inf))
+    for limit in (chain.memory_limit, None):
+        result = solve(SolveProblem(chain.node_time, chain.node_memory, edges, memory_limit=limit))
+        assert result.status == "infeasible" and result.assignment is None, result
+    times = [t.copy() for t in chain.node_time]
+    times[4][:] = np.inf
+    memories = list(chain.node_memory)
+    links = [None] + [np.zeros((3, 3))] * 11
+    assert lagrangian_chain(times, memories, links, chain.memory_limit)[0] is None
+    assert constrained_chain_dp(times, memories, links, chain.memory_limit)[0] is None

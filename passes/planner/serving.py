@@ -6,12 +6,13 @@ out together (``autopar.passes.planner.serving_layout``: one generation's time, 
 cache one layout); on the whole mesh, and with the outermost axis as a pipeline of stages
 (``autopar.passes.planner.serving_stages``); the fastest generation that fits is the plan.
 At a given batch that is also what the throughput objective maximises (generated tokens
-per second per device); the throughput objective then takes the largest batch that fits
-(``largest_batch``).
+per second per device); without a batch, the throughput objective searches it
+(``searched_batch``): from the largest that fits, halved while that serves more.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -26,34 +27,58 @@ from autopar.passes.planner.serving_stages import pipelined
 def plan_serving(model, inference: Inference, request: PlanRequest) -> Plan:
     """The serving Plan of ``model`` for ``inference`` on ``request``'s mesh and hardware."""
     if inference.batch is None:
-        return largest_batch(model, inference, request)
+        return searched_batch(model, inference, request)
     programs = capture_programs(model, inference.batch, inference.prompt_len, inference.max_len)
     return plan_programs(programs, inference, request,
                          lambda batch: capture_programs(model, batch, inference.prompt_len, inference.max_len))
 
 
-def largest_batch(model, inference: Inference, request: PlanRequest) -> Plan:
-    """The throughput objective without a batch: the plan at one sequence (one per
-    micro-batch where they are given) prices a sequence's cache per device; the batch whose
-    caches fill the memory the weights and activations leave is planned, halved while
-    nothing fits."""
-    unit = inference.micro_batches or 1  # the batch a multiple of it
+def searched_batch(model, inference: Inference, request: PlanRequest) -> Plan:
+    """The throughput objective without a batch: the batch serving the most tokens per second
+    per device. The plan at one sequence (one per micro-batch where they are given) prices a
+    sequence's cache and activations per device; the batch whose caches fill the memory the
+    weights leave is planned first (halved while nothing fits). A larger batch reads the same
+    weights for more sequences, but can fit only layouts that spread its cache wider (deeper
+    pipelines, wider splits) whose steps are slower, so the batch is halved while the halved
+    batch serves more, and the best planned is the plan. The batches are multiples of the
+    given micro-batch count, or else of every pipeline depth, so that a pipeline can keep one
+    micro-batch per stage in flight."""
+    unit = inference.micro_batches or 1
+    step = unit if inference.micro_batches else math.lcm(1, *(p for p, _ in pipeline_options(request)))
     one = plan_serving(model, replace(inference, batch=unit), request)
     memory = one.predicted.memory
     per_sequence = (memory.get("kv_cache", 0.0) + memory.get("activations", 0.0)) / unit
     room = request.memory_bytes - memory.get("parameters", 0.0)
-    batch = max(unit, int(room // per_sequence) // unit * unit) if per_sequence > 0 else unit
-    while batch > unit:
+    batch = max(step, int(room // per_sequence) // step * step) if per_sequence > 0 else step
+    tried: list[Plan] = []
+    while True:
         try:
-            plan = plan_serving(model, replace(inference, batch=batch), request)
+            plan = one if batch == unit else plan_serving(model, replace(inference, batch=batch), request)
         except PlanningError:
-            batch = max(unit, batch // 2 // unit * unit)
+            if tried or batch == step:  # keep the best of the larger batches, or the one sequence's plan
+                break
+            batch = _halved(batch, step)  # the estimate from one sequence was too large: nothing fits yet
             continue
-        plan.reasons.insert(0, f"batch {batch}: the largest the memory holds (one sequence's cache and activations "
-                               f"{gib_text(per_sequence)} per device beside {gib_text(memory.get('parameters', 0.0))} "
-                               "of weights)")
-        return plan
-    return one
+        tried.append(plan)
+        if batch == step or (len(tried) > 1 and _served(plan) <= _served(tried[-2])):
+            break
+        batch = _halved(batch, step)
+    tried = tried or [one]
+    best = max(tried, key=_served)
+    priced = ", ".join(f"{p.inference['batch']}: {p.predicted.tokens_per_second_per_device:.4g}" for p in tried)
+    best.reasons.insert(0, f"batch {best.inference['batch']}: the most tokens/s per device of the batches planned "
+                           f"({priced}), from the largest the memory holds (one sequence's cache and activations "
+                           f"{gib_text(per_sequence)} per device beside {gib_text(memory.get('parameters', 0.0))} "
+                           "of weights), halved while that served more")
+    return best
+
+
+def _halved(batch: int, step: int) -> int:
+    return max(step, batch // 2 // step * step)
+
+
+def _served(plan: Plan) -> float:
+    return plan.predicted.tokens_per_second_per_device
 
 
 def plan_programs(programs: Programs, inference: Inference, request: PlanRequest,

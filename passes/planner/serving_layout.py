@@ -251,10 +251,11 @@ def _assemble(joint: Joint, assignment: list[int], inference: Inference, program
     captured = graphs[0].captured
     cache = {ph for ph, fqn in captured.buffers.items() if is_cache(fqn)}
     weights = set(captured.params) | set(captured.buffers) - cache  # the model's own state (its buffers too)
+    held = {"parameters": prefill.state_bytes(parts[0], weights), "kv_cache": prefill.state_bytes(parts[0], cache)}
     plan.predicted = Prediction(
         step_time=total, compute=total - moves, communication=moves,
-        memory={"parameters": prefill.state_bytes(parts[0], weights),
-                "kv_cache": prefill.state_bytes(parts[0], cache), "activations": joint.activations(assignment)},
+        # activations: the step's and its inputs' (ids, positions, masks), so the kinds sum to the fit's bytes
+        memory={**held, "activations": joint.memory(assignment) - sum(held.values())},
         time_to_first_token=ttft, time_per_output_token=tpot,
         tokens_per_second_per_device=programs.batch * inference.new_tokens / total / math.prod(request.mesh_shape))
     return plan

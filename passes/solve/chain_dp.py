@@ -135,6 +135,12 @@ def chain_cost(times, memories, links, choice) -> tuple[float, float]:
     return time, sum(float(memories[p][s]) for p, s in enumerate(choice))
 
 
+def _impossible(times) -> bool:
+    """Whether some position has no strategy of finite time (a pin or a mask ruled all out):
+    no plan, and a bound of infinity."""
+    return any(not np.isfinite(t).any() for t in times)
+
+
 def lagrangian_chain(times, memories, links, budget: float, num_lambdas: int = 24, rounds: int = 5):
     """Best feasible Viterbi solution over lambda grids, and the best dual lower bound.
 
@@ -142,6 +148,8 @@ def lagrangian_chain(times, memories, links, budget: float, num_lambdas: int = 2
     largest lambda whose plan does not fit and the smallest whose plan does, where
     the dual optimum lies. Returns ``(choice or None, its time, dual bound, its lambda)``.
     """
+    if _impossible(times):
+        return None, np.inf, np.inf, 0.0
     finite_times = [t[np.isfinite(t)] for t in times]
     time_span = sum(float(t.max() - t.min()) for t in finite_times) + sum(
         float(np.ptp(r[np.isfinite(r)])) for r in links if r is not None and np.isfinite(r).any()
@@ -185,6 +193,8 @@ def constrained_chain_dp(times, memories, links, budget: float, incumbent: float
     ``time + multiplier * memory`` still to come, exceeds the incumbent: any completion
     that fits has memory at most ``budget - m``.
     """
+    if _impossible(times):
+        return None, np.inf, True, False
     n = len(times)
     time_to_go = _time_to_go(times, links, memories, multiplier)
     least_memory = [float(m[np.isfinite(t)].min()) for t, m in zip(times, memories)]

@@ -94,7 +94,8 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     candidates = [_candidate(problem, f"hint {h}", list(hint)) for h, hint in enumerate(problem.hints)]
     if restricted_fits or not may_fit:  # else the search decides whether a plan that keeps them fits
         candidates.append(restricted_least if restricted_fits else smallest)
-    fitting = [c for c in candidates if fits_memory(c.memory, problem.memory_limit)]
+    # a plan of infinite time takes a forbidden (inf) strategy or edge: never a plan
+    fitting = [c for c in candidates if fits_memory(c.memory, problem.memory_limit) and math.isfinite(c.time)]
     best = min(fitting, key=lambda c: c.time, default=None)
 
     def finish(status, plan, bound, method, resolution=0.0, notes=(), clock_cut=False) -> SolveResult:
@@ -129,7 +130,8 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
         outcome = _run_chain_dp(shrunk, order, incumbent, options, deadline=deadline)
     else:
         outcome = _run_ilp(problem, shrunk, best, options, deadline=deadline)
-        best = outcome.warm_start if outcome.warm_start is not None else best
+        warm = outcome.warm_start
+        best = warm if warm is not None and math.isfinite(warm.time) else best
     bound = outcome.bound + shrunk.constant_time
     notes = outcome.notes
     if outcome.clock_cut:
@@ -141,8 +143,10 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     if found is not None and not fits_memory(found.memory, problem.memory_limit):
         notes.append(f"{outcome.method} returned a plan of {found.memory:.6g} bytes over the limit; discarded")
         found = None
+    if found is not None and not math.isfinite(found.time):
+        found = None  # every plan the search saw takes a forbidden strategy or edge
     if found is None and best is None:  # the least-memory bound fitted, no plan that keeps ties and followers does
-        if fits_memory(smallest.memory, problem.memory_limit):
+        if fits_memory(smallest.memory, problem.memory_limit) and math.isfinite(smallest.time):
             return finish("feasible", smallest, math.inf, smallest.label, notes=[*notes, BROKEN_RESTRICTIONS])
         return finish("infeasible", None, math.inf, outcome.method, outcome.resolution, notes, outcome.clock_cut)
     if found is None or (best is not None and best.time < found.time):
