@@ -4,9 +4,10 @@ read the Plan alone, so a saved plan draws itself (``autopar explain plan.json
 --pictures DIR``). matplotlib (Agg backend, no display) is imported inside the
 functions that draw.
 
-- ``pipeline_schedule``: rank x time, a box per forward or backward of one micro-batch
-  on one (virtual) stage, in the order the schedule runs them (GPipe, 1F1B, Megatron's
-  interleaved 1F1B); the white space is the bubble. Box lengths are the plan's own
+- ``pipeline_schedule``: rank x time, a box per forward or backward (or, split, each of its
+  input- and weight-gradient parts) of one micro-batch on one (virtual) stage, in the order
+  torch's schedule runs them (``costmodels.schedule_replay``); the white space is the
+  bubble. Box lengths are the plan's own
   per-stage costs (``Plan.breakdown`` summed over each stage's nodes, split forward :
   backward as 1 : ``BACKWARD_FACTOR``), or equal where the plan has none.
 - ``memory_per_device``: the predicted bytes per device stacked by kind, against the
@@ -20,12 +21,12 @@ functions that draw.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
 from autopar.costmodels import Schedule
 from autopar.costmodels.formulas import BACKWARD_FACTOR
+from autopar.costmodels.schedule_replay import replay
 from autopar.costmodels.units import GIB, MIB, gib_text
 from autopar.passes.explain import _common_prefix, _kinds, expert_axes
 from autopar.passes.placements import parse_spec, spec_str
@@ -43,79 +44,6 @@ def write_all(plan, out_dir: str | Path) -> dict[str, Path | str]:
 
 
 # --- pipeline schedule -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Box:
-    """One forward or backward of one micro-batch on one (virtual) stage."""
-
-    rank: int
-    stage: int
-    micro_batch: int
-    backward: bool
-    start: float
-    end: float
-
-
-def schedule_order(schedule: str | Schedule, ranks: int, micro_batches: int, chunks: int = 1) -> list[list[tuple]]:
-    """Per rank, its actions ``(backward?, virtual stage, micro-batch)`` in the order the schedule
-    runs them. Virtual stage ``c`` lives on rank ``c mod ranks`` (torch's looped placement).
-
-    GPipe: every forward, then every backward. 1F1B: ``ranks - r - 1`` warm-up forwards on rank
-    ``r``, then one forward and one backward in turn, then the remaining backwards. Interleaved
-    1F1B (Megatron, as torch runs it): micro-batches in rounds of ``R = M // max(1, M // ranks)``,
-    each round through chunk 0, 1, ... forwards (the chunks in reverse for backwards),
-    ``2 (ranks - r - 1) + (chunks - 1) R`` warm-up forwards, then 1F1B.
-    """
-    schedule = Schedule.parse(schedule)  # a Plan's display name or the planner's
-    p, m, v = ranks, micro_batches, schedule.chunks(chunks)
-    orders = []
-    for r in range(p):
-        if schedule is Schedule.GPIPE:
-            orders.append([(False, r, i) for i in range(m)] + [(True, r, i) for i in range(m)])
-            continue
-        per_round = m // max(1, m // p)  # torch's rounds: about ``ranks`` micro-batches each
-        if v > 1 and m % per_round:
-            raise ValueError(f"autopar: interleaved 1F1B runs micro-batches in rounds of {per_round} on {p} ranks; "
-                             f"expected a multiple of {per_round} micro-batches, found {m}")
-        rounds = [range(g, min(g + per_round, m)) for g in range(0, m, per_round)]
-        fwd = [(False, c * p + r, i) for grp in rounds for c in range(v) for i in grp]
-        bwd = [(True, c * p + r, i) for grp in rounds for c in reversed(range(v)) for i in grp]
-        warm = min(len(fwd), p - r - 1 if v == 1 else 2 * (p - r - 1) + (v - 1) * per_round)
-        steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]
-        orders.append(fwd[:warm] + steady + bwd[len(fwd) - warm:])
-    return orders
-
-
-def simulate(orders: list[list[tuple]], forward: list[float], backward: list[float]) -> list[Box]:
-    """Start every action as soon as its rank is free and its inputs exist: a stage's forward
-    after the previous stage's forward, its backward after its own forward and the next
-    stage's backward. ``forward[s]``, ``backward[s]``: seconds per micro-batch of stage ``s``."""
-    last = len(forward) - 1
-
-    def needs(back: bool, s: int, i: int) -> list[tuple]:
-        if back:
-            return [(False, s, i)] + ([(True, s + 1, i)] if s < last else [])
-        return [(False, s - 1, i)] if s > 0 else []
-
-    done: dict[tuple, float] = {}
-    boxes: list[Box] = []
-    free = [0.0] * len(orders)
-    pos = [0] * len(orders)
-    while any(pos[r] < len(o) for r, o in enumerate(orders)):
-        moved = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order) and all(d in done for d in needs(*order[pos[r]])):
-                back, s, i = order[pos[r]]
-                start = max([free[r]] + [done[d] for d in needs(back, s, i)])
-                done[(back, s, i)] = free[r] = start + (backward[s] if back else forward[s])
-                boxes.append(Box(r, s, i, back, start, free[r]))
-                pos[r] += 1
-                moved = True
-        if not moved:
-            stuck = [o[p] for o, p in zip(orders, pos) if p < len(o)]
-            raise ValueError(f"autopar: the schedule's action order deadlocks at {stuck}")
-    return boxes
 
 
 def stage_times(plan, chunks: int) -> tuple[list[float], list[float], bool]:
@@ -141,34 +69,40 @@ def pipeline_schedule(plan, path: str | Path) -> Path | None:
         return None
     from matplotlib import colormaps, patches
 
-    p, m, v = pl.stages, pl.micro_batches, Schedule.parse(pl.schedule).chunks(pl.chunks_per_rank)
+    schedule = Schedule.parse(pl.schedule)
+    p, m, v = pl.stages, pl.micro_batches, schedule.chunks(pl.chunks_per_rank)
     forward, backward, from_costs = stage_times(plan, v)
-    boxes = simulate(schedule_order(pl.schedule, p, m, v), forward, backward)
+    # a split backward's two parts taken as equal (Qi et al. 2024's ZB-H1 assumption)
+    half = 0.5 if schedule.split_backward else 1.0
+    boxes = [a for a in replay(schedule, m, forward, [b * half for b in backward], [b * (1 - half) for b in backward], v)
+             if a.end > a.start]
     span = max(b.end for b in boxes)
     scale, unit = (1e3, "ms") if from_costs else (1.0, "forward of one micro-batch = 1")
     busy = sum(b.end - b.start for b in boxes)
 
     fig, ax = _figure(14, 1.2 + 0.55 * p)
-    blues, reds = colormaps["Blues"], colormaps["Oranges"]
+    colors = {"F": colormaps["Blues"], "B": colormaps["Oranges"], "I": colormaps["Oranges"], "W": colormaps["Greens"]}
     shade = lambda c: 0.45 + 0.4 * (c / max(v - 1, 1)) if v > 1 else 0.55  # noqa: E731
     width_px = fig.get_figwidth() * fig.dpi * 0.8
     for b in boxes:
         chunk = b.stage // p
-        color = (reds if b.backward else blues)(shade(chunk))
+        color = colors[b.kind](shade(chunk))
         ax.add_patch(patches.Rectangle((b.start * scale, b.rank - 0.4), (b.end - b.start) * scale, 0.8,
                                        facecolor=color, edgecolor="white", linewidth=0.6))
         label = str(b.micro_batch)
         if (b.end - b.start) / span * width_px >= 7 * len(label) + 4:
             ax.text((b.start + b.end) / 2 * scale, b.rank, label, ha="center", va="center", fontsize=8,
-                    color="white" if b.backward or chunk else "black")
+                    color="white" if b.kind != "F" or chunk else "black")
     ax.set_xlim(0, span * scale * 1.005)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" + (f" (stages {', '.join(str(c * p + r) for c in range(v))})" if v > 1
                                        else f" (stage {r})") for r in range(p)])
     ax.set_xlabel(f"time ({unit})")
-    legend = [patches.Patch(color=blues(shade(c)), label=f"forward{f' chunk {c}' if v > 1 else ''}") for c in range(v)]
-    legend += [patches.Patch(color=reds(shade(c)), label=f"backward{f' chunk {c}' if v > 1 else ''}") for c in range(v)]
+    parts = [("F", "forward"), ("I", "input gradients"), ("W", "weight gradients")] if schedule.split_backward \
+        else [("F", "forward"), ("B", "backward")]
+    legend = [patches.Patch(color=colors[kind](shade(c)), label=f"{what}{f' chunk {c}' if v > 1 else ''}")
+              for kind, what in parts for c in range(v)]
     legend.append(patches.Patch(facecolor="white", edgecolor="grey", label="idle (bubble)"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     source = "stage times from the plan's per-node costs" if from_costs else \

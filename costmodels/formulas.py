@@ -95,10 +95,17 @@ BYTES_PER_PARAM = {
 # forward_backward_pipelining_with_interleaving: num_warmup_microbatches), each 1/v of
 # the stage: P + (P - 1 - 2r)/v, which on the first rank is Korthikanti et al. 2022
 # ("Reducing Activation Recomputation", sec. 4.2.3): a factor 1 + (P-1)/(P v) over 1F1B.
+# Zero bubble as torch's ScheduleInterleavedZeroBubble orders it (torch/distributed/pipelining/
+# schedules.py, _get_1f1b_rank_ops with enable_zero_bubble): rank r warms up with
+# (v - 1) P + P - 1 - r chunk forwards and runs its weight gradients r backwards late, so a chunk
+# micro-batch is held from its forward to its weight gradient and (v - 1) P + P - 1 - r + 1 + r
+# = v P of them are held on every rank: P whole-stage micro-batches, 1F1B's rank 0 count (Qi et
+# al. 2024, sec. 3.1: ZB-H1 keeps 1F1B's peak memory); checked against torch's order by the tests.
 IN_FLIGHT = {
     "gpipe": M,
     "1f1b": sp.Min(M, P - r),
     "interleaved_1f1b": sp.Min(M, P + (P - 1 - 2 * r) / v),
+    "interleaved_zero_bubble": sp.Min(M, P),
 }
 ACTIVATION_MEMORY = {k: A * n for k, n in IN_FLIGHT.items()}
 
@@ -113,28 +120,35 @@ LAYER_ACTIVATIONS = {
     "tensor_sequence_parallel": s_ * b_ * h_ / t_ * (34 + 5 * a_ * s_ / h_),
 }
 
+# Backward as a multiple of the forward where only the uniform approximation is wanted
+# (Kaplan et al. 2020: twice the forward FLOPs), e.g. a pipeline picture's boxes and the
+# zero-bubble slot below; the cost model prices backward op by op (``opkinds.backward_ops``,
+# whose DEFAULT_BACKWARD is the same 2x as two copies of an op it does not know)
+BACKWARD_FACTOR = 2
+
 # Idle fraction of the step (Narayanan et al. 2021, sec. 2.2: bubble time (P-1)/v per
-# micro-batch time against M of work).
+# micro-batch time against M of work). Zero bubble: (P - 1) slots of a chunk's forward
+# (Qi et al. 2024, sec. 3.1: ZB-H1's bubble (P - 1)(T_F + T_B - T_W), its input-gradient T_B
+# equal to its weight-gradient T_W), the forward 1 / (1 + BACKWARD_FACTOR) of a chunk's time;
+# torch's ScheduleInterleavedZeroBubble order, replayed, gives exactly this for equal chunks
+# (``costmodels.schedule_replay``, checked by the tests).
 BUBBLE_FRACTION = {
     "gpipe": (P - 1) / (M + P - 1),
     "1f1b": (P - 1) / (M + P - 1),
     "interleaved_1f1b": (P - 1) / (v * M + P - 1),
+    "interleaved_zero_bubble": (P - 1) / ((1 + BACKWARD_FACTOR) * v * M + P - 1),
 }
 # Step time of a pipeline whose slowest stage takes t_f + t_b per micro-batch.
 PIPELINE_TIME = {
     "gpipe": (M + P - 1) * (t_f + t_b),
     "1f1b": (M + P - 1) * (t_f + t_b),
     "interleaved_1f1b": (M + (P - 1) / v) * (t_f + t_b),
+    "interleaved_zero_bubble": M * (t_f + t_b) + (P - 1) * t_f / v,
 }
 
 # -- one training step without pipelining: forward, backward (about twice the forward
 #    FLOPs, Kaplan et al. 2020 sec. 2.1), the dual collectives, optimizer step ----------
 STEP_TIME = t_f + t_b + t_comm_f + t_comm_b + t_opt
-# Backward as a multiple of the forward where only the uniform approximation is wanted
-# (Kaplan et al. 2020: twice the forward FLOPs), e.g. a pipeline picture's boxes; the cost
-# model prices backward op by op (``opkinds.backward_ops``, whose DEFAULT_BACKWARD is the
-# same 2x as two copies of an op it does not know)
-BACKWARD_FACTOR = 2
 BACKWARD_FLOPS = BACKWARD_FACTOR * F
 
 _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {

@@ -1,11 +1,12 @@
 """Memory per device and pipeline-schedule quantities.
 
 Parameters, gradients and AdamW state under ZeRO 0-3 (``formulas.ZERO_MEMORY``), and by
-schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a ``Schedule``) the
-activations alive under it, its bubble and its step time: the ``Schedule`` methods
-(``autopar.costmodels.schedules``), which hold that mathematics. What a ZeRO-3 bucket's
-gather and reduce-scatter hold while they run (``gather_working_bytes``,
-``scatter_working_bytes``).
+schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``
+or a ``Schedule``) the activations alive under it, its bubble and its step time: the
+``Schedule`` methods (``autopar.costmodels.schedules``), which hold that mathematics; the
+order torch's schedules run their actions in (``schedule_actions``, ``schedule_order``).
+What a ZeRO-3 bucket's gather and reduce-scatter hold while they run
+(``gather_working_bytes``, ``scatter_working_bytes``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from functools import lru_cache
 from unittest.mock import patch
 
 import torch
-from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.costmodels.formulas import BYTES_PER_PARAM, compiled
@@ -62,9 +62,15 @@ def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batche
     backward frees one micro-batch as it makes them (M - 1); 1F1B's rank r runs min(M, P - r)
     forwards, then a backward before each further forward, so that count is held again with
     gradients when M > P - r (else, as GPipe, one less); interleaved 1F1B reaches its peak
-    count again after its first backwards (checked against torch's orders by the tests)."""
+    count again after its first backwards (checked against torch's orders by the tests). Zero
+    bubble makes gradients at its weight-gradient actions: the count is read from torch's order
+    (``schedule_order``), a rank's spread evenly over its chunks as ``in_flight_per_stage`` does."""
     schedule = Schedule.parse(schedule)
     peak = schedule.in_flight_per_stage(stages, micro_batches, chunks)
+    if schedule.split_backward:
+        v = schedule.chunks(chunks)
+        per_rank = [_held_with_gradients(order) / v for order in schedule_order(schedule, stages, micro_batches, v)]
+        return [per_rank[c % stages] for c in range(stages * v)]
     if schedule is Schedule.INTERLEAVED_1F1B:
         return peak
     if schedule is Schedule.GPIPE:
@@ -72,38 +78,65 @@ def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batche
     return [n if micro_batches > n else n - 1 for n in peak]
 
 
+def _held_with_gradients(order: tuple[tuple[bool, int], ...]) -> int:
+    """The most chunk micro-batches a rank's ``order`` holds after its first backward."""
+    held, most, backward = 0, 0, False
+    for forward, _ in order:
+        held += 1 if forward else -1
+        backward = backward or not forward
+        most = max(most, held) if backward else most
+    return most
+
+
 class _StageShape:
     """What torch's schedules read of a stage to list their action order (``pipeline_order``)."""
+
+    submod = None  # no module: nothing for the zero-bubble schedules' torch.compile check to find
 
     def __init__(self, index: int, stages: int, ranks: int):
         self.stage_index, self.num_stages, self.group_rank, self.group_size = index, stages, 0, ranks
         self.is_first, self.is_last = index == 0, index == stages - 1
 
 
-_TORCH_SCHEDULES = {Schedule.GPIPE: torch_schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: torch_schedules.Schedule1F1B,
-                    Schedule.INTERLEAVED_1F1B: torch_schedules.ScheduleInterleaved1F1B}
+# torch's compute actions: a forward, a whole backward, and a split backward's two parts
+_KINDS = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+          _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+
+
+@lru_cache(maxsize=64)
+def schedule_actions(schedule: str | Schedule, stages: int, micro_batches: int,
+                     chunks: int = 1) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per pipeline rank, the (kind, virtual stage) of each compute action it runs, in the order
+    torch's schedule runs them (its ``pipeline_order``: what the runtime and the dry run
+    execute); kind ``"F"`` a forward, ``"B"`` a whole backward, ``"I"`` and ``"W"`` a split
+    backward's input-gradient and weight-gradient parts (``Schedule.split_backward``; torch
+    runs stage 0's whole backward at its ``W``, its ``I`` computes nothing). Virtual stage ``c``
+    runs on rank ``c mod stages``."""
+    schedule = Schedule.parse(schedule)
+    v = schedule.chunks(chunks)
+    schedule.check(stages, micro_batches, v)
+    torch_class = schedule.torch_class
+    if schedule.interleaved:
+        # the compute order alone: the runtime's communication lowering, which the schedule's
+        # constructor also runs, is quadratic in the actions (minutes at M = 64)
+        with patch.object(torch_class, "_prepare_schedule_with_comms", lambda *_: None):
+            torch_schedule = torch_class([_StageShape(c * stages, stages * v, stages) for c in range(v)], micro_batches)
+    else:
+        torch_schedule = torch_class(_StageShape(0, stages, stages), micro_batches)
+    return tuple(tuple((_KINDS[a.computation_type], a.stage_index) for a in torch_schedule.pipeline_order[rank]
+                       if a is not None and a.computation_type in _KINDS) for rank in range(stages))
 
 
 @lru_cache(maxsize=64)
 def schedule_order(schedule: str | Schedule, stages: int, micro_batches: int,
                    chunks: int = 1) -> tuple[tuple[tuple[bool, int], ...], ...]:
     """Per pipeline rank, the (forward?, virtual stage) of each forward and backward it runs, in
-    the order torch's schedule runs them (its ``pipeline_order``: what the runtime and the dry
-    run execute); virtual stage ``c`` runs on rank ``c mod stages``."""
-    schedule = Schedule.parse(schedule)
-    v = schedule.chunks(chunks)
-    schedule.check(stages, micro_batches, v)
-    if schedule.interleaved:
-        # the compute order alone: the runtime's communication lowering, which the schedule's
-        # constructor also runs, is quadratic in the actions (minutes at M = 64)
-        with patch.object(_TORCH_SCHEDULES[schedule], "_prepare_schedule_with_comms", lambda *_: None):
-            torch_schedule = _TORCH_SCHEDULES[schedule](
-                [_StageShape(c * stages, stages * v, stages) for c in range(v)], micro_batches)
-    else:
-        torch_schedule = _TORCH_SCHEDULES[schedule](_StageShape(0, stages, stages), micro_batches)
-    kinds = {_ComputationType.FORWARD: True, _ComputationType.FULL_BACKWARD: False}
-    return tuple(tuple((kinds[a.computation_type], a.stage_index) for a in torch_schedule.pipeline_order[rank]
-                       if a is not None and a.computation_type in kinds) for rank in range(stages))
+    the order torch's schedule runs them (``schedule_actions``). A split backward counts at its
+    weight-gradient part: a micro-batch's activations are held until then (its input-gradient
+    part frees only what the weight gradients do not read, and keeps the gradients they start
+    from), and only then do the stage's parameters hold gradients."""
+    return tuple(tuple((kind == "F", s) for kind, s in actions if kind != "I")
+                 for actions in schedule_actions(schedule, stages, micro_batches, chunks))
 
 
 def activation_bytes(

@@ -24,7 +24,16 @@ from __future__ import annotations
 from enum import Enum
 from typing import Sequence
 
-from autopar.costmodels.formulas import compiled
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from autopar.costmodels.formulas import BACKWARD_FACTOR, compiled
+
+# The forward's share of a chunk's time (forward and whole backward), which is also the
+# zero-bubble schedule's bubble slot: Qi et al. 2024 (arXiv 2401.10241, sec. 3.1) give ZB-H1 a
+# bubble of (P - 1)(T_F + T_B - T_W), T_B the input-gradient part of backward and T_W the
+# weight-gradient part; a matmul's two are one matmul each (T_B = T_W, half of backward), so
+# the slot is T_F, which is 1 / (1 + BACKWARD_FACTOR) of the chunk's forward and backward.
+FORWARD_SHARE = 1 / (1 + BACKWARD_FACTOR)
 
 
 class Schedule(str, Enum):
@@ -36,11 +45,18 @@ class Schedule(str, Enum):
       then one forward, one backward; at most P - r in flight.
     - ``INTERLEAVED_1F1B``: Megatron-LM's interleaved 1F1B, v chunks per rank: a bubble
       v times smaller, a little more in flight.
+    - ``INTERLEAVED_ZERO_BUBBLE``: zero bubble (Qi et al. 2024, ZB-H1; torch's
+      ``ScheduleInterleavedZeroBubble``), v >= 1 chunks per rank placed as interleaved 1F1B
+      places them: each backward split into its input-gradient part, sent back at once, and
+      its weight-gradient part, which rank r runs r backwards later to fill the bubble. The
+      bubble shrinks to P - 1 forwards of a chunk; every rank holds P micro-batches (1F1B's
+      rank 0 count), each from its forward until its weight gradient.
     """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
+    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
 
     def __str__(self) -> str:  # printed as the name it is given by, as a plain str would be
         return self.value
@@ -54,8 +70,19 @@ class Schedule(str, Enum):
 
     @property
     def interleaved(self) -> bool:
-        """Whether a rank runs several chunks (virtual stages)."""
-        return self is Schedule.INTERLEAVED_1F1B
+        """Whether a rank may run several chunks (virtual stages), chunk ``c`` on rank ``c mod P``."""
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether a backward runs as two actions, input gradients (torch's ``I``) then, later,
+        weight gradients (``W``); a stage's parameters hold gradients only after its ``W``."""
+        return self is Schedule.INTERLEAVED_ZERO_BUBBLE
+
+    @property
+    def torch_class(self) -> type:
+        """torch's class that runs this schedule (``Schedule`` + ``display``)."""
+        return getattr(torch_schedules, "Schedule" + self.display)
 
     @classmethod
     def parse(cls, name: "str | Schedule") -> "Schedule":
@@ -78,9 +105,10 @@ class Schedule(str, Enum):
                 f"autopar: expected positive stages, micro-batches and chunks per rank, found {stages}, "
                 f"{micro_batches}, {chunks}.")
         if chunks != 1 and not self.interleaved:
+            several = " and ".join(s.value for s in Schedule if s.interleaved)
             raise ValueError(
-                f"autopar: only {Schedule.INTERLEAVED_1F1B.value} runs several chunks per rank; {self.value} "
-                f"got chunks={chunks}; pass chunks=1 or the interleaved schedule.")
+                f"autopar: only {several} run several chunks per rank; {self.value} got chunks={chunks}; pass "
+                "chunks=1 or an interleaved schedule.")
 
     def micro_batch_problem(self, stages: int, micro_batches: int) -> str:
         """Why this schedule cannot run ``micro_batches`` on ``stages`` ranks ("" when it can):
@@ -88,7 +116,8 @@ class Schedule(str, Enum):
         the step-time formula is exact only for whole rounds; torch's ``Schedule1F1B`` refuses
         fewer micro-batches than stages."""
         if self.interleaved and micro_batches % stages:
-            return f"interleaved 1F1B needs micro-batches in multiples of {stages} stages"
+            words = "interleaved 1F1B" if self is Schedule.INTERLEAVED_1F1B else "interleaved zero bubble"
+            return f"{words} needs micro-batches in multiples of {stages} stages"
         if self is Schedule.ONE_F_ONE_B and micro_batches < stages:
             return f"1F1B needs at least as many micro-batches as its {stages} stages"
         return ""
@@ -124,16 +153,21 @@ class Schedule(str, Enum):
 
     def bubble_time(self, stage_time: Sequence[float], chunks: int = 1) -> float:
         """Seconds of a step a rank sits idle, from per-micro-batch (virtual) stage times:
-        P - 1 slots of the slowest (virtual) stage while the pipeline fills and drains."""
-        return (self._ranks(stage_time, chunks) - 1) * max(stage_time)
+        P - 1 slots of the slowest (virtual) stage while the pipeline fills and drains (zero
+        bubble: of its forward, ``FORWARD_SHARE`` of it)."""
+        slot = max(stage_time) * (FORWARD_SHARE if self.split_backward else 1.0)
+        return (self._ranks(stage_time, chunks) - 1) * slot
 
     def step_time(self, stage_time: Sequence[float], micro_batches: int, chunks: int = 1) -> float:
         """Step time from per-micro-batch (virtual) stage times, for unequal stages:
 
             GPipe and 1F1B:    (M + P - 1) * slowest stage
-            interleaved 1F1B:  M * slowest rank (its v chunks) + (P - 1) * slowest chunk,
+            interleaved 1F1B:  M * slowest rank (its v chunks) + (P - 1) * slowest chunk
+            zero bubble:       M * slowest rank + (P - 1) * slowest chunk's forward,
 
-        which for equal chunks is ``pipeline_time``'s (M + (P - 1) / v) * rank time."""
+        which for equal chunks is ``pipeline_time``'s (M + (P - 1) / v) * rank time (zero bubble:
+        the slowest chunk's forward is ``FORWARD_SHARE`` of it, checked against torch's action
+        lists replayed, ``costmodels.schedule_replay``)."""
         v = self.chunks(chunks)
         p = self._ranks(stage_time, v)
         self.check(p, micro_batches, v)
@@ -152,4 +186,5 @@ class Schedule(str, Enum):
         return len(stage_time) // v
 
 
-_DISPLAY = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
+_DISPLAY = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
+            Schedule.INTERLEAVED_ZERO_BUBBLE: "InterleavedZeroBubble"}

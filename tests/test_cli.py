@@ -222,17 +222,24 @@ def test_pipeline_schedule_picture(schedule, stages, micro_batches, chunks, tmp_
     assert not (tmp_path / "none.png").exists()
 
 
-@pytest.mark.parametrize("schedule, stages, micro_batches, chunks", [
-    ("GPipe", 4, 8, 1), ("1F1B", 4, 8, 1), ("1F1B", 3, 2, 1), ("Interleaved1F1B", 4, 8, 2),
-    ("Interleaved1F1B", 2, 6, 3),
-])
-def test_drawn_schedule_takes_as_long_as_the_cost_model_says(schedule, stages, micro_batches, chunks):
-    """Equal stages: the simulated schedule's length is the planner's step-time formula."""
-    n = stages * chunks
-    order = pictures.schedule_order(schedule, stages, micro_batches, chunks)
-    boxes = pictures.simulate(order, [1.0] * n, [2.0] * n)
-    assert len(boxes) == 2 * n * micro_batches
-    assert max(b.end for b in boxes) == pytest.approx(pipeline_step_time([3.0] * n, micro_batches, schedule, chunks))
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
+def test_the_schedule_picture_draws_torchs_order_of_every_action(schedule, tmp_path, monkeypatch):
+    """The picture draws one box per action torch's schedule runs (a split backward as its two
+    parts) from the replay of that order, which for equal stages lasts what the planner's
+    formula says."""
+    stages, micro_batches = 2, 4
+    plan = hand_plan(schedule, stages, micro_batches, chunks=2 if schedule.startswith("Interleaved") else 1)
+    drawn = []
+    real = pictures.replay
+    monkeypatch.setattr(pictures, "replay", lambda *a: drawn.extend(real(*a)) or drawn)
+    assert is_png(pictures.pipeline_schedule(plan, tmp_path / "pipeline.png"))
+    kinds = sorted({a.kind for a in drawn})
+    assert kinds == (["F", "I", "W"] if schedule == "InterleavedZeroBubble" else ["B", "F"]), kinds
+    v = plan.pipeline.chunks_per_rank
+    assert sum(a.kind == "F" for a in drawn) == stages * v * micro_batches
+    forward, backward, _ = pictures.stage_times(plan, v)
+    assert max(a.end for a in drawn) == pytest.approx(
+        pipeline_step_time([f + b for f, b in zip(forward, backward)], micro_batches, schedule, v))
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

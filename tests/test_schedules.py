@@ -6,7 +6,6 @@ import json
 import pytest
 
 from autopar.costmodels import Schedule, formulas
-from autopar.runtime.stages import SCHEDULES
 
 EQUAL_STAGES = [(s, p, m, v) for s in Schedule for p in (1, 2, 4) for m in (1, 4, 8) for v in (1, 2, 3)
                 if s.interleaved or v == 1]
@@ -15,9 +14,9 @@ EQUAL_STAGES = [(s, p, m, v) for s in Schedule for p in (1, 2, 4) for m in (1, 4
 def test_two_names_one_schedule():
     for s in Schedule:
         assert Schedule.parse(s.value) is s and Schedule.parse(s.display) is s and Schedule.parse(s) is s
-        assert SCHEDULES[s].__name__ == "Schedule" + s.display  # a Plan names torch's class
+        assert s.torch_class.__name__ == "Schedule" + s.display  # a Plan names torch's class, the runtime runs it
         assert json.dumps(s) == f'"{s.value}"' and f"{s}" == s.value
-    assert [s.display for s in Schedule] == ["GPipe", "1F1B", "Interleaved1F1B"]  # the Plan JSON's names
+    assert [s.display for s in Schedule] == ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"]  # the Plan JSON's names
     with pytest.raises(ValueError, match="autopar: expected a schedule in .* found 'zigzag'"):
         Schedule.parse("zigzag")
 
@@ -49,6 +48,6 @@ def test_in_flight_per_stage_follows_the_rank():
     assert Schedule.ONE_F_ONE_B.in_flight_per_stage(4, 8) == [4, 3, 2, 1]
     per_stage = Schedule.INTERLEAVED_1F1B.in_flight_per_stage(4, 8, 2)
     assert per_stage[:4] == per_stage[4:] == [5.5, 4.5, 3.5, 2.5]  # P + (P - 1 - 2r) / v
-    with pytest.raises(ValueError, match="autopar: only interleaved_1f1b runs several chunks"):
+    with pytest.raises(ValueError, match="autopar: only interleaved_1f1b and interleaved_zero_bubble run several chunks"):
         Schedule.GPIPE.in_flight(4, 8, chunks=2)
     assert Schedule.INTERLEAVED_1F1B.micro_batch_problem(4, 6) and not Schedule.INTERLEAVED_1F1B.micro_batch_problem(4, 8)

@@ -13,13 +13,15 @@ size). ``replayed_micro_batches`` finds the fewest micro-batches M' whose schedu
 every rank through exactly the (state, action) pairs the plan's M do -- warm-up, steady
 state and cool-down -- so replaying M' micro-batches of the plan's size gives the same peak
 and breakdown as replaying all M, in M'/M of the time (1F1B: P + 1; interleaved: three
-rounds of P; GPipe, whose in-flight count is M: all M)."""
+rounds of P; GPipe, whose in-flight count is M: all M). A split backward's input-gradient
+part (``I``) and weight-gradient part (``W``) are actions of their own."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from autopar.costmodels.memory import schedule_order
+from autopar.costmodels.memory import schedule_actions
 from autopar.costmodels.schedules import Schedule
 from autopar.dryrun.results import RankResult
 from autopar.passes.costing import carrying_gradient
@@ -30,8 +32,11 @@ from autopar.runtime.pipeline import PipelineModule
 def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
                    stage_io: dict[int, dict[str, list]] | None, micro_batches: int | None = None) -> None:
     """One training step of this rank's stages, in the order its schedule runs them
-    (torch's ``pipeline_order``, ``costmodels.memory.schedule_order``), then the gradients'
+    (torch's ``pipeline_order``, ``costmodels.memory.schedule_actions``), then the gradients'
     sums and the optimizer step, as ``PipelineModule.train_step`` does after its schedule.
+    A split backward (zero bubble) runs as torch's ``PipelineStage`` runs it: its input
+    gradients by ``stage_backward_input`` (stage 0: none), its weight gradients later by
+    ``stage_backward_weight`` from what that kept (stage 0: its whole backward then).
     ``micro_batches``: how many of the plan's micro-batches to replay (the schedule made for
     that many, each of the plan's size; default all, see ``replayed_micro_batches``)."""
     pp = pm.plan.pipeline
@@ -43,12 +48,16 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     # inputs, the last stage's of the target (the whole batch: host memory, not tracked)
     inputs = pm._stage_inputs(inputs) if pm.stages[0].is_first else None
     target = pm._stage_target(target) if pm.stages[-1].is_last else None
+    if Schedule.parse(pp.schedule).split_backward:
+        pm.split_backward_stages()  # as the runtime's schedule construction makes them
     stages = {stage.stage_index: (stage, program) for stage, program in zip(pm.stages, pm.programs)}
     in_flight: dict[tuple[int, int], tuple] = {}
-    order = schedule_order(pp.schedule, pp.stages, replayed, pp.chunks_per_rank)[pm.pp_rank]
-    for forward, index, mb in _numbered(order):
-        if forward:
-            stage, program = stages[index]
+    awaiting_weights: dict[tuple[int, int], object] = {}  # a split backward's kept state, until its W
+    order = schedule_actions(pp.schedule, pp.stages, replayed, pp.chunks_per_rank)[pm.pp_rank]
+    for kind, index, mb in _numbered(order):
+        stage = stages[index][0]
+        if kind == "F":
+            program = stages[index][1]
             received = _received(pm, index, program, inputs, mb)
             outputs = stage.submod(*received)
             if stage_io is not None and mb == 0:
@@ -57,11 +66,23 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
             if stage.is_last:
                 outputs = (pm._micro_loss(outputs, _micro_target(pm, target, mb)),)
             in_flight[index, mb] = (received, outputs)
+            continue
+        if kind == "W":
+            kept = awaiting_weights.pop((index, mb))
+            if index == 0:  # torch's stage 0 runs its whole backward at its W
+                torch.autograd.backward(*kept)
+            else:
+                stage_backward_weight(stage.submod.parameters(), kept)
+            continue
+        received, outputs = in_flight.pop((index, mb))
+        needs = [t for t in outputs if t.requires_grad]
+        grads = None if stage.is_last else [torch.zeros_like(t) for t in needs]  # received: fake, of the outputs' shapes
+        if kind == "B":
+            torch.autograd.backward(needs, grads)
+        elif index == 0:
+            awaiting_weights[index, mb] = (needs, grads)
         else:
-            _, outputs = in_flight.pop((index, mb))
-            needs = [t for t in outputs if t.requires_grad]
-            grads = [None if stages[index][0].is_last else torch.zeros_like(t) for t in needs]
-            torch.autograd.backward(needs, grads)  # received gradients: fake, of the outputs' shapes
+            awaiting_weights[index, mb] = stage_backward_input(needs, grads, received, stage.submod.parameters())[1]
     pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
     pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
 
@@ -71,33 +92,40 @@ def replayed_micro_batches(schedule: str | Schedule, stages: int, micro_batches:
     order takes every pipeline rank through the same set of (state, action) pairs as the
     plan's ``micro_batches`` (``_states``): the same peak memory, replayed in M'/M of the time."""
     schedule = Schedule.parse(schedule)
-    whole = [_states(order) for order in schedule_order(schedule, stages, micro_batches, chunks)]
+    whole = [_states(order) for order in schedule_actions(schedule, stages, micro_batches, chunks)]
     for m in range(1, micro_batches):
         if not schedule.micro_batch_problem(stages, m) and \
-                [_states(order) for order in schedule_order(schedule, stages, m, chunks)] == whole:
+                [_states(order) for order in schedule_actions(schedule, stages, m, chunks)] == whole:
             return m
     return micro_batches
 
 
-def _states(order: tuple[tuple[bool, int], ...]) -> set[tuple]:
-    """Every (micro-batches each stage holds, stages whose gradients exist, action) a rank's
-    ``order`` of (forward?, stage) passes through: what its memory at each action depends on."""
+def _states(order: tuple[tuple[str, int], ...]) -> set[tuple]:
+    """Every (micro-batches each stage holds, of them those awaiting their weight gradients,
+    stages whose gradients exist, action) a rank's ``order`` of (kind, stage) passes through:
+    what its memory at each action depends on."""
     held: dict[int, int] = {}
+    awaiting: dict[int, int] = {}
     with_gradients: set[int] = set()
     seen = set()
-    for forward, stage in order:
-        seen.add((tuple(sorted(held.items())), frozenset(with_gradients), forward, stage))
-        held[stage] = held.get(stage, 0) + (1 if forward else -1)
-        if not forward:
+    for kind, stage in order:
+        seen.add((tuple(sorted(held.items())), tuple(sorted(awaiting.items())), frozenset(with_gradients), kind, stage))
+        if kind == "F":
+            held[stage] = held.get(stage, 0) + 1
+        elif kind == "I":
+            awaiting[stage] = awaiting.get(stage, 0) + 1
+        else:  # B or W: the micro-batch's activations go, the stage's gradients exist
+            held[stage] -= 1
+            awaiting[stage] = awaiting.get(stage, 0) - (kind == "W")
             with_gradients.add(stage)
     return seen
 
 
-def _numbered(order: tuple[tuple[bool, int], ...]) -> list[tuple[bool, int, int]]:
-    """(forward?, stage, micro-batch) of each action of a rank's order: every torch schedule
-    runs a stage's forwards, and its backwards, in micro-batch order (torch 2.13's 1F1B
-    ``pipeline_order`` numbers the last stage's from 1, which its ``_step_microbatches`` does not)."""
-    seen: dict[tuple[bool, int], int] = {}
+def _numbered(order: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int]]:
+    """(kind, stage, micro-batch) of each action of a rank's order: every torch schedule runs
+    a stage's actions of one kind in micro-batch order (torch 2.13's 1F1B ``pipeline_order``
+    numbers the last stage's from 1, which its ``_step_microbatches`` does not)."""
+    seen: dict[tuple[str, int], int] = {}
     out = []
     for key in order:
         out.append((*key, seen.get(key, 0)))

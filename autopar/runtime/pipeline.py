@@ -2,9 +2,10 @@
 
 The graph, captured at micro-batch size, is cut into the plan's stages and each stage this
 rank holds is lowered on the intra-op mesh (``autopar.runtime.stages``), so a stage can
-itself be tensor or data parallel. GPipe, 1F1B and interleaved 1F1B come from torch's
-schedules; ``PipelineModule`` drives them: the schedule runs, the loss, the gradients'
-sums once per step, the optimizer step, and a hand-written loop's held gradients (``loss``).
+itself be tensor or data parallel. GPipe, 1F1B, interleaved 1F1B and interleaved zero
+bubble come from torch's schedules (``Schedule.torch_class``); ``PipelineModule`` drives
+them: the schedule runs, the loss, the gradients' sums once per step, the optimizer step,
+and a hand-written loop's held gradients (``loss``).
 
 Other micro-batch shapes (``train_step(accumulate=k)``: k schedule runs on 1/k of the
 batch each, one gradient sum and one optimizer step) and eval mode run stages of their
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe, ScheduleLoopedBFS
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
@@ -53,7 +54,7 @@ from autopar.runtime.loss import build_loss_program
 from autopar.runtime.meshes import mesh_device, require_live, whole
 from autopar.runtime.precision import Precision, capture_cast, masters_reduce_dtype, output_under, warn_under_autocast
 from autopar.runtime.state_dicts import in_state_dict_order
-from autopar.runtime.stages import SCHEDULES, StagePlace, Stages, lower_stages
+from autopar.runtime.stages import StagePlace, Stages, lower_stages
 from autopar.runtime.variants import Variants, backward_order, stored_layouts, synced_by_fqn
 from autopar.runtime.zero1 import OptimizerSlices, slice_axes
 from autopar.passes.capture import Captured, capture
@@ -77,6 +78,11 @@ class _HeldGradients(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
         ctx.add(grad)
         return None, None, None
+
+
+def _owned_outputs(module: nn.Module, args: tuple, outputs: tuple) -> tuple:
+    """A stage's outputs that carry a gradient, as copies of their own (``split_backward_stages``)."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) if t.requires_grad else t for t in outputs)
 
 
 class PipelineModule(TrainingModule):
@@ -315,10 +321,28 @@ class PipelineModule(TrainingModule):
             self._variant.trains = False
             return
         self._build_loss(target_micro)
-        schedule_cls = SCHEDULES[Schedule.parse(pp.schedule)]
-        stage_arg = self.stages if schedule_cls is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = schedule_cls(stage_arg, pp.micro_batches, scale_grads=False, loss_fn=self._micro_loss)
+        # torch's class for the plan's schedule; one that splits backward runs each stage's
+        # weight gradients apart from its input gradients (PipelineStage's own split, over the
+        # stage's parameters), all of them before the schedule's step returns: the sums
+        # (``_sum_gradients``) and the optimizer step see every micro-batch's
+        schedule = Schedule.parse(pp.schedule)
+        if schedule.split_backward:
+            self.split_backward_stages()
+        stage_arg = self.stages if issubclass(schedule.torch_class, PipelineScheduleMulti) else self.stages[0]
+        self.schedule = schedule.torch_class(stage_arg, pp.micro_batches, scale_grads=False, loss_fn=self._micro_loss)
         self._variant.trains = True
+
+    def split_backward_stages(self) -> None:
+        """The running stages made ready for a split backward (zero bubble, and its dry run):
+        torch detaches a stage's outputs in place once their input gradients are made, which
+        fails on a view (a value a stage passes on unchanged) and breaks the weight gradients of
+        an output the stage's own ops saved (a residual stream read again inside the stage); so
+        each stage sends its own copy of what carries a gradient. A recomputed layer is rebuilt
+        for each part (its random draws under the same key each time: ``recompute._Drawing``)."""
+        for stage in self.stages:
+            if not getattr(stage.submod, "_autopar_owned_outputs", False):
+                stage.submod.register_forward_hook(_owned_outputs)
+                stage.submod._autopar_owned_outputs = True
 
     def _build_loss(self, target_micro: torch.Tensor) -> None:
         """The last stage's loss program for one micro-batch's target (this rank holds the

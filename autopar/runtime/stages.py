@@ -23,10 +23,8 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils import _pytree as pytree
 
-from autopar.costmodels import Schedule
 from autopar.passes.capture import Captured
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.lowering.codegen import Part, RankProgram, lower
@@ -54,11 +52,6 @@ class Stages:
     loss: tuple[RankProgram, Captured] | None = None
     trains: bool = False  # the schedule runs backward (made with a loss), not forward only
     micro_batches: int = 1  # the batch's micro-batches a schedule run of these stages cuts
-
-
-# torch's class that runs each schedule (a Plan names it by ``Schedule.display``: ``Schedule.parse``)
-SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-             Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
 
 
 def stage_parts(captured: Captured, stage_of: dict[str, int], n_stages: int, shared_state: bool = False) -> list[Part]:

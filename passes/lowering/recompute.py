@@ -43,7 +43,23 @@ def _same_draws() -> tuple[ContextManager, ContextManager]:
     """The forward runs as it is; the recomputation draws under the key of that forward
     (backward comes after other micro-batches' forwards, in another key)."""
     key = randomness.current_key()
-    return contextlib.nullcontext(), randomness.drawing(key) if key is not None else contextlib.nullcontext()
+    return contextlib.nullcontext(), _Drawing(key)
+
+
+class _Drawing:
+    """``randomness.drawing(key)`` each time it is entered: a split backward (zero-bubble
+    pipelines) rebuilds a layer twice, for its input gradients and for its weight gradients."""
+
+    def __init__(self, key: int | None):
+        self.key, self.entered = key, []
+
+    def __enter__(self) -> None:
+        context = randomness.drawing(self.key) if self.key is not None else contextlib.nullcontext()
+        context.__enter__()
+        self.entered.append(context)
+
+    def __exit__(self, *exc) -> None:
+        self.entered.pop().__exit__(*exc)
 
 
 def layers_to_recompute(recompute: list[str]) -> set[int]:

@@ -19,8 +19,9 @@ runs its nodes there; ``autopar.passes.plan.choice_from_plan`` drops the pipelin
 
 Nodes outside repeated layers go to the first layer (before it in graph order) or the
 last. ``autopar.passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
-schedule. Recomputation is decided per stage by the stage search: the fewest layers
-that make the stage fit for its micro-batches in flight, each keeping its inputs and
+schedule (every ``Schedule``; zero bubble at 1 and 2 chunks per rank, never with a layer
+recomputed: ``_without_split_recompute``). Recomputation is decided per stage by the stage
+search: the fewest layers that make the stage fit for its micro-batches in flight, each keeping its inputs and
 running its forward again (``autopar.passes.solve.stages``). Micro-batch counts are those whose
 micro-batches divide over every axis that splits the batch (``autopar.passes.planner.microbatch``).
 """
@@ -52,7 +53,8 @@ from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_spli
 from autopar.passes.planner.request import DoesNotFit, PlanRequest
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
 from autopar.passes.placements import local_shape
-from autopar.passes.solve.pipeline_search import PipelineSearchResult, deeper_while_faster, search_pipeline, useful_depths
+from autopar.passes.solve.pipeline_search import (PipelineSearchResult, _fastest_first, deeper_while_faster,
+                                                  search_pipeline, useful_depths)
 from autopar.passes.solve.stages import LayerCosts
 from autopar.passes.explain import duration
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
@@ -310,11 +312,31 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
         return search_pipeline(layer_costs, stage_counts=[stages], micro_batch_counts=list(micro_batch_counts),
                                schedules=schedules, chunks_per_rank=tuple(depths), memory_limit=memory_limit)
 
+    schedules = tuple(map(costmodels.Schedule.parse, schedules))
     found = run(schedules, (2,) if chunks_per_rank is None else chunks_per_rank)
-    if chunks_per_rank is None and costmodels.Schedule.INTERLEAVED_1F1B in map(costmodels.Schedule.parse, schedules):
+    if chunks_per_rank is None and costmodels.Schedule.INTERLEAVED_1F1B in schedules:
         found = deeper_while_faster(found, useful_depths(count, stages),
                                     lambda v: run((costmodels.Schedule.INTERLEAVED_1F1B,), (v,)))
+    zero_bubble = costmodels.Schedule.INTERLEAVED_ZERO_BUBBLE
+    if chunks_per_rank is None and zero_bubble in schedules:  # also one chunk per rank: ZB-H1, no extra sends
+        found = _merged(found, run((zero_bubble,), (1,)))
+    found = _without_split_recompute(found)
     return None if found.best is None else (found.best, found)
+
+
+def _without_split_recompute(found: PipelineSearchResult) -> PipelineSearchResult:
+    """``found`` with the options that recompute layers under a split backward rejected: a
+    checkpointed layer is rebuilt for the input and again for the weight gradients, a second
+    forward the stage costs do not price (the runtime runs such a plan, exactly)."""
+    for option in found.options:
+        if option.schedule.split_backward and option.cut is not None and any(option.cut.recomputed):
+            option.step_time, option.rejected = math.inf, "recomputation under a split backward"
+    return _merged(found)
+
+
+def _merged(*results: PipelineSearchResult) -> PipelineSearchResult:
+    """The options of ``results`` together, fastest first (``search_pipeline``'s order)."""
+    return _fastest_first([option for result in results for option in result.options])
 
 
 def rank_memory(num: LayerNumbers, option) -> list[dict[str, float]]:
@@ -419,6 +441,8 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     if costs.recompute and policy in (None, "none"):  # else what a stage recomputes is the stage search's
         costs = build_costs(graph, intra_profile, memory_limit=memory_limit * p, pricer=costs.pricer)
     schedules, depths = pinned_schedules(pins, schedules)
+    if policy not in (None, "none"):  # recomputation pinned: no split backward runs it (``_without_split_recompute``)
+        schedules = tuple(s for s in map(costmodels.Schedule.parse, schedules) if not s.split_backward)
     candidates = [("auto", solved.result.assignment)]
     hints = solved.hints
     candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
