@@ -277,7 +277,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     """``autopar export PLAN.json MODEL --out FILE``: the plan as a plain-PyTorch module."""
     saved = Plan.load(_existing(args.plan))
     model, inputs, *_ = load_model(args.model, args.batch, args.seq)
-    print(saved.export(model, args.out, example_inputs=inputs).summary())
+    exported = saved.export(model, args.out, example_inputs=inputs)
+    print(exported.summary())
+    if args.torchtitan is not None:
+        print(f"torchtitan job config: {exported.write_torchtitan(args.torchtitan)}")
     return 0
 
 
@@ -477,6 +480,8 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=f"one of {', '.join(BUILTINS)}, or package.module:factory")
     p.add_argument("--out", default="parallelize.py", metavar="FILE", help="the module to write "
                    "(default: ./parallelize.py)")
+    p.add_argument("--torchtitan", default=None, metavar="FILE", help="also write the plan as a torchtitan "
+                   "job-config fragment (TOML; Llama-family models)")
     p.add_argument("--batch", type=_positive, default=None, help="batch size of the capture (default: the model's)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length of the capture (default: the model's)")
     p.set_defaults(func=_cmd_export)

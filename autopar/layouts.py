@@ -7,6 +7,7 @@ costed like the automatic plan.
 
 from __future__ import annotations
 
+from autopar.passes.planner import export_price  # noqa: F401 (hands the export its pricer: Exported.cost)
 from autopar.passes.planner.layouts import (LAYOUTS, axis_roles, expert_axes, hint, hints, layout_placements,
                                             megatron_dims)
 from autopar.planning import plan

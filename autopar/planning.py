@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +52,7 @@ def plan(
     inference: Inference | None = None,
     constraints: Constraints | None = None,
 ) -> Plan:
-    """The fastest predicted Plan that fits in memory (or, with ``layout``, that manual layout).
+    """The fastest predicted Plan that fits in memory (with ``layout``, under that manual layout's placements).
 
     ``loss_fn(model(*example_inputs), target)`` is planned too when given (pass ``target``);
     then no pipeline is searched (a pipeline's loss runs apart, on its last stage: plan
@@ -72,7 +73,14 @@ def plan(
     ``param_dtype``; float32 masters, gradients and AdamW state; reductions in
     ``reduce_dtype``: ``autopar.costmodels.precision``); the plan records it (``mp_policy``).
 
-    ``constraints``: pins (``autopar.Constraints``: ``tp=``, ``dp=``, ``pp=``, ``axes=``,
+    ``layout``: a manual layout (``autopar.layouts.LAYOUTS``, pipelined as ``"pp+fsdp+tp"``, with its
+    depth as ``"pp4+fsdp+tp"``, or ``"3d"``) pinned: its placements of every parameter and input and
+    its ZeRO levels (``Constraints(layout=)``), recomputation, micro-batches, schedule and pipeline
+    depth still searched to fit; with ``constraints`` too, both pinned. ``plan.kind`` is its name.
+    A layout alone is not priced against the search without it (a second search): pin it with
+    ``constraints=autopar.Constraints(layout=...)`` for that.
+
+    ``constraints``: pins (``autopar.Constraints``: ``layout=``, ``tp=``, ``dp=``, ``pp=``, ``axes=``,
     ``micro_batches=``, ``schedule=``, ``chunks=``, ``zero=``, ``zero_by_name=``, ``recompute=``):
     the fastest plan that honours them, everything else searched as without them; the search
     without them runs too, and where its plan honours every pin that is the plan.
@@ -90,14 +98,13 @@ def plan(
     if constraints is not None and inference is not None:
         raise ValueError("autopar: plan(inference=...) takes no constraints= (pins are for training plans); "
                          "leave constraints out, or plan training")
-    if constraints is not None and layout is not None:
-        raise ValueError(f"autopar: plan(layout={layout!r}) fixes every choice, and constraints= pins some of them; "
-                         "pass one of the two")
     if inference is not None:
         return _plan_serving(model, mesh_or_shape, example_inputs, inference, hardware=hardware,
                              memory_limit=memory_limit, time_limit_s=time_limit_s, layout=layout, pipeline=pipeline,
                              axis_names=axis_names, others={"loss_fn": loss_fn, "target": target,
                                                             "example_kwargs": example_kwargs, "mp_policy": mp_policy})
+    price_pins = constraints is not None  # the user's pins are priced; a layout= alone is not
+    constraints = layout_pinned(layout, constraints)
     precision = Precision.of(mp_policy)
     warn_under_autocast("planning", stacklevel=3)
     shape, names = _mesh(mesh_or_shape, axis_names)
@@ -107,12 +114,12 @@ def plan(
     request = PlanRequest(
         mesh_shape=shape, hardware=hardware, memory_limit=memory_limit,
         time_limit_s=time_limit_s,  # the search's own limit: capture (torch.export) cannot be interrupted
-        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, layout=layout, axis_names=names,
+        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, axis_names=names,
         # a pipeline trains the model alone and lays its loss out on the last stage (autopar.compile,
         # autopar.dry_run): stages cut from the model-and-loss graph could not run
         pipeline=pipeline and loss_fn is None,
         outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
-        progress=progress, constraints=constraints,
+        progress=progress, constraints=constraints, price_pins=price_pins,
     )
     if loss_fn is not None:
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
@@ -139,7 +146,23 @@ def plan(
     if precision is not None:
         priced = next((n.meta[META_KEY] for n in captured.nodes("placeholder") if META_KEY in n.meta), None)
         result.mp_policy = precision.record(priced)
+    if layout is not None:
+        result.kind = layout  # the layout's placements, the rest searched under them
     return result
+
+
+def layout_pinned(layout: str | None, constraints: Constraints | None) -> Constraints | None:
+    """``constraints`` with ``layout=`` pinned too: a manual layout is a pin of its placements and
+    ZeRO levels (``Constraints.layout``), recomputation, micro-batches, schedule and depth searched."""
+    if layout is None:
+        return constraints
+    if constraints is not None and not isinstance(constraints, Constraints):
+        return constraints  # the request says what it expected
+    given = constraints or Constraints()
+    if given.layout not in (None, layout):
+        raise ValueError(f"autopar: plan(layout={layout!r}) and constraints pinning layout={given.layout} name two "
+                         "layouts; expected one: pass it once")
+    return replace(given, layout=layout)
 
 
 def _plan_serving(model: torch.nn.Module, mesh_or_shape: Any, example_inputs: tuple, inference: Inference, *,

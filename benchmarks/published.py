@@ -1,4 +1,4 @@
-"""Predictions against published H100 training runs (FACTS.md, "Published H100 training runs").
+"""Predictions against published H100 training runs (each ``Row`` cites its source).
 
     python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
                                    [--bf16-throughout] [--plans DIR [--reuse-plans]]
@@ -10,10 +10,11 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
 
 - published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published,
   with FLOPs per token = 6 * parameters + 12 * layers * hidden * sequence);
-- predicted tokens/s/GPU of the PUBLISHED layout (``autopar.passes.planner.pinned.price_pinned``: its
-  intra-op layout, stages, micro-batches and schedule, with its activation checkpointing
-  where the source states it (full, or none), else the fewest recomputed layers that fit
-  the run's GPU memory), and predicted / published;
+- predicted tokens/s/GPU of the PUBLISHED layout, planned through the public path
+  (``autopar.plan(..., layout=, constraints=)``, ``published_pins``): its layout's placements
+  and ZeRO levels, its stages, micro-batches, schedule and interleaving depth pinned, with its
+  activation checkpointing where the source states it (``recompute=all``, or ``none``), else
+  searched (the fewest recomputed layers that fit the run's GPU memory), and predicted / published;
 - predicted memory per GPU of that layout against the published figure, where published;
 - where that memory is over the card (a run that fixed its recomputation, priced as it was
   made), the published layout WITHIN the card: the fewest recomputed layers that fit, priced
@@ -26,7 +27,7 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
 
 Prints a markdown table, and the published layouts' predicted step by where it goes
-(``autopar.passes.planner.pinned.breakdown``), and writes them to results/published.md.
+(``Plan.predicted``: compute, communication, pipeline bubble), and writes them to results/published.md.
 """
 
 from __future__ import annotations
@@ -44,18 +45,15 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autopar
-from autopar import layouts
+from autopar import Constraints, layouts
 from autopar.bench.run import plan_line
 from autopar.costmodels.units import GIB
 from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
-from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
-from autopar.passes.planner.pinned import BREAKDOWN_PARTS, Pinned, PinnedCost, price_pinned
-from autopar.passes.strategy_graph import NoRuleWarning
-from autopar.runtime.precision import Precision, capture_cast
+from autopar.passes.planner.pinned import Pinned, PinnedCost
 
-PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet; FACTS.md)
+PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (NVIDIA H100 Tensor Core GPU datasheet)
 GRAND_TETON = "h100-96gb-500w"  # torchtitan's runs: 96 GB HBM2e H100s at 500 W (costmodels/presets.py)
 GPUS_PER_NODE = 8
 # The Llama 3 Herd of Models, sec. 3.3.2 ("Memory"): with pipeline stages' input and output
@@ -194,7 +192,7 @@ def model_shape(model: torch.nn.Module) -> tuple[int, int, int]:
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq: int) -> float:
-    """Model FLOPs per token of a training step (FACTS.md): 6 * params + 12 * layers * hidden * seq."""
+    """Model FLOPs per token of a training step (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1): 6 * params + 12 * layers * hidden * seq."""
     return 6.0 * params + 12.0 * layers * hidden * seq
 
 
@@ -253,10 +251,57 @@ def _model_and_inputs(row: Row) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
     return model, (torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta"),)
 
 
-def _capture(model: torch.nn.Module, inputs: tuple, mp_policy: MixedPrecisionPolicy | None):
-    """The graph as the model computes: under ``mp_policy`` as ``autopar.plan`` captures it."""
-    precision = Precision.of(mp_policy)
-    return capture(model, inputs) if precision is None else capture_cast(capture, model, precision)(inputs)
+RECOMPUTE_PINS = {"full": "all", "none": "none", "fit": None}  # Pinned.recompute -> Constraints.recompute
+AS_RUN_MEMORY = float(2**70)  # bytes per GPU: no limit (the planner takes finite limits only)
+
+
+def published_pins(pinned: Pinned, *, recompute: str | None = None) -> tuple[str, Constraints]:
+    """The published layout as ``autopar.plan`` takes it: (``layout=``, ``constraints=``): its
+    intra-op layout, pipelined (``pp+LAYOUT``) with its stages, micro-batches, schedule and
+    interleaving depth where it ran a pipeline; its recomputation where the run states it
+    (``recompute``: another ``Pinned.recompute`` policy instead of the run's)."""
+    policy = RECOMPUTE_PINS[recompute or pinned.recompute]
+    if pinned.stages == 1:
+        return pinned.layout, Constraints(recompute=policy)
+    interleaved = pinned.schedule is autopar.costmodels.Schedule.INTERLEAVED_1F1B
+    return f"pp+{pinned.layout}", Constraints(pp=pinned.stages, micro_batches=pinned.micro_batches,
+                                              schedule=pinned.schedule, chunks=pinned.chunks if interleaved else None,
+                                              recompute=policy)
+
+
+# where a step's seconds go, from ``Plan.predicted`` (``PinnedCost.parts`` of a planned layout)
+BREAKDOWN_PARTS = ("compute", "communication", "bubble", "other")
+
+
+def layout_cost(plan: Plan, layers: int, notes: list[str] | None = None) -> PinnedCost:
+    """``plan``'s predicted step: time, the fullest device's memory, recomputed layers, where the time goes."""
+    p = plan.predicted
+    parts = {"compute": p.compute, "communication": p.communication, "bubble": p.bubble}
+    parts["other"] = max(0.0, p.step_time - sum(parts.values()))
+    return PinnedCost(step_time=p.step_time, memory=sum(p.memory.values()), recomputed=len(plan.recompute),
+                      layers=layers, fits=True, notes=list(notes or []), parts=parts)
+
+
+def price_published(model, inputs, row: Row, layers: int, *, memory_limit: float, time_limit_s: float,
+                    recompute: str | None = None) -> PinnedCost:
+    """The published layout planned by ``autopar.plan(..., layout=, constraints=)`` on the run's mesh
+    and machine, within ``memory_limit`` (``AS_RUN_MEMORY``: priced as the run was made, whatever memory
+    it needs, with a note where that is over the card); ``fits`` False with the planner's reason
+    where no plan honours it."""
+    layout, pins = published_pins(row.pinned, recompute=recompute)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autopar.plan(model, row.mesh, inputs, hardware=row.hardware, layout=layout, constraints=pins,
+                                memory_limit=memory_limit, time_limit_s=time_limit_s, mp_policy=row.mp_policy)
+    except ValueError as exc:
+        return PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=layers, fits=False,
+                          notes=[str(exc).removeprefix("autopar: ")[:300]])
+    cost = layout_cost(plan, layers)
+    if cost.memory > row.device_memory:
+        cost.notes.append(f"predicted {cost.memory / GIB:.1f} GiB per GPU, over the device's "
+                          f"{row.device_memory / GIB:.1f} GiB, with the run's own recomputation")
+    return cost
 
 
 def over_the_card(cost: PinnedCost, memory_limit: float) -> bool:
@@ -264,23 +309,21 @@ def over_the_card(cost: PinnedCost, memory_limit: float) -> bool:
     return cost.fits and cost.memory > memory_limit
 
 
-def fitting_layout(captured, row: Row, as_run: PinnedCost, hint_of: Callable, memory_limit: float) -> PinnedCost | None:
-    """Where the run's own recomputation is predicted over the card (``memory_limit``), the
-    published layout with the fewest recomputed layers that fit it, priced as the auto plan's
-    pipelines are (``Pinned.recompute`` "fit": the planner's own search under the card's limit;
-    Build 2: "manual layouts get the fewest recomputed layers that fit, as auto does"): the
-    layout the auto plan, which must fit, is compared with. Where that search finds none, every
-    layer recomputed ("full"), if that fits, with a note saying so; ``fits`` False where neither
-    fits. None where the run's own recomputation fits."""
-    if not over_the_card(as_run, memory_limit):
+def fitting_layout(model, inputs, row: Row, as_run: PinnedCost, *, time_limit_s: float) -> PinnedCost | None:
+    """Where the run's own recomputation is predicted over the card, the published layout with
+    its recomputation searched within the card (the fewest recomputed layers that fit, as the
+    auto plan's): the layout the auto plan, which must fit, is compared with. Where that search
+    finds none, every layer recomputed, if that fits, with a note saying so; ``fits`` False where
+    neither does. None where the run's own recomputation fits."""
+    if not over_the_card(as_run, row.device_memory):
         return None
-    fewest = price_pinned(captured, row.mesh, row.hardware, hint_of, replace(row.pinned, recompute="fit"),
-                          memory_limit=memory_limit)
+    fewest = price_published(model, inputs, row, as_run.layers, memory_limit=row.device_memory,
+                             time_limit_s=time_limit_s, recompute="fit")
     if fewest.fits or row.pinned.recompute == "full":
         return fewest
-    full = price_pinned(captured, row.mesh, row.hardware, hint_of, replace(row.pinned, recompute="full"),
-                        memory_limit=memory_limit)
-    if over_the_card(full, memory_limit):
+    full = price_published(model, inputs, row, as_run.layers, memory_limit=row.device_memory,
+                           time_limit_s=time_limit_s, recompute="full")
+    if not full.fits:
         return fewest
     full.notes[:0] = [f"within the card: the planner's search for the fewest recomputed layers found none "
                       f"({'; '.join(fewest.notes) or 'no reason given'}): every layer recomputed"]
@@ -306,22 +349,21 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     cache = {} if cache is None else cache
     shared = (row.build, row.batch, row.seq, row.mp_policy)
     if shared not in cache:
-        model, inputs = _model_and_inputs(row)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NoRuleWarning)
-            cache[shared] = (model, inputs, _capture(model, inputs, row.mp_policy))
-    model, inputs, captured = cache[shared]
+        cache[shared] = _model_and_inputs(row)
+    model, inputs = cache[shared]
     params, layers, hidden = model_shape(model)
     per_token = flops_per_token(params, layers, hidden, row.seq)
     published = published_tokens(row, per_token)
     out = {"row": row, "params": params, "flops_per_token": per_token, "published": published}
     started = time.perf_counter()
-    hint_of = lambda graph: layouts.hint(row.pinned.layout, graph)  # noqa: E731
-    cost = price_pinned(captured, row.mesh, row.hardware, hint_of, row.pinned, memory_limit=row.device_memory)
+    # priced as the run was made: its own recomputation, whatever memory that needs (where it
+    # states none, the fewest recomputed layers that fit the card)
+    as_run = row.device_memory if row.pinned.recompute == "fit" else AS_RUN_MEMORY
+    cost = price_published(model, inputs, row, layers, memory_limit=as_run, time_limit_s=time_limit_s)
     out["pinned"] = cost
     out["predicted"] = tokens_per_gpu(row, cost.step_time) if cost.fits else 0.0
     out["ratio"] = out["predicted"] / published  # the prediction check: the run's own recomputation
-    out["fitting"] = fitting_layout(captured, row, cost, hint_of, row.device_memory)
+    out["fitting"] = fitting_layout(model, inputs, row, cost, time_limit_s=time_limit_s)
     out["pinned_seconds"] = time.perf_counter() - started
     out["compared"] = compared_tokens(row, out)
     if not auto_plan:
@@ -447,7 +489,8 @@ def main() -> None:
     rows = {r.key: r for r in published_rows()}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(rows), choices=list(rows))
-    parser.add_argument("--time-limit", type=float, default=60.0, help="the auto plan's search limit, seconds")
+    parser.add_argument("--time-limit", type=float, default=60.0,
+                        help="each plan's search limit (the auto plan's, the published layout's), seconds")
     parser.add_argument("--dry-run", action="store_true", help="dry-run every auto plan (autopar.dry_run)")
     parser.add_argument("--no-auto", action="store_true", help="price the published layouts only, no auto plan")
     parser.add_argument("--bf16-throughout", action="store_true",

@@ -229,6 +229,8 @@ def pin_lines(plan) -> list[str]:
     if not record:
         return []
     pins, free, broken = ", ".join(record["pins"]), record.get("unpinned"), record.get("broken") or []
+    if not record.get("priced", True):
+        return [f"pins: {pins} (not priced against the search without them: pass them as constraints= for that)"]
     if free is None:
         return [f"pins: {pins}; without them no plan fits either, so their price is unknown"]
     if not broken:

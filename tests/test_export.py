@@ -119,6 +119,27 @@ def test_choices_torch_cannot_express_are_reported(plans, tmp_path):
     assert f"{len(exported.notes)} choices of the plan torch's APIs cannot express" in exported.summary()
 
 
+def test_the_written_layout_is_priced_beside_the_plan(plans, tmp_path):
+    """``Exported.cost``: where torch expresses a choice otherwise (ZeRO-1 as FSDP2 without
+    resharding, the nearest), the written layout is priced by the same cost model, and differs;
+    where it expresses every choice (DDP of a dp plan), the written module is the plan, priced the same."""
+    model, inputs, plan = plans["llama", "zero1"]
+    exported = plan.export(model, tmp_path / "zero1.py", example_inputs=inputs)
+    cost, memory = exported.cost, sum(plan.predicted.memory.values())
+    assert exported.notes and cost.step_time is not None and cost.memory is not None, cost
+    assert (cost.plan_step_time, cost.plan_memory) == (plan.predicted.step_time, memory)
+    assert (cost.step_time, cost.memory) != (plan.predicted.step_time, memory)
+    assert cost.line() in exported.summary() and "the written module" in cost.line()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact_plan = autopar.layouts.build("dp", model, (2,), inputs, hardware="h100", pipeline=False)
+    exact = exact_plan.export(model, tmp_path / "dp.py", example_inputs=inputs)
+    assert not exact.notes
+    assert (exact.cost.step_time, exact.cost.memory) == (exact_plan.predicted.step_time,
+                                                         sum(exact_plan.predicted.memory.values()))
+    assert "+0% step time: torch expresses every choice" in exact.summary()
+
+
 def test_a_pipeline_cut_inside_a_layer_is_said(plans, tmp_path):
     model, inputs, _ = plans["llama", "tp+dp"]
     micro = inputs[0].chunk(2)[0]
@@ -153,8 +174,11 @@ def test_cli_export(plans, tmp_path, capsys):
     _, _, plan = plans["llama", "tp+dp"]
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "parallelize.py"
-    assert cli_main(["export", str(tmp_path / "plan.json"), "tests.models:llama", "--out", str(out)]) == 0
+    toml = tmp_path / "job.toml"
+    assert cli_main(["export", str(tmp_path / "plan.json"), "tests.models:llama", "--out", str(out),
+                     "--torchtitan", str(toml)]) == 0
     assert "def parallelize(" in out.read_text() and f"wrote {out}" in capsys.readouterr().out
+    assert "[parallelism]" in toml.read_text() and "tensor_parallel_degree = 2" in toml.read_text()
     assert cli_main(["export", str(tmp_path / "missing.json"), "tests.models:llama"]) == 2
     assert capsys.readouterr().err.startswith("autopar: expected a plan JSON file")
 

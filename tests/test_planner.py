@@ -242,7 +242,8 @@ def test_only_as_many_layers_recomputed_as_memory_demands():
 def test_a_manual_layout_recomputes_the_fewest_layers_that_fit():
     """``layout="fsdp"`` given half of its activations' memory recomputes some layers, as an
     auto plan would, instead of reporting that it does not fit; the auto plan lists it as a
-    candidate costed so, and is no slower."""
+    candidate (costed with its recomputation fitted, no search), and is no slower; the search
+    under the layout's pins is no slower than that costing."""
     cfg = GPTConfig(vocab_size=1024, max_seq_len=1024, dim=512, n_heads=8, n_layers=8)
 
     model = meta(lambda: GPT(cfg))
@@ -260,7 +261,7 @@ def test_a_manual_layout_recomputes_the_fewest_layers_that_fit():
     assert sum(tight.predicted.memory.values()) <= limit * (1 + 1e-9)
     assert tight.params == free.params and tight.predicted.step_time > free.predicted.step_time
     assert "recomputed in backward" in tight.explain()
-    assert auto.candidates["fsdp"] == pytest.approx(tight.predicted.step_time)
+    assert tight.predicted.step_time <= auto.candidates["fsdp"] * (1 + 1e-9)
     assert auto.predicted.step_time <= min(auto.candidates.values()) * (1 + 1e-9)
 
 

@@ -229,9 +229,10 @@ def test_a_layout_over_the_card_is_compared_within_it():
     assert f"| 1.10 (÷ as run, over the card: {r['auto_tokens'] / r['predicted']:.2f}) |" in line
     assert "| tiny within the card |" in published.table([r])  # its step broken down too
 
-    hint_of = lambda graph: layouts.hint("dp", graph)  # noqa: E731
-    full = price_pinned(cache[next(iter(cache))][2], row.mesh, row.hardware, hint_of, replace(pinned, recompute="full"),
-                        memory_limit=80e9)
+    full = published.price_published(*cache[next(iter(cache))], row, 4, memory_limit=published.AS_RUN_MEMORY,
+                                     time_limit_s=3.0,
+                                     recompute="full")
+    assert full.recomputed == full.layers == 4
     r = on(full.memory * 1.05)  # the planner's stage search finds no fewer that fit here: every layer, said so
     assert r["fitting"].fits and r["fitting"].recomputed == r["fitting"].layers
     assert "found none" in r["fitting"].notes[0] and "found none" in published.table([r])

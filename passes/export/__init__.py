@@ -10,7 +10,9 @@ out with torch's own APIs only, importing no autopar: ``parallelize_module`` wit
 the stages (``autopar.passes.export.stages``). The model is captured once to follow the
 plan's placements from op to op, so that what each style hands on is what the plan's next op
 reads; where torch's APIs cannot say what the plan chose, the written module says so at the
-module concerned and uses the nearest layout they can express (``Exported.notes``).
+module concerned and uses the nearest layout they can express (``Exported.notes``), and the
+written layout is priced beside the plan by the same cost model (``Exported.cost``:
+``autopar.passes.export.price``), so what the export gives up is a number.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import torch
 
 from autopar.passes.capture import capture
 from autopar.passes.export.data_parallel import batch_notes, data_parallel
+from autopar.passes.export.price import ExportedCost, exported_cost
 from autopar.passes.export.reading import container_of, output_specs, read_plan
 from autopar.passes.export.source import Layout, fold_notes, write
 from autopar.passes.export.stages import stages
 from autopar.passes.export.tensor_parallel import tensor_parallel
+from autopar.passes.export.torchtitan import fragment
 
 
 @dataclass
@@ -37,6 +41,19 @@ class Exported:
     path: Path
     source: str
     notes: list[str] = field(default_factory=list)  # "module: what differs from the plan there"
+    # the written module's predicted step and memory beside the plan's (``autopar.passes.export.price``)
+    cost: ExportedCost | None = None
+    # the plan as a torchtitan job-config fragment (TOML), for a Llama-family model; None otherwise
+    torchtitan: str | None = None
+
+    def write_torchtitan(self, path: str | Path) -> Path:
+        """Write ``torchtitan`` (the job-config fragment) to ``path``."""
+        if self.torchtitan is None:
+            raise ValueError("autopar: no torchtitan job config for this model: torchtitan trains Llama-family "
+                             "models only; found another. Use the written module instead")
+        out = Path(path)
+        out.write_text(self.torchtitan)
+        return out
 
     def summary(self) -> str:
         lines = [f"wrote {self.path}: parallelize(model, mesh) with torch's own APIs"
@@ -47,6 +64,8 @@ class Exported:
             lines += [f"  {note}" for note in self.notes]
         else:
             lines.append("torch's APIs express every choice of the plan")
+        if self.cost is not None:
+            lines.append(self.cost.line())
         return "\n".join(lines)
 
 
@@ -78,7 +97,8 @@ def export(plan, model_or_factory, path: str | Path, example_inputs: tuple | Non
     found = list(notes)
     for part in (tp.notes if tp else {}, dp.notes if dp else {}, cut.notes if cut else {}):
         found += [f"{where or 'the model'}: {note}" for where, said in fold_notes(part).items() for note in said]
-    return Exported(out, text, found)
+    titan = fragment(plan, type(model).__name__, reading, dp, cut, int(inputs[0].shape[0]), found)
+    return Exported(out, text, found, exported_cost(plan, captured, model, reading, tp, dp, found), titan)
 
 
 def _model_and_inputs(model_or_factory, example_inputs) -> tuple[torch.nn.Module, tuple]:

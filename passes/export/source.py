@@ -466,7 +466,8 @@ def _parallelize(layout: Layout) -> str:
 def _pipeline(layout: Layout) -> str:
     st, axes = layout.stages, layout.reading.axes
     pp = axes.names[axes.pipeline]
-    interleaved = st.schedule == "ScheduleInterleaved1F1B"
+    # torch's looped schedules (PipelineScheduleMulti) take every stage of the rank, the others its one
+    interleaved = st.schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
     lines = [f"NUM_STAGES = {len(st.layers)}",
              f"STAGE_LAYERS = {tuple(st.layers)!r}  # per stage: [first, last) of LAYERS",
              "# per stage: the modules around the layers whose weights it trains",

@@ -2,6 +2,11 @@
 
 ``Constraints`` is any subset of:
 
+- a whole manual layout: ``layout`` (``"fsdp+tp"``, ``"pp+fsdp+tp"``, ``"pp4+tp+sp"``, ``"3d"``:
+  ``layout_placements.layout_parts``): its placements of every parameter and input and its
+  ZeRO levels, as ``autopar.passes.planner.layouts`` lays them on the intra-op mesh, with no
+  pipeline for an intra-op layout, and with one (its depth searched, or named, or ``pp=``) for a
+  pipelined one; what ``autopar.plan(..., layout=)`` pins;
 - the mesh: a degree per role (``tp=8``: tensor parallel over mesh axes whose sizes multiply
   to 8; ``dp=8``: data parallel so; ``pp=4``: four pipeline stages) and which axis plays which
   role (``axes=("dp", "tp")``, one role or None per axis of the mesh as given; ``"pp"`` only
@@ -25,7 +30,7 @@ it split where a reader gathers it. The planner turns these into restrictions of
 integer program and of the pipeline search (``autopar.passes.planner.pin_restrictions``,
 ``autopar.passes.planner.pipeline``), and checks a plan against them (``honours``).
 
-Written as the command line takes them: ``tp=8 pp=4 micro_batches=16 schedule=1f1b chunks=2
+Written as the command line takes them: ``layout=pp+fsdp+tp tp=8 pp=4 micro_batches=16 schedule=1f1b chunks=2
 zero=1 zero:embed_tokens=0 recompute=none axes=pp,dp,tp layers.*.mlp.down_proj=rowwise``
 (``Constraints.from_pins``); as JSON, the fields (``Constraints.from_dict``).
 """
@@ -40,6 +45,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from autopar.costmodels.schedules import Schedule
 from autopar.passes.placements import parse_spec
+from autopar.passes.planner.layout_placements import axis_roles, layout_parts
+from autopar.passes.roles import AxisRole
 
 ROLES = ("pp", "dp", "tp")
 RECOMPUTE = ("none", "all")
@@ -54,6 +61,7 @@ _ALIASES = {"microbatches": "micro_batches", "micro-batches": "micro_batches", "
 class Constraints:
     """Pins on the layout (module docstring); a field left None is searched."""
 
+    layout: str | None = None  # a whole manual layout's placements and ZeRO levels (``layout_parts``)
     tp: int | None = None
     dp: int | None = None
     pp: int | None = None
@@ -92,10 +100,10 @@ class Constraints:
             except ValueError:
                 raise ValueError(f"autopar: pin schedule={self.schedule!r} names no schedule; expected one of "
                                  f"{[s.value for s in Schedule]}") from None
-        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, Schedule.INTERLEAVED_1F1B):
-            raise ValueError(f"autopar: pin chunks={self.chunks} runs several chunks per rank, which only "
-                             f"{Schedule.INTERLEAVED_1F1B.value} does; found schedule={self.schedule}; pin "
-                             f"schedule={Schedule.INTERLEAVED_1F1B.value} or chunks=1")
+        if self.chunks is not None and self.chunks > 1 and self.schedule is not None and not self.schedule.interleaved:
+            several = [s.value for s in Schedule if s.interleaved]
+            raise ValueError(f"autopar: pin chunks={self.chunks} runs several chunks per rank, which only {several} "
+                             f"do; found schedule={self.schedule}; pin one of those or chunks=1")
         if self.chunks == 1 and self.schedule is Schedule.INTERLEAVED_1F1B:
             raise ValueError(f"autopar: pin schedule={self.schedule} runs several chunks per rank, and chunks=1 says "
                              "one; pin chunks of at least 2 with it, or another schedule")
@@ -118,8 +126,48 @@ class Constraints:
                 raise ValueError(f"autopar: pin {pattern}={placement!r} expected a parameter-name pattern and a "
                                  f"placement per mesh axis such as S(0)R, or one of {MEGATRON_ROLES}")
         object.__setattr__(self, "params", placed)
+        if self.layout is not None:
+            self._check_layout()
+
+    def _check_layout(self) -> None:
+        pipelined, depth, _ = layout_parts(self.layout)
+        if depth is not None and self.pp not in (None, depth):
+            raise ValueError(f"autopar: pin layout={self.layout} names {depth} pipeline stages, and pp={self.pp} "
+                             "another; expected one depth: leave pp out, or name the layout without it")
+        if depth is not None:
+            object.__setattr__(self, "pp", depth)
+        if pipelined and self.pp == 1:
+            raise ValueError(f"autopar: pin layout={self.layout} is pipelined, and pp=1 says no pipeline; expected "
+                             f"pp of at least 2, or the layout {layout_parts(self.layout)[2]} without a pipeline")
+        settings = [f"pp={self.pp}"] if (self.pp or 1) > 1 else []
+        settings += [p for p in self.pins() if p.partition("=")[0] in ("micro_batches", "schedule", "chunks")]
+        if not pipelined and settings:
+            raise ValueError(f"autopar: pin layout={self.layout} has no pipeline, and {', '.join(settings)} "
+                             f"pins one; expected the pipelined layout pp+{self.layout} (pp4+{self.layout} for "
+                             "4 stages) with them, or leave them out")
 
     # --- reading -------------------------------------------------------------------
+    @property
+    def intra_layout(self) -> str | None:
+        """The intra-op layout the ``layout`` pin lays on every stage's mesh (``"fsdp+tp"`` of
+        ``"pp+fsdp+tp"``), or None."""
+        return layout_parts(self.layout)[2] if self.layout is not None else None
+
+    @property
+    def stages(self) -> int | None:
+        """The pipeline stages pinned: ``pp``; else 1 for an intra-op ``layout`` (no pipeline); else
+        None (searched; a pipelined layout's at least 2)."""
+        if self.pp is not None:
+            return self.pp
+        return 1 if self.layout is not None and not layout_parts(self.layout)[0] else None
+
+    @property
+    def wants_pipeline(self) -> bool:
+        """Whether the pins ask for a pipeline (a depth of 2 or more, a pipeline setting, a
+        pipelined layout, the outermost axis's role)."""
+        return ((self.pp or 1) > 1 or self.pipelined_by_settings or (self.axes or (None,))[0] == "pp"
+                or self.layout is not None and layout_parts(self.layout)[0])
+
     @property
     def pipelined_by_settings(self) -> bool:
         """Whether a pipeline setting is pinned (micro-batches, schedule, chunks): then a plan
@@ -225,12 +273,12 @@ class Constraints:
                 data[key] = tuple(value.split(","))
             elif key == "recompute":
                 data[key] = value if value in RECOMPUTE else tuple(_layer_numbers(text, value))
-            elif key == "schedule":
+            elif key in ("schedule", "layout"):
                 data[key] = value
             elif _placement(value):
                 placed.append((key, value))
             else:
-                raise ValueError(f"autopar: pin {text!r} names nothing autopar pins; expected one of tp, dp, pp, "
+                raise ValueError(f"autopar: pin {text!r} names nothing autopar pins; expected one of layout, tp, dp, pp, "
                                  "axes, micro_batches, schedule, chunks, zero, zero:PATTERN, recompute, or "
                                  f"PATTERN=PLACEMENT (S(0)R, {', '.join(MEGATRON_ROLES)}) for parameters")
         return cls(**data, zero_by_name=tuple(by_name), params=tuple(placed))
@@ -329,10 +377,12 @@ def mesh_roles(pins: Constraints, shape: Sequence[int], stages: int) -> list[Mes
     """Every way to lay the pinned roles on the intra-op mesh of ``stages`` pipeline stages over
     ``shape`` (the mesh as given), preferred first: tensor parallel on the innermost axes (the
     fast links), data parallel on the outermost; or why there is none."""
-    if pins.pp is not None and pins.pp != stages:
-        return f"pp={pins.pp} pinned"
+    if pins.stages is not None and pins.stages != stages:
+        return f"pp={pins.pp} pinned" if pins.pp is not None else f"layout={pins.layout} pinned: no pipeline"
     if stages == 1 and pins.pipelined_by_settings:
         return f"{', '.join(pins.pipeline_pins())} pinned: a pipeline"
+    if stages == 1 and pins.wants_pipeline:
+        return f"layout={pins.layout} pinned: a pipeline"
     given = pins.axes
     if given is not None and len(given) != len(shape):
         return (f"axes={','.join(a or '*' for a in given)} gives {len(given)} roles for the {len(shape)} axes of mesh "
@@ -358,12 +408,30 @@ def mesh_roles(pins: Constraints, shape: Sequence[int], stages: int) -> list[Mes
                                  dp_pin, tp_pin)
                          for k in range(len(intra)))
             layouts.append(MeshRoles((AxisPin(),) if intra == (1,) else axes, source))
+    if layouts and pins.layout is not None and intra != (1,):
+        laid = layout_roles(pins, len(intra))
+        layouts = [replace(roles, axes=tuple(AxisPin(p.batch or q.batch, p.weights or q.weights,
+                                                     p.batch_pin if p.batch else q.batch_pin,
+                                                     p.weights_pin if p.weights else q.weights_pin)
+                                             for p, q in zip(roles.axes, laid))) for roles in layouts]
     if layouts:
         return layouts
     degrees = ", ".join(f"{r}={getattr(pins, r)}" for r in ("tp", "dp") if getattr(pins, r) is not None)
     return (f"{degrees or 'the axes pinned'} cannot be laid on the intra-op mesh {intra}"
             + (f" of a {stages}-stage pipeline" if stages > 1 else "")
             + ": expected mesh axes whose sizes multiply to each degree")
+
+
+def layout_roles(pins: Constraints, ndim: int) -> tuple[AxisPin, ...]:
+    """What each axis of an intra-op mesh of ``ndim`` axes does under ``pins.layout`` (its axes'
+    roles, ``layout_placements.axis_roles``): a tensor-parallel axis keeps the batch whole and
+    reads the weights where Megatron stores them; a data-parallel one splits the batch and
+    reads every weight whole (FSDP gathers it); a replicated one splits no sequences and reads
+    weights whole; an expert-parallel one splits the batch."""
+    why = f"layout={pins.layout}"
+    pin = {AxisRole.TP: AxisPin("whole", "stored", why, why), AxisRole.DP: AxisPin("split", "whole", why, why),
+           AxisRole.REPLICA: AxisPin("unsplit", "whole", why, why), AxisRole.EP: AxisPin("split", None, why, why)}
+    return tuple(pin[role] for role in axis_roles(pins.intra_layout, ndim))
 
 
 def _pin_text(pins: Constraints, role: str) -> str:
@@ -411,8 +479,7 @@ def check_mesh(pins: Constraints, shape: Sequence[int], pipeline: bool) -> None:
         raise ValueError(f"autopar: pin pp={pins.pp} cannot hold on mesh {tuple(shape)}: a pipeline takes its "
                          f"stages out of the outermost axis ({shape[0]} devices); pin a divisor of {shape[0]}, or "
                          "order the mesh with the pipeline's axis first")
-    wants_pipeline = (pins.pp or 1) > 1 or pins.pipelined_by_settings or (pins.axes or (None,))[0] == "pp"
-    if wants_pipeline and not pipeline:
+    if pins.wants_pipeline and not pipeline:
         raise ValueError(f"autopar: pins {pins} set a pipeline, and planning was asked for none (pipeline=False, "
                          "a loss planned with the model, or keyword inputs); plan with pipeline=True and without "
                          "loss_fn, or leave the pipeline pins out")
@@ -466,7 +533,8 @@ def pinned_schedules(pins: Constraints | None, schedules: Sequence[Schedule]) ->
         return schedules, None
     if pins.schedule is not None:
         schedules = (pins.schedule,)
-    if pins.chunks is not None:
-        schedules = tuple(s for s in schedules if s.interleaved == (pins.chunks > 1))
-        return schedules, (pins.chunks,) if pins.chunks > 1 else None
+    if pins.chunks is not None:  # several chunks: the interleaved schedules; one: any that runs one
+        schedules = tuple(s for s in schedules
+                          if (s.interleaved if pins.chunks > 1 else s is not Schedule.INTERLEAVED_1F1B))
+        return schedules, (pins.chunks,)
     return schedules, None

@@ -40,9 +40,12 @@ layer's input by output features (column), the one reading its split activation 
 input features (row). On a model without experts ``ep`` is ``dp`` and ``tp+ep`` is
 ``tp+dp`` (``hints`` drops the duplicates).
 
-Pipeline layouts (``pp+dp`` with 1F1B, and 3-D ``pp+tp+dp``) are these intra-op
-layouts inside the pipeline search (``autopar.passes.planner.pipeline``). The public name
-is ``autopar.layouts``, which adds ``build`` (a layout's Plan for a model).
+Pipelined layouts (``pp+dp``, ``pp+fsdp+tp``, 3-D ``pp+tp+dp`` alias ``3d``, ``pp4+tp+sp``
+with its depth: ``layout_placements.layout_parts``) are these intra-op layouts inside the
+pipeline search (``autopar.passes.planner.pipeline``). Each layout's placements live in
+``autopar.passes.planner.layout_placements``; ``autopar.plan(..., layout=name)`` pins them
+(``Constraints(layout=name)``: recomputation, micro-batches, schedule and depth still searched).
+The public name is ``autopar.layouts``, which adds ``build`` (a layout's Plan for a model).
 """
 
 from __future__ import annotations
@@ -50,103 +53,17 @@ from __future__ import annotations
 from typing import Sequence
 
 from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
-from autopar.passes.placements import Spec, fits
+from autopar.passes.placements import Spec
 from autopar.passes.planner.intra_op import Hint
+from autopar.passes.planner.layout_placements import (LAYOUTS, axis_roles, expert_axes,  # noqa: F401 (their public name)
+                                                      layout_parts, layout_placements)
 from autopar.passes.planner.linears import Linear, linears
-from autopar.passes.planner.megatron import expert_weights, megatron_dims, router_linears
+from autopar.passes.planner.megatron import megatron_dims, router_linears  # noqa: F401 (re-exported)
 from autopar.passes.roles import AxisRole
-from autopar.passes.rules.registry import expert_weights_of
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import StrategyGraph
-
-LAYOUTS = ("replicated", "dp", "zero1", "zero2", "fsdp", "tp", "tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "ep",
-           "tp+ep")
-
-
-def axis_roles(name: str, ndim: int) -> tuple[AxisRole, ...]:
-    """The role of every mesh axis under layout ``name`` (FSDP's axes split the batch: ``DP``)."""
-    if name == "replicated":
-        return (AxisRole.REPLICA,) * ndim
-    if name in ("dp", "zero1", "zero2", "fsdp"):
-        return (AxisRole.DP,) * ndim
-    if name == "tp":
-        return (AxisRole.TP,) * ndim
-    if name in ("tp+dp", "tp+zero1", "tp+sp", "fsdp+tp", "tp+ep"):
-        return (AxisRole.DP,) * (ndim - 1) + (AxisRole.TP,)
-    if name == "ep":
-        return (AxisRole.DP,) * (ndim - 1) + (AxisRole.EP,)
-    raise ValueError(f"autopar: no layout named {name!r}; expected one of {LAYOUTS}")
-
-
-def expert_axes(name: str, ndim: int) -> tuple[int, ...]:
-    """The mesh axes over which layout ``name`` splits experts by expert (the last, for ``ep`` and ``tp+ep``)."""
-    return (ndim - 1,) if name in ("ep", "tp+ep") else ()
-
-
-def _expert_args(node: fx.Node) -> tuple[int, ...]:
-    """The arguments of ``node`` that are expert weights [E, K, N] (its rule's ``expert_weights``)."""
-    return tuple(weight.arg for weight in expert_weights_of(node.target))
-
-
-def layout_placements(name: str, graph: StrategyGraph, found: dict[fx.Node, Linear] | None = None
-                      ) -> tuple[dict[fx.Node, Spec], dict[fx.Node, int]]:
-    """(placement per placeholder, ZeRO level 0..2 per parameter) of layout ``name``;
-    ``found``: ``linears(graph)``, where the caller has it."""
-    mesh = graph.mesh_shape
-    roles = axis_roles(name, len(mesh))
-    captured = graph.captured
-    tp_dims = megatron_dims(graph, found) if AxisRole.TP in roles else {}
-    by_expert = expert_axes(name, len(mesh))
-    experts = {w for node in captured.nodes("call_function") for arg in _expert_args(node)
-               for w in expert_weights(node, captured.params, arg)}
-    fixed: dict[fx.Node, Spec] = {}
-    zero: dict[fx.Node, int] = {}
-    for node in captured.nodes("placeholder"):
-        if node not in graph.nodes:
-            continue
-        shape = tuple(node.meta["val"].shape)
-        spec: list = [Replicate()] * len(mesh)
-        if node.name in captured.user_inputs:
-            for a, role in enumerate(roles):
-                if role in (AxisRole.DP, AxisRole.EP) and shape:
-                    spec[a] = Shard(0)
-                elif role is AxisRole.TP and name == "tp+sp" and len(shape) > 1:
-                    spec[a] = Shard(1)
-        elif node.name in captured.params:
-            for a, role in enumerate(roles):
-                if a in by_expert and node in experts:
-                    spec[a] = Shard(0)
-                elif role is AxisRole.TP and node in tp_dims:
-                    spec[a] = Shard(tp_dims[node])
-            if name in ("fsdp", "fsdp+tp"):
-                dp_axes = [a for a, r in enumerate(roles) if r is AxisRole.DP]
-                spec = _fsdp(shape, spec, dp_axes, mesh)
-            zero[node] = {"zero1": 1, "zero2": 2, "tp+zero1": 1}.get(name, 0)
-        fixed[node] = _fitting(shape, tuple(spec), mesh)
-    return fixed, zero
-
-
-def _fsdp(shape: Sequence[int], spec: list, axes: list[int], mesh: Sequence[int]) -> list:
-    """Split over ``axes`` along the largest dim that divides (a dim the tp axis leaves whole first)."""
-    taken = {p.dim for p in spec if isinstance(p, Shard)}
-    for d in sorted(range(len(shape)), key=lambda d: (d in taken, -shape[d])):
-        trial = list(spec)
-        for a in axes:
-            trial[a] = Shard(d)
-        if fits(shape, tuple(trial), mesh):
-            return trial
-    return spec
-
-
-def _fitting(shape: Sequence[int], spec: Spec, mesh: Sequence[int]) -> Spec:
-    """``spec``, with every axis whose split does not divide evenly replicated instead."""
-    spec = list(spec)
-    for a in range(len(spec)):
-        if not fits(shape, tuple(spec), mesh) and isinstance(spec[a], Shard):
-            spec[a] = Replicate()
-    return tuple(spec) if fits(shape, tuple(spec), mesh) else (Replicate(),) * len(mesh)
 
 
 def split_linears(name: str, graph: StrategyGraph, fixed: dict[fx.Node, Spec],

@@ -28,7 +28,7 @@ def broken_pins(plan: Plan, pins: Constraints, shape: tuple[int, ...], graph_on:
     out = _pipeline_broken(plan, pins) + _recompute_broken(plan, pins, layers)
     stages = plan.pipeline.stages if plan.pipeline is not None else 1
     laid = mesh_roles(pins, shape, stages)
-    mesh_pins = [p for p in pins.pins() if p.split("=")[0] in ("tp", "dp", "axes")]
+    mesh_pins = [p for p in pins.pins() if p.split("=")[0] in ("tp", "dp", "axes", "layout")]
     if isinstance(laid, str):
         return list(dict.fromkeys(out + (mesh_pins or [laid])))
     mesh = (tuple(plan.mesh_shape[1:]) or (1,)) if plan.pipeline is not None else tuple(plan.mesh_shape)
@@ -55,6 +55,8 @@ def _pipeline_broken(plan: Plan, pins: Constraints) -> list[str]:
     }
     out = [f"{name}={getattr(pins, name)}" for name, value in found.items()
            if getattr(pins, name) is not None and getattr(pins, name) != value]
+    if pins.layout is not None and ((pins.stages or 2) > 1) != (pipeline is not None):
+        out.append(f"layout={pins.layout}")
     if pins.axes is not None and pins.axes[0] == "pp" and (pipeline is None or pipeline.stages != plan.mesh_shape[0]):
         out.append("axes=" + ",".join(a or "*" for a in pins.axes))
     return out
@@ -69,12 +71,14 @@ def _recompute_broken(plan: Plan, pins: Constraints, layers: int) -> list[str]:
     return [] if found == wanted else [p for p in pins.pins() if p.startswith("recompute=")]
 
 
-def price_record(pins: Constraints, pinned: Plan, unpinned: Plan | None, breaks: list[str] | None) -> dict[str, Any]:
+def price_record(pins: Constraints, pinned: Plan, unpinned: Plan | None, breaks: list[str] | None,
+                 priced: bool = True) -> dict[str, Any]:
     """``Plan.pins`` of ``pinned``: the pins (as written and as ``Constraints.to_dict``), its
     layout in words, the unpinned plan's step time, memory and layout (None: no plan fits
-    without them either), and the pins it breaks ([]: it honours them all, so it is the plan)."""
+    without them either, or ``priced`` False: not searched), and the pins it breaks ([]: it
+    honours them all, so it is the plan)."""
     record: dict[str, Any] = {"pins": pins.pins(), "constraints": pins.to_dict(), "layout": layout_words(pinned),
-                              "unpinned": None, "broken": list(breaks or [])}
+                              "unpinned": None, "broken": list(breaks or []), "priced": priced}
     if unpinned is not None:
         record["unpinned"] = {"step_time": unpinned.predicted.step_time,
                               "memory": sum(unpinned.predicted.memory.values()), "layout": layout_words(unpinned)}

@@ -18,7 +18,9 @@ completion all handle (as they handle a manual layout's placements):
   gathered) and fix its ZeRO node's level; level 3 stores it split on each of those axes that
   can split it and reads it whole there (gathered at use: FSDP), as torchtitan's fsdp+tp;
 - a parameter's placement pinned (``placement_pins``): stored so on each axis (over ZeRO's
-  storage); a Megatron role (colwise, rowwise) sets its split on the tensor-parallel axes.
+  storage); a Megatron role (colwise, rowwise) sets its split on the tensor-parallel axes;
+- a whole manual layout pinned (``layout=``, ``layout_masks``): every parameter and input
+  placed as the layout places it on every axis, and its ZeRO levels; every other op searched.
 
 ``restricted`` adds them to a ``Costs``' problem; ``broken`` checks a plan's choice against
 the same masks (``autopar.passes.planner.search`` returns the unconstrained plan where it
@@ -36,6 +38,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.passes.costing import Costs
 from autopar.passes.placements import parse_spec
 from autopar.passes.planner.constraints import MEGATRON_ROLES, AxisPin, Constraints, MeshRoles, name_matches
+from autopar.passes.planner.layout_placements import layout_placements
 from autopar.passes.planner.linears import linears
 from autopar.passes.planner.megatron import megatron_dims
 from autopar.passes.planner.microbatch import batch_dims, batch_size, sequences_split
@@ -141,6 +144,8 @@ def pin_masks(graph: StrategyGraph, roles: MeshRoles | None, pins: Constraints |
         readers_whole = {ph: pin.weights_pin for ph in placeholders} if pin.weights == "whole" else {}
         readers_whole.update({ph: why for ph, (want, why) in storage.items() if want == SPLIT})
         _read_whole(graph, out, a, readers_whole, of_weight, cache)
+    if pins is not None and pins.layout is not None:
+        layout_masks(graph, out, pins)
     if any(level == 3 for level, _ in levels.values()) and not any(
             size > 1 and a not in tp for a, size in enumerate(mesh)):
         why = next(w for level, w in levels.values() if level == 3)
@@ -148,6 +153,22 @@ def pin_masks(graph: StrategyGraph, roles: MeshRoles | None, pins: Constraints |
                             f"the axes that are not tensor parallel, and none is left ({axes[tp[0]].weights_pin if tp else ''}"
                             "); pin another ZeRO level, or fewer tensor-parallel devices")
     return out
+
+
+def layout_masks(graph: StrategyGraph, out: PinMasks, pins: Constraints) -> None:
+    """``pins.layout``'s placements of every placeholder (its intra-op layout on ``graph``'s mesh:
+    ``layout_placements``) and its ZeRO levels, where no ZeRO pin sets one, added to ``out``."""
+    fixed, zero = layout_placements(pins.intra_layout, graph)
+    why = f"layout={pins.layout}"
+    for node, spec in fixed.items():
+        if node not in graph.nodes:
+            continue
+        keep = np.ones(len(graph.nodes[node].strategies), dtype=bool)
+        for a, placement in enumerate(spec):
+            keep &= _codes([s.output for s in graph.nodes[node].strategies], a) == _code(placement)
+        _and_node(out, node, keep, why, f"placing {node.name} as {pins.intra_layout} does")
+    for ph, level in zero.items():
+        out.zero.setdefault(ph, (level, why))
 
 
 def placement_pins(graph: StrategyGraph, pins: Constraints, roles: MeshRoles | None) -> dict[fx.Node, tuple[list[int | None], str]]:

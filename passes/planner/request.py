@@ -44,6 +44,9 @@ class PlanRequest:
     outer_axis_only: bool = False  # pipelines only over the whole outermost axis (a given device mesh's shape)
     progress: Callable[[str, int, int | None], None] | None = None  # told each search step as it starts
     constraints: Constraints | None = None  # the user's pins (``autopar.Constraints``); None: none
+    # with pins, also search without them to price them (``Plan.pins``); a manual layout given as
+    # ``layout=`` alone is planned under its pins, not priced (a second search)
+    price_pins: bool = True
     # the pins' roles on this request's mesh (one of ``constraints.mesh_roles``' ways), set by the
     # search for each mesh it plans; None: no axis pinned
     roles: MeshRoles | None = None

@@ -218,11 +218,13 @@ def plan_pinned(captured, request: PlanRequest) -> Plan:
     layers = repeated_layer_count(captured)
     check_recompute(pins, layers)
     graphs = Graphs(captured)
-    free_request = replace(request, constraints=None, progress=_prefixed(request.progress, "without pins: "))
-    try:
-        free = _search(captured, free_request, graphs)
-    except PlanningError:
-        free = None
+    free = None
+    if request.price_pins:
+        free_request = replace(request, constraints=None, progress=_prefixed(request.progress, "without pins: "))
+        try:
+            free = _search(captured, free_request, graphs)
+        except PlanningError:
+            pass
     breaks = broken_pins(free, pins, request.mesh_shape, graphs.on, layers) if free is not None else None
     if free is not None and not breaks:
         best = free
@@ -233,7 +235,7 @@ def plan_pinned(captured, request: PlanRequest) -> Plan:
             raise PlanningError(f"autopar: no plan honours the pins {pins}"
                                 + ("" if free is None else f" (without them: {duration(free.predicted.step_time)})")
                                 + f": {str(exc).removeprefix('autopar: ')}") from None
-    best.pins = price_record(pins, best, free, breaks)
+    best.pins = price_record(pins, best, free, breaks, priced=request.price_pins)
     best.solver["planning_seconds"] = time.perf_counter() - started  # both searches
     best.solver["planning_cpu_seconds"] = time.process_time() - cpu_started
     return best
