@@ -4,7 +4,7 @@
                                              [--sizes 8b 70b 405b] [--time-limit 60] [--dry-run]
                                              [--out benchmarks/results]
 
-1. **Published rows** (FACTS.md, "Published serving measurements"): NVIDIA TensorRT-LLM
+1. **Published rows**: NVIDIA TensorRT-LLM
    v0.5's ``docs/source/performance.md``, Llama 2 70B in FP16 on 4 A100 80GB with tensor
    parallelism 4, one sequence: time to first token at 128 and 2,048 input tokens (47 and
    377 ms). Each is priced as it ran: ``autopar.plan(..., inference=, layout="tp")`` on the

@@ -5,7 +5,7 @@ node order, which follows the traced graph's topological order), solves that cha
 exactly with the memory budget (``chain_dp.solve_chain``), then ``improve_locally``
 re-chooses one node at a time given its neighbours (iterated conditional modes)
 while the plan keeps fitting. CP-SAT on a DAG with skip edges finds poor plans by
-itself at a few thousand nodes (FACTS.md: 58% gap at 2000 x 8); started from this
+itself at a few thousand nodes (``python -m benchmarks.solve_scale``: 58% gap at 2000 x 8); started from this
 plan it only has to improve on it.
 """
 

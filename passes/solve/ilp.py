@@ -33,8 +33,8 @@ Constraints
         accepts fits in floats; a plan within ``N * B' / MEMORY_UNITS`` bytes of the
         limit may be rejected.
 
-Search: 2 workers plus the ``max_lp`` subsolver (FACTS.md: it proves chain optima that
-the default portfolio does not), presolve without probing (``PROBING_LEVEL``), and the
+Search: 2 workers plus the ``max_lp`` subsolver (measured with ``python -m benchmarks.solve_scale``: it proves
+chain optima that the default portfolio does not), presolve without probing (``PROBING_LEVEL``), and the
 incumbent as a CP-SAT solution hint (``_add_hint``). The search is deterministic: the
 same problem gives the same answer, whatever the machine's load: a fixed seed,
 interleaved search (CP-SAT runs its subsolvers in fixed batches, the same result for any
