@@ -431,8 +431,8 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="seconds for the search after capture (default: 60)")
     p.add_argument("--layout", choices=LAYOUTS, default=None, metavar="NAME",
-                   help=f"plan under this manual layout's placements and ZeRO levels, recomputation, micro-batches "
-                   f"and depth searched: {', '.join(LAYOUTS)}")
+                   help=f"cost this manual layout as written (the fewest layers recomputed that fit) instead of "
+                   f"searching: {', '.join(LAYOUTS)}")
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix part of the layout, search the rest (repeatable): tp=8, dp=8, pp=4, axes=pp,dp,tp, "

@@ -73,12 +73,14 @@ def plan(
     ``param_dtype``; float32 masters, gradients and AdamW state; reductions in
     ``reduce_dtype``: ``autopar.costmodels.precision``); the plan records it (``mp_policy``).
 
-    ``layout``: a manual layout (``autopar.layouts.LAYOUTS``, pipelined as ``"pp+fsdp+tp"``, with its
-    depth as ``"pp4+fsdp+tp"``, or ``"3d"``) pinned: its placements of every parameter and input and
-    its ZeRO levels (``Constraints(layout=)``), recomputation, micro-batches, schedule and pipeline
-    depth still searched to fit; with ``constraints`` too, both pinned. ``plan.kind`` is its name.
-    A layout alone is not priced against the search without it (a second search): pin it with
-    ``constraints=autopar.Constraints(layout=...)`` for that.
+    ``layout``: a manual layout (``autopar.layouts.LAYOUTS``) as practitioners write it: every op
+    placed by its rules (data split on its data axes, Megatron's on its tensor axis), the fewest
+    layers recomputed that make it fit. Pipelined (``"pp+fsdp+tp"``, with its depth
+    ``"pp4+fsdp+tp"``, or ``"3d"``), or with ``constraints`` too, it is a pin
+    (``Constraints(layout=)``: its placements of every parameter and input, its ZeRO levels and
+    axis roles), recomputation, micro-batches, schedule and pipeline depth searched to fit.
+    ``plan.kind`` is its name. A layout alone is not priced against the search without it (a
+    second search): pin it with ``constraints=autopar.Constraints(layout=...)`` for that.
 
     ``constraints``: pins (``autopar.Constraints``: ``layout=``, ``tp=``, ``dp=``, ``pp=``, ``axes=``,
     ``micro_batches=``, ``schedule=``, ``chunks=``, ``zero=``, ``zero_by_name=``, ``recompute=``):
@@ -104,7 +106,10 @@ def plan(
                              axis_names=axis_names, others={"loss_fn": loss_fn, "target": target,
                                                             "example_kwargs": example_kwargs, "mp_policy": mp_policy})
     price_pins = constraints is not None  # the user's pins are priced; a layout= alone is not
-    constraints = layout_pinned(layout, constraints)
+    # a manual layout alone is planned as practitioners write it (every op placed by its rules,
+    # the fewest layers recomputed that fit); pipelined, or with pins, its placements are pins
+    exact_layout = layout if constraints is None and layout in layouts.LAYOUTS else None
+    constraints = None if exact_layout else layout_pinned(layout, constraints)
     precision = Precision.of(mp_policy)
     warn_under_autocast("planning", stacklevel=3)
     shape, names = _mesh(mesh_or_shape, axis_names)
@@ -114,7 +119,7 @@ def plan(
     request = PlanRequest(
         mesh_shape=shape, hardware=hardware, memory_limit=memory_limit,
         time_limit_s=time_limit_s,  # the search's own limit: capture (torch.export) cannot be interrupted
-        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, axis_names=names,
+        layouts=layouts.LAYOUTS, hint_fn=layouts.hints, layout=exact_layout, axis_names=names,
         # a pipeline trains the model alone and lays its loss out on the last stage (autopar.compile,
         # autopar.dry_run): stages cut from the model-and-loss graph could not run
         pipeline=pipeline and loss_fn is None,
@@ -146,8 +151,8 @@ def plan(
     if precision is not None:
         priced = next((n.meta[META_KEY] for n in captured.nodes("placeholder") if META_KEY in n.meta), None)
         result.mp_policy = precision.record(priced)
-    if layout is not None:
-        result.kind = layout  # the layout's placements, the rest searched under them
+    if layout is not None or (constraints is not None and constraints.layout is not None):
+        result.kind = layout or constraints.layout  # the layout, as written or as pins
     return result
 
 

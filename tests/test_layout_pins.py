@@ -1,6 +1,6 @@
-"""``layout=`` as a pin (``Constraints(layout=)``): a manual layout's placements and ZeRO levels
-pinned, recomputation, micro-batches, schedule and pipeline depth searched to fit; pipelined
-layouts named (``pp+LAYOUT``, ``pp4+LAYOUT``, ``3d``).
+"""A layout as a pin (``Constraints(layout=)``, and ``layout=`` for a pipelined layout): a manual
+layout's placements and ZeRO levels pinned, recomputation, micro-batches, schedule and pipeline
+depth searched to fit; pipelined layouts named (``pp+LAYOUT``, ``pp4+LAYOUT``, ``3d``).
 
 A GPT of two layers on the meta device (batch 8) on a 2 x 2 mesh, as tests/test_pins.py."""
 
@@ -77,8 +77,8 @@ def test_bad_layout_pins_are_refused(pins, match):
 def test_a_layout_pins_its_placements_and_is_never_slower_than_the_layout_fixed(model, captured, name):
     """The pinned layout stores every parameter as the layout does, with its ZeRO levels, and
     the search under those placements is never predicted slower than the layout completed op by
-    op (the fixed path ``layout=`` took before, ``PlanRequest.layout``)."""
-    result = plan(model, layout=name)
+    op (the path ``layout=`` alone takes, ``PlanRequest.layout``)."""
+    result = plan(model, constraints=Constraints(layout=name))
     assert result.kind == name and result.pipeline is None
     request = PlanRequest(mesh_shape=MESH, hardware="h100", layouts=layouts.LAYOUTS, hint_fn=layouts.hints,
                           layout=name)
@@ -91,19 +91,20 @@ def test_a_layout_pins_its_placements_and_is_never_slower_than_the_layout_fixed(
 
 
 def test_a_layouts_recomputation_and_memory_are_searched_not_fixed(model):
-    """What ``layout=`` fixed before (no layer recomputed, whatever the memory) is searched now:
-    recomputation can be pinned with the layout, and a memory limit under what the layout's
-    fastest plan needs gets another plan of the same placements within it, or one error."""
-    roomy = plan(model, layout="fsdp+tp", pipeline=False)
+    """Under a layout's pins recomputation is searched: it can be pinned with the layout, and a
+    memory limit under what the layout's fastest plan needs gets another plan of the same
+    placements within it, or one error."""
+    pinned = Constraints(layout="fsdp+tp")
+    roomy = plan(model, constraints=pinned, pipeline=False)
     assert not roomy.recompute
     full = plan(model, layout="fsdp+tp", pipeline=False, constraints=Constraints(recompute="all"))
     assert full.recompute == ["layer 0", "layer 1"] and full.params == roomy.params
     assert full.predicted.step_time > roomy.predicted.step_time
     limit = 0.999 * sum(roomy.predicted.memory.values())
-    tight = plan(model, layout="fsdp+tp", pipeline=False, memory_limit=limit)
+    tight = plan(model, constraints=pinned, pipeline=False, memory_limit=limit)
     assert sum(tight.predicted.memory.values()) <= limit and tight.params == roomy.params
     with pytest.raises(ValueError, match="no plan honours the pins layout=fsdp\\+tp") as raised:
-        plan(model, layout="fsdp+tp", pipeline=False, memory_limit=1.0)
+        plan(model, constraints=pinned, pipeline=False, memory_limit=1.0)
     assert str(raised.value).startswith("autopar:")
 
 
