@@ -132,7 +132,9 @@ def test_the_written_layout_is_priced_beside_the_plan(plans, tmp_path):
     assert cost.line() in exported.summary() and "the written module" in cost.line()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exact_plan = autopar.layouts.build("dp", model, (2,), inputs, hardware="h100", pipeline=False)
+        # dp as pins (every parameter whole, the inputs split by rows): every op runs on the rank's rows
+        exact_plan = autopar.plan(model, (2,), inputs, hardware="h100", pipeline=False,
+                                  constraints=autopar.Constraints(layout="dp"))
     exact = exact_plan.export(model, tmp_path / "dp.py", example_inputs=inputs)
     assert not exact.notes
     assert (exact.cost.step_time, exact.cost.memory) == (exact_plan.predicted.step_time,
