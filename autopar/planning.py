@@ -25,7 +25,7 @@ from autopar.passes.capture import capture
 from autopar.passes.generation import Inference
 from autopar.passes.plan import Plan
 from autopar.passes.planner.constraints import Constraints
-from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.search import plan_captured
 from autopar.passes.planner.serving import plan_serving
 from autopar.passes.planner.serving_layout import PIPELINED_LAYOUTS, SERVING_LAYOUTS
@@ -109,7 +109,10 @@ def plan(
     # a manual layout alone is planned as practitioners write it (every op placed by its rules,
     # the fewest layers recomputed that fit); pipelined, or with pins, its placements are pins
     exact_layout = layout if constraints is None and layout in layouts.LAYOUTS else None
-    constraints = None if exact_layout else layout_pinned(layout, constraints)
+    try:
+        constraints = None if exact_layout else layout_pinned(layout, constraints)
+    except ValueError as exc:  # a layout name no pin reads: the request's error, before capture
+        raise PlanningError(str(exc)) from None
     precision = Precision.of(mp_policy)
     warn_under_autocast("planning", stacklevel=3)
     shape, names = _mesh(mesh_or_shape, axis_names)
