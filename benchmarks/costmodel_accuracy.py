@@ -11,8 +11,9 @@ training step under DP, Megatron TP and ZeRO-3: autopar's own compiled step, pre
 by its plan (the planner's cost tables), with its time blocked in collectives; and the
 same layouts by hand (DDP; parallelize_module on the MLPs; FSDP2), predicted by
 ``autopar.costmodels.step_time`` and timed by phase. It prints markdown tables (fitted
-alpha/beta, every row, and the median absolute error per category) and writes them,
-with the raw rows as JSON, under results/ (gitignored).
+alpha/beta, every row, and the median absolute error per category) and writes them to
+``benchmarks/results/costmodel_accuracy_gloo_<yyyymmdd>.md`` (``--out``), and with the raw rows
+as JSON under results/ (``--results``, gitignored).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.results_file import add_out_argument, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 # the step target applies to autopar's compiled step; the hand-written steps are a reference
@@ -242,6 +245,7 @@ def main() -> None:
     ap.add_argument(
         "--results", default=str(REPO / "results"), help="where to write the report ('' for nowhere)"
     )
+    add_out_argument(ap)
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,13 +253,10 @@ def main() -> None:
             print(f"running {n} gloo ranks ...", file=sys.stderr, flush=True)
             results.append(run_world(n, Path(tmp) / f"rows{n}.json", args.steps))
     load = os.getloadavg()
-    report = [
-        "# Cost-model accuracy on this machine",
-        "",
+    title = "Cost-model accuracy on this machine"
+    body = [
         f"{os.cpu_count()} CPUs, gloo, OMP_NUM_THREADS=1, load average at the end {load[0]:.2f}. "
-        "Error = (predicted - measured) / measured. Command: `python -m benchmarks.costmodel_accuracy "
-        + " ".join(f"--ranks {' '.join(map(str, args.ranks))}".split())
-        + "`. Each held-out row is the median of timed batches: "
+        "Error = (predicted - measured) / measured. Each held-out row is the median of timed batches: "
         + ", ".join(f"{k} {v}" for k, v in (results[0].get("repeats", {}) if results else {}).items())
         + " (steps: timed steps per layout).",
         "",
@@ -283,12 +284,12 @@ def main() -> None:
         "",
         *rows_table(results),
     ]
-    text = "\n".join(report)
-    print(text)
+    print("\n".join([f"# {title}", "", *body]))
+    text = write_results("costmodel_accuracy", "gloo", title, body, args.out).read_text()
     if args.results:
         out = Path(args.results)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "costmodel_accuracy.md").write_text(text + "\n")
+        (out / "costmodel_accuracy.md").write_text(text)
         (out / "costmodel_accuracy.json").write_text(json.dumps(results, indent=1))
         print(f"\nwritten: {out / 'costmodel_accuracy.md'}", file=sys.stderr)
 

@@ -23,7 +23,8 @@ With ``--plan``, a saved plan of a built-in ``autopar plan`` model is dry-run in
 (parameters / gradients / optimizer / activations / temporary), each kind's predicted ÷
 measured, the total's, and the dry run's seconds. The dry run's kinds are MemTracker's at
 the worst rank's peak (``autopar.dryrun``); for a pipeline, also the least and most of every
-pipeline rank's predicted (``Prediction.memory_by_rank``) ÷ its dry-run peak.
+pipeline rank's predicted (``Prediction.memory_by_rank``) ÷ its dry-run peak. The table goes to
+``benchmarks/results/dryrun_memory_h100_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from autopar.passes.plan import Plan
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.state_costs import at_peak
+from benchmarks.results_file import add_out_argument, write_results
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 MESHES = {"8": (2, 4), "64": (8, 8), "512": (64, 8)}  # autopar.bench's h100 meshes
@@ -60,17 +62,22 @@ def main() -> None:
     parser.add_argument("--model", default="llama-70b", help="with --plan: the `autopar plan` model it is for")
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--with-loss", action="store_true", help="plan each workload with its loss")
+    add_out_argument(parser)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print("| plan | predicted (p/g/o/a/t) | dry run (p/g/o/a/t), worst rank | predicted ÷ dry run by kind "
-          "| predicted ÷ peak: sum of kinds / at the peak instant | dry run s |")
-    print("|---|---|---|---|---|---|")
+    lines = ["| plan | predicted (p/g/o/a/t) | dry run (p/g/o/a/t), worst rank | predicted ÷ dry run by kind "
+             "| predicted ÷ peak: sum of kinds / at the peak instant | dry run s |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines))
     if args.plan:
-        print(_row(*_saved(args.plan, args.model)))
-        return
-    cases = CASES if args.cases == "all" else args.cases.split(",")
-    for case in cases:
-        print(_row(*_planned(case, args.time_limit, args.with_loss)), flush=True)
+        lines.append(_row(*_saved(args.plan, args.model)))
+        print(lines[-1])
+    else:
+        for case in CASES if args.cases == "all" else args.cases.split(","):
+            lines.append(_row(*_planned(case, args.time_limit, args.with_loss)))
+            print(lines[-1], flush=True)
+    write_results("dryrun_memory", "h100", "Predicted memory per device against the full-scale dry run", lines,
+                  args.out)
 
 
 def _saved(path: str, model_name: str):

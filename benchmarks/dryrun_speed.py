@@ -27,6 +27,7 @@ from autopar.models import llama3
 from autopar.passes.plan import Plan
 from autopar.planning import plan as make_plan
 from benchmarks.plan_llama import llama_arguments
+from benchmarks.results_file import add_out_argument, write_results
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="write a cProfile of the dry run here")
     parser.add_argument("--workers", type=int, default=None, help="dry_run's worker processes (default: one per core)")
     parser.add_argument("--plan-only", action="store_true", help="plan (and --save), do not dry-run")
+    add_out_argument(parser)
     args = parser.parse_args()
 
     warnings.simplefilter("ignore")
@@ -49,8 +51,9 @@ def main() -> None:
         if args.save:
             plan.save(args.save)
     pp = plan.pipeline
-    print(f"llama-{args.size} ({model.config.num_hidden_layers} layers), {plan.kind} plan on {plan.mesh_shape}"
-          + (f", PP{pp.stages} x {pp.chunks_per_rank} chunks, M={pp.micro_batches}, {pp.schedule}" if pp else ""))
+    what = (f"llama-{args.size} ({model.config.num_hidden_layers} layers), {plan.kind} plan on {plan.mesh_shape}"
+            + (f", PP{pp.stages} x {pp.chunks_per_rank} chunks, M={pp.micro_batches}, {pp.schedule}" if pp else ""))
+    print(what)
     if args.plan_only:
         return
     profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU time: the machine is shared
@@ -64,8 +67,13 @@ def main() -> None:
     wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     print(result.table())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (ru_maxrss counts KiB), this process; a worker's is alike
-    print(f"dry run: {wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {gib_text(rss)}; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"dry run: {wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {gib_text(rss)}; load average {load}")
+    verdict = f"predicted / dry run {result.ratio:.2f}" if result.ok else f"FAILED: {result.failures[0].where()}"
+    write_results("dryrun_speed", "cpu", "Dry-run speed on this machine", [
+        "| plan | ranks run | wall s | CPU s | peak RSS | load average | verdict |", "|---|---|---|---|---|---|---|",
+        f"| {what} | {len(result.ranks)} of {result.world_size} | {wall:.1f} | {cpu:.1f} | {gib_text(rss)} | {load} "
+        f"| {verdict} |"], args.out)
     result.raise_if_failed()
 
 

@@ -12,7 +12,8 @@ measured profile), then
 ``pm.generate``, which runs the prefill and decode programs captured once. The two run in
 alternating order (ABBA) so that load on a shared machine hits both alike; the table gives
 the median time per token of each and their ratio. Ratios, not absolute times, are the
-result. Before timing, the compiled tokens are checked against the one-process ones.
+result. Before timing, the compiled tokens are checked against the one-process ones. The table
+goes to ``benchmarks/results/generation_speed_gloo_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import autopar
 from autopar.models import MODELS
+from benchmarks.results_file import add_out_argument, write_results
 from benchmarks.runtime_vs_manual import launch
 
 CONFIG = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -59,7 +62,7 @@ def timed(run) -> float:
     return time.perf_counter() - started
 
 
-def main(layouts: list[str], tokens: int, repeats: int) -> None:
+def main(layouts: list[str], tokens: int, repeats: int, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
@@ -90,12 +93,16 @@ def main(layouts: list[str], tokens: int, repeats: int) -> None:
         compiled, alone = statistics.median(times["compiled"]), statistics.median(times["one process"])
         rows.append((f"{layout} ({plan.kind if plan else pm.plan.kind})", compiled, alone))
     if rank == 0:
-        print(f"Llama {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, float32, prompt {PROMPT}, "
-              f"{tokens} new tokens greedy, 4 gloo ranks (2x2), median of {repeats} runs per side")
-        print("| layout | compiled (ms/token) | one process (ms/token) | compiled / one process |")
-        print("| --- | --- | --- | --- |")
-        for layout, compiled, alone in rows:
-            print(f"| {layout} | {compiled * 1e3:.2f} | {alone * 1e3:.2f} | {compiled / alone:.2f} |")
+        lines = [f"Llama {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, float32, "
+                 f"prompt {PROMPT}, {tokens} new tokens greedy, 4 gloo ranks (2x2), median of {repeats} runs per side",
+                 "",
+                 "| layout | compiled (ms/token) | one process (ms/token) | compiled / one process |",
+                 "| --- | --- | --- | --- |"]
+        lines += [f"| {layout} | {compiled * 1e3:.2f} | {alone * 1e3:.2f} | {compiled / alone:.2f} |"
+                  for layout, compiled, alone in rows]
+        print("\n".join(lines))
+        write_results("generation_speed", "gloo", "Time per generated token: served plans on 4 gloo ranks against "
+                      "one process", lines, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -105,12 +112,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per generation (default 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per side (default 5)")
+    add_out_argument(parser)
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     options = parse(sys.argv[1:])
     if "RANK" in os.environ:
-        sys.exit(main(options.layouts, options.tokens, options.repeats))
+        sys.exit(main(options.layouts, options.tokens, options.repeats, options.out))
     sys.exit(launch("benchmarks.generation_speed", ["--layouts", *options.layouts, "--tokens", str(options.tokens),
-                                                    "--repeats", str(options.repeats)]))
+                                                    "--repeats", str(options.repeats),
+                                                    "--out", str(options.out.resolve())]))

@@ -24,20 +24,17 @@ Everything runs on the meta device; the table and the command, commit and machin
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 import autopar
 from autopar.costmodels.units import GIB
 from autopar.models import MODELS, llama3
+from benchmarks.results_file import add_out_argument, write_results
 
 MS = 1e3
 SIZES = ("8b", "70b", "405b")
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES), help="the table's models")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     lines = ["## Time to first token against published measurements", ""]
@@ -142,14 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         lines += ["", "## Serving layouts: Llama-3 shapes on H100s (prompt 128, 2,048 positions)", ""]
         lines += layout_table(args.time_limit, args.dry_run, args.sizes)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    header = ["# Serving predictions", "", f"Command: `python -m benchmarks.inference_published {' '.join(argv or sys.argv[1:])}`",
-              f"Commit: {commit}. Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}.", ""]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"inference_published_h100-a100_{datetime.date.today():%Y%m%d}.md"
-    path.write_text("\n".join(header + lines) + "\n")
-    print(f"\nwritten: {path}")
+    write_results("inference_published", "h100-a100", "Serving predictions", lines, args.out, argv)
     return 0
 
 

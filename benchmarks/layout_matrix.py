@@ -5,6 +5,10 @@ one-process reference per cell (or the error). The suite runs a listed subset
 (``tests/test_layout_matrix.py``).
 
     python -m benchmarks.layout_matrix [--models vit,resnet] [--layouts dp,tp] [--out results/layout_matrix]
+                                       [--table-dir benchmarks/results]
+
+Writes the table to ``benchmarks/results/layout_matrix_gloo_<yyyymmdd>.md`` (``--table-dir``), and
+the table with every cell's raw results (``table.md``, ``results.json``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results_file import add_out_argument, write_results
 from tests.distributed.layout_matrix_check import LAYOUTS, dtype_of
 from tests.layout_models import LAYOUT_MODELS
 
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(LAYOUT_MODELS))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--out", default="results/layout_matrix")
+    parser.add_argument("--out", default="results/layout_matrix", help="folder of table.md and results.json")
+    add_out_argument(parser, "--table-dir")
     args = parser.parse_args(argv)
     models, layouts = args.models.split(","), args.layouts.split(",")
     started = time.perf_counter()
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"Largest |loss - one process| / |parameter - one process| after 3 AdamW steps, 2x2 gloo mesh "
             f"(one launch, {seconds:.0f} s):\n\n{table(models, layouts, results)}\n")
     print(text)
+    write_results("layout_matrix", "gloo", "Every layout on every model against one process", text.splitlines(),
+                  args.table_dir, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)

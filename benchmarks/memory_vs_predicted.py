@@ -39,7 +39,8 @@ Transient buffers (a bucket's flat all-gather, a gradient bucket in flight, the 
 ZeRO-3 bucket gathered at a time) are not measured, and not predicted either. What the
 prediction calls ``temporary`` (alive only while backward runs: the loss's gradients being
 made) is not measured either: it gets a row of its own and stays out of both totals, which
-add the four measured kinds.
+add the four measured kinds. The table goes to
+``benchmarks/results/memory_vs_predicted_gloo_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import copy
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,7 @@ from autopar.passes.planner.assemble import chosen, node_breakdown, predict, sto
 from autopar.passes.lowering.recompute import Recomputed
 from autopar.passes.strategy_graph import build_strategy_graph
 from autopar.runtime.precision import POLICIES, Precision, capture_cast
+from benchmarks.results_file import add_out_argument, write_results
 from benchmarks.runtime_vs_manual import BATCH, CFG, adamw, gpt_and_batch, launch, loss_fn, plan_for
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -156,7 +159,7 @@ def auto_plan(model, tokens, n: int, mp_policy=None) -> Plan:
     return Plan.from_json(text[0])
 
 
-def main(layouts: list[str], mp: str | None) -> None:
+def main(layouts: list[str], mp: str | None, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
@@ -176,21 +179,24 @@ def main(layouts: list[str], mp: str | None) -> None:
         rows.append((layout if layout != "auto" else f"auto ({plan.kind}, ZeRO {sorted(set(plan.zero.values()))})",
                      plan.predicted.memory, dict(zip(KINDS, peak.tolist()))))
     if dist.get_rank() == 0:
-        print(f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
-              f"{n} gloo ranks, mixed precision {mp or 'none'}; MiB per rank (largest over ranks); ! where measured is off by more than "
-              f"{TOLERANCE:.0%}")
-        print("| layout | kind | predicted | measured | measured / predicted |")
-        print("| --- | --- | --- | --- | --- |")
+        lines = [f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
+                 f"{n} gloo ranks, mixed precision {mp or 'none'}; MiB per rank (largest over ranks); ! where measured "
+                 f"is off by more than {TOLERANCE:.0%}", "",
+                 "| layout | kind | predicted | measured | measured / predicted |",
+                 "| --- | --- | --- | --- | --- |"]
         for layout, predicted, measured in rows:
             for kind in (*KINDS, "total"):  # the total: of the measured kinds, on both sides
                 p = sum(predicted.get(k, 0.0) for k in KINDS) if kind == "total" else predicted.get(kind, 0.0)
                 m = sum(measured.values()) if kind == "total" else measured[kind]
                 ratio = m / p if p else float("inf") if m else 1.0
                 flag = " !" if abs(ratio - 1) > TOLERANCE else ""
-                print(f"| {layout} | {kind} | {p / MIB:.2f} | {m / MIB:.2f} | {ratio:.2f}{flag} |")
+                lines.append(f"| {layout} | {kind} | {p / MIB:.2f} | {m / MIB:.2f} | {ratio:.2f}{flag} |")
             unmeasured = {k: b for k, b in predicted.items() if k not in KINDS and b}
             for kind, p in unmeasured.items():
-                print(f"| {layout} | {kind} (not measured, not in the total) | {p / MIB:.2f} | | |")
+                lines.append(f"| {layout} | {kind} (not measured, not in the total) | {p / MIB:.2f} | | |")
+        print("\n".join(lines))
+        write_results("memory_vs_predicted", "gloo", "Memory per rank while training against the plan's prediction",
+                      lines, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -201,10 +207,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help=f"which layouts to measure (default: all of {', '.join(LAYOUTS)})")
     parser.add_argument("--mp", choices=sorted(POLICIES), default=None,
                         help="under mp_policy=POLICIES[MP] (autopar.runtime.precision), planned and run")
+    add_out_argument(parser)
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     options = parse(sys.argv[1:])
-    sys.exit(main(options.layouts, options.mp) if "RANK" in os.environ
-             else launch("benchmarks.memory_vs_predicted", sys.argv[1:]))
+    mp = ["--mp", options.mp] if options.mp else []
+    sys.exit(main(options.layouts, options.mp, options.out) if "RANK" in os.environ
+             else launch("benchmarks.memory_vs_predicted", ["--layouts", *options.layouts, *mp,
+                                                            "--out", str(options.out.resolve())]))

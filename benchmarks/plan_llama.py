@@ -7,6 +7,8 @@ load beside them: on a shared machine CPU seconds are what the planner's budget 
 wall clock what the load adds), the auto plan's prediction and every manual layout's
 predicted step time with the ratio auto / layout (must be <= 1.00). The planning-speed
 claim lives here, not in the tests: ``--size 70b --mesh 8 8`` within 60 s on an idle machine.
+The timings and ratios go to ``benchmarks/results/plan_llama_h100_<yyyymmdd>.md`` (``--table-dir``;
+``--out`` saves the plan).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from autopar.models import LLAMA3, llama3
 from autopar.planning import plan
+from benchmarks.results_file import add_out_argument, write_results
 
 
 def llama_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,6 +40,7 @@ def main() -> None:
     parser = llama_arguments(argparse.ArgumentParser())
     parser.add_argument("--no-pipeline", action="store_true")
     parser.add_argument("--out", help="save the plan's JSON here (planning twice and comparing the files checks determinism)")
+    add_out_argument(parser, "--table-dir")
     args = parser.parse_args()
 
     warnings.simplefilter("ignore")
@@ -48,17 +52,23 @@ def main() -> None:
                   pipeline=not args.no_pipeline)
     total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     search_cpu = result.solver.get("planning_cpu_seconds", 0.0)
-    print(f"llama-{args.size} ({model.config.num_hidden_layers} layers) on {tuple(args.mesh)}: planned in {total:.1f} s "
-          f"(capture {result.solver.get('capture_seconds', 0):.1f} s, search {result.solver.get('planning_seconds', 0):.1f} s); "
-          f"CPU {cpu:.1f} s (capture and model {cpu - search_cpu:.1f} s, search {search_cpu:.1f} s); "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    planned = (f"llama-{args.size} ({model.config.num_hidden_layers} layers) on {tuple(args.mesh)}: planned in "
+               f"{total:.1f} s (capture {result.solver.get('capture_seconds', 0):.1f} s, search "
+               f"{result.solver.get('planning_seconds', 0):.1f} s); CPU {cpu:.1f} s (capture and model "
+               f"{cpu - search_cpu:.1f} s, search {search_cpu:.1f} s); load average {load_before:.1f} before, "
+               f"{os.getloadavg()[0]:.1f} after")
+    print(planned)
     print(result.explain())
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.to_json())
     step = result.predicted.step_time
+    lines = [planned, "", f"Auto plan: {result.kind}, {step * 1e3:.1f} ms predicted step.", "",
+             "| layout | auto / layout | layout's predicted step (ms) |", "|---|---|---|"]
     for name, t in sorted(result.candidates.items(), key=lambda kv: kv[1]):
         print(f"  auto / {name:<28} = {step / t:.3f}   ({t * 1e3:.1f} ms)")
+        lines.append(f"| {name} | {step / t:.3f} | {t * 1e3:.1f} |")
+    write_results("plan_llama", "h100", f"Planning Llama-3 {args.size} on the H100 preset", lines, args.table_dir)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
 
 Prints a markdown table, and the published layouts' predicted step by where it goes
-(``Plan.predicted``: compute, communication, pipeline bubble), and writes them to results/published.md.
+(``Plan.predicted``: compute, communication, pipeline bubble). Writes them to results/published.md
+(``--out``) after every row, and at the end to ``benchmarks/results/published_h100_<yyyymmdd>.md``
+(``--table-dir``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from autopar.models import llama3, megatron_gpt
 from autopar.planning import plan as plan_auto
 from autopar.passes.plan import Plan
 from autopar.passes.planner.pinned import Pinned, PinnedCost
+from benchmarks.results_file import add_out_argument, write_results
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (NVIDIA H100 Tensor Core GPU datasheet)
 GRAND_TETON = "h100-96gb-500w"  # torchtitan's runs: 96 GB HBM2e H100s at 500 W (costmodels/presets.py)
@@ -404,9 +407,10 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
 SKIPPED_AUTO = dict(auto_seconds=0.0, auto_line="skipped (--no-auto)", auto_tokens=0.0, auto_mfu=0.0,
                     auto_memory=math.nan, dry_run="not run")
 
-HEADER = ("| run | GPUs | published layout | published tok/s/GPU | predicted (published layout) | ratio | "
-          "memory GiB predicted / published | recomputed layers | published layout within the card | auto plan | "
-          "auto tok/s/GPU | auto MFU | auto ÷ published layout | planning s | dry run |")
+HEADER = ("| run | GPUs | published layout | published tok/s/GPU | predicted (published layout) | "
+          "predicted ÷ published | memory GiB predicted / published | recomputed layers | "
+          "published layout within the card | auto plan | auto tok/s/GPU | auto MFU | auto ÷ published layout | "
+          "planning s | dry run |")
 
 
 def table_row(r: dict) -> str:
@@ -485,7 +489,7 @@ def _notes(r: dict) -> list[str]:
     return r["pinned"].notes + [n for n in within if n not in r["pinned"].notes]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     rows = {r.key: r for r in published_rows()}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(rows), choices=list(rows))
@@ -495,11 +499,12 @@ def main() -> None:
     parser.add_argument("--no-auto", action="store_true", help="price the published layouts only, no auto plan")
     parser.add_argument("--bf16-throughout", action="store_true",
                         help="price every row in bf16 throughout, without its run's mixed precision (Row.mp_policy)")
-    parser.add_argument("--out", default="results/published.md")
+    parser.add_argument("--out", default="results/published.md", help="the table, rewritten after every row")
+    add_out_argument(parser, "--table-dir")
     parser.add_argument("--plans", type=Path, default=None, help="save every auto plan here (<row>.json)")
     parser.add_argument("--reuse-plans", action="store_true",
                         help="load the auto plan saved in --plans where there is one, instead of planning again")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.bf16_throughout:
         rows = {k: replace(r, mp_policy=None) for k, r in rows.items()}
     results, cache = [], {}
@@ -515,6 +520,8 @@ def main() -> None:
               f"{results[-1]['pinned_seconds']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(table(results) + "\n")  # after every row: a long run keeps what it has
     print(table(results))
+    write_results("published", "h100", "Predictions against published H100 training runs",
+                  table(results).splitlines(), args.table_dir, argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ between steps). Ratios, not absolute times, are the result.
 with the same policy, and every other layout runs its forward and loss under
 ``torch.autocast(dtype=param_dtype)`` (DDP + autocast: float32 weights and gradients,
 so gradients are summed in float32, which is the policy's ``reduce_dtype``).
+
+The table goes to ``benchmarks/results/runtime_vs_manual_gloo_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from autopar.passes.plan import Pipeline, plan_from_choice
 from autopar.passes.propagate import choose_by_propagation
 from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
 from autopar.runtime.precision import POLICIES
+from benchmarks.results_file import RESULTS_DIR, add_out_argument, write_results
 
 STEPS, WARMUP = 60, 4  # timed steps per side (``--steps``), and untimed ones before them
 CFG = GPTConfig(vocab_size=512, max_seq_len=64, dim=128, n_heads=4, n_layers=2)
@@ -346,7 +349,7 @@ def measure(runs: dict[str, Callable[[], None]], steps: int) -> dict[str, list[f
     return times
 
 
-def main(layouts: list[str], steps: int, mp: str | None = None) -> None:
+def main(layouts: list[str], steps: int, mp: str | None = None, out: Path = RESULTS_DIR) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
@@ -366,13 +369,16 @@ def main(layouts: list[str], steps: int, mp: str | None = None) -> None:
         paired = statistics.median(x / y for x, y in zip(times["autopar"], times["manual"]))
         rows.append((f"{layout} ({'x'.join(map(str, shape))})", a, m, paired))
     if rank == 0:
-        print(f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
-              f"{n} gloo ranks, median of {steps} steps; pipelines: {MICRO_BATCHES} micro-batches; "
-              f"mixed precision: {mp or 'none'}")
-        print("| layout (mesh) | autopar (ms) | by hand (ms) | autopar / by hand | median of step ratios |")
-        print("| --- | --- | --- | --- | --- |")
-        for layout, a, m, paired in rows:
-            print(f"| {layout} | {a * 1e3:.1f} | {m * 1e3:.1f} | {a / m:.2f} | {paired:.2f} |")
+        lines = [f"GPT dim {CFG.dim}, {CFG.n_layers} layers, vocab {CFG.vocab_size}, batch {BATCH}x{CFG.max_seq_len}, "
+                 f"{n} gloo ranks, median of {steps} steps; pipelines: {MICRO_BATCHES} micro-batches; "
+                 f"mixed precision: {mp or 'none'}", "",
+                 "| layout (mesh) | autopar (ms) | by hand (ms) | autopar / by hand | median of step ratios |",
+                 "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {layout} | {a * 1e3:.1f} | {m * 1e3:.1f} | {a / m:.2f} | {paired:.2f} |"
+                  for layout, a, m, paired in rows]
+        print("\n".join(lines))
+        write_results("runtime_vs_manual", "gloo", "Training step time: autopar against the same layouts by hand",
+                      lines, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -406,13 +412,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mp", choices=sorted(POLICIES), default=None,
                         help="mixed precision: autopar under mp_policy=POLICIES[MP], by hand FSDP2's mp_policy or autocast")
     parser.add_argument("--nproc", type=int, default=4, help="gloo ranks to launch (default 4)")
+    add_out_argument(parser)
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     options = parse(sys.argv[1:])
     if "RANK" in os.environ:
-        sys.exit(main(options.layouts, options.steps, options.mp))
+        sys.exit(main(options.layouts, options.steps, options.mp, options.out))
     mp = ["--mp", options.mp] if options.mp else []
-    sys.exit(launch("benchmarks.runtime_vs_manual", ["--layouts", *options.layouts, "--steps", str(options.steps), *mp],
+    sys.exit(launch("benchmarks.runtime_vs_manual", ["--layouts", *options.layouts, "--steps", str(options.steps), *mp,
+                                                     "--out", str(options.out.resolve())],
                     nproc=options.nproc))

@@ -7,7 +7,8 @@ ranks takes one AdamW step, then is saved ``--repeat`` times each way. Rank 0 pr
 JSON object: the checkpoint's size; for synchronous saves the seconds the call took; for
 asynchronous ones the seconds the call blocked (the state copied to memory) and the
 seconds until the checkpoint was complete (``wait()``); the machine's load average (it may
-be shared: compare numbers taken together).
+be shared: compare numbers taken together). The medians also go to
+``benchmarks/results/save_times_gloo_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import autopar
 from autopar.costmodels.units import MIB
 from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
+from benchmarks.results_file import add_out_argument, torchrun, write_results
 from tests.distributed.train_check import layout_plan
 
 VOCAB, SEQ, BATCH = 4096, 64, 8
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--layout", default="fsdp", choices=["dp", "fsdp", "zero1", "zero2"])
+    add_out_argument(parser)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     warnings.simplefilter("ignore")
@@ -82,6 +85,13 @@ def main() -> None:
             "load_average": os.getloadavg(),
         }), flush=True)
         shutil.rmtree(root[0], ignore_errors=True)
+        table = ["| layout | ranks | dim | checkpoint MiB | synchronous s | asynchronous: blocked s "
+                 "| asynchronous: complete s |", "|---|---|---|---|---|---|---|",
+                 f"| {args.layout} | {world} | {args.dim} | {size:.1f} | {statistics.median(sync):.3f} | "
+                 f"{statistics.median(blocked):.3f} | {statistics.median(complete):.3f} |", "",
+                 f"Medians of {args.repeat} saves each way."]
+        write_results("save_times", "gloo", "How long a checkpoint save blocks training", table, args.out,
+                      launcher=torchrun(world))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -17,6 +17,8 @@ prints (and writes to ``--out``) one JSON object:
   asynchronous (the asynchronous one: until the state was copied to memory), and the
   checkpoint's size on disk;
 - ``steps_per_s`` and the machine's load average (the machine may be shared).
+
+The same numbers, as a table, go to ``benchmarks/results/soak_gloo_<yyyymmdd>.md`` (``--table-dir``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import autopar
 from autopar.costmodels.units import MIB
 from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
+from benchmarks.results_file import add_out_argument, torchrun, write_results
 from tests.distributed.train_check import layout_plan
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -103,7 +106,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100, help="steps before memory must be flat")
     parser.add_argument("--layout", default="fsdp", choices=["dp", "fsdp", "zero1", "zero2"])
     parser.add_argument("--root", default=None, help="checkpoint folder (default: a temporary one)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON object here")
+    add_out_argument(parser, "--table-dir")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     warnings.simplefilter("ignore")
@@ -157,6 +161,14 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
         if temporary:
             shutil.rmtree(root[0], ignore_errors=True)
+        save = {kind: f"{v['median']:.3f} / {v['max']:.3f}" for kind, v in result["save_s"].items()}
+        write_results("soak", "gloo", "Soak: a long data-parallel run with checkpoints against one process", [
+            "| layout | ranks | steps | save every | largest loss difference | largest RSS drift after warm-up "
+            "| synchronous save s (median / max) | asynchronous save blocked s (median / max) | checkpoint MiB "
+            "| steps/s |", "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {args.layout} | {world} | {args.steps} | {args.every} | {result['loss_diff_max']:.3g} | "
+            f"{max(result['rss_drift']):.2%} | {save.get('sync', '—')} | {save.get('async', '—')} | "
+            f"{result['checkpoint_mib']} | {result['steps_per_s']:.2f} |"], args.table_dir, launcher=torchrun(world))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,11 +8,13 @@ scales as 1 / (devices per stage) / M, and tensor-parallel collectives are cheap
 within 8 devices (a node) and dear across nodes;
 parameters and optimizer state are sharded over the stage's devices; activations
 scale with the micro-batch. Layers 0 and 79 (embedding, head) are heavier. Prints
-the best few options and the search time.
+the best few options and the search time, and writes them to
+``benchmarks/results/solve_pipeline_cpu_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -20,6 +22,7 @@ import numpy as np
 from autopar.costmodels.units import GIB
 from autopar.passes.solve.pipeline_search import search_pipeline
 from autopar.passes.solve.stages import LayerCosts
+from benchmarks.results_file import add_out_argument, write_results
 
 DEVICES, BATCH, LAYERS = 64, 512, 80
 
@@ -43,6 +46,9 @@ def layer_costs(stages: int, micro_batches: int) -> LayerCosts:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_argument(parser)
+    args = parser.parse_args()
     started = time.perf_counter()
     result = search_pipeline(
         layer_costs, stage_counts=[1, 2, 4, 8, 16], micro_batch_counts=[1, 2, 4, 8, 16, 32, 64],
@@ -50,13 +56,19 @@ def main() -> None:
     )
     elapsed = time.perf_counter() - started
     valid = [o for o in result.options if not o.rejected]
-    print(f"{len(result.options)} options ({len(valid)} fit in 80 GiB) searched in {elapsed:.2f} s")
+    searched = f"{len(result.options)} options ({len(valid)} fit in 80 GiB) searched in {elapsed:.2f} s"
+    print(searched)
+    lines = [searched, "", "| P | M | schedule | v | step s | peak GiB | stage starts (first 6) |",
+             "|---|---|---|---|---|---|---|"]
     for option in valid[:5]:
         print(
             f"  P={option.stages:<3} M={option.micro_batches:<3} {option.schedule:<17} "
             f"v={option.chunks_per_rank}  step {option.step_time:.3f} s  "
             f"peak {max(option.rank_memory) / GIB:.1f} GiB  starts {option.cut.starts[:6]}"
         )
+        lines.append(f"| {option.stages} | {option.micro_batches} | {option.schedule} | {option.chunks_per_rank} | "
+                     f"{option.step_time:.3f} | {max(option.rank_memory) / GIB:.1f} | {option.cut.starts[:6]} |")
+    write_results("solve_pipeline", "cpu", "Time of the pipeline search on a synthetic 80-layer model", lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Problems (8 strategies per node unless said otherwise):
                skips per layer, 6 pointwise followers), head; every layer tied to layer 0.
                Solved tied (what the planner does) and untied (same costs, ILP on
                ~1,100 nodes): the untied optimum is what tying may give up.
-Each row: nodes before and after shrinking, method, wall seconds, status, gap.
+Each row: nodes before and after shrinking, method, wall seconds, status, gap. The rows also go
+to ``benchmarks/results/solve_scale_cpu_<yyyymmdd>.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import numpy as np
 
 from autopar.passes.solve import Follower, SolveOptions, SolveProblem, solve
+from benchmarks.results_file import add_out_argument, write_results
 
 STRATEGIES = 8
 
@@ -85,7 +87,11 @@ def transformer_problem(num_layers: int = 80, nodes_per_layer: int = 20, tied: b
     )
 
 
-def run(name: str, problem: SolveProblem, options: SolveOptions) -> None:
+TABLE = ["| problem | nodes | free | method | wall s | status | gap | objective |", "|---|---|---|---|---|---|---|---|"]
+
+
+def run(name: str, problem: SolveProblem, options: SolveOptions) -> str:
+    """Solve, print the fixed-width line, and return the markdown row."""
     started = time.perf_counter()
     result = solve(problem, options)
     wall = time.perf_counter() - started
@@ -94,6 +100,8 @@ def run(name: str, problem: SolveProblem, options: SolveOptions) -> None:
         f"{wall:8.2f} s  {result.status:<10} gap {result.gap:.2%}  objective {result.objective:.4f}",
         flush=True,
     )
+    return (f"| {name} | {problem.num_nodes} | {result.num_decision_nodes} | {result.method} | {wall:.2f} | "
+            f"{result.status} | {result.gap:.2%} | {result.objective:.4f} |")
 
 
 def main() -> None:
@@ -102,20 +110,23 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--only", nargs="+", default=["chain", "chain_ilp", "dag", "transformer"],
                         choices=["chain", "chain_ilp", "dag", "transformer"])
+    add_out_argument(parser)
     args = parser.parse_args()
     options = SolveOptions(time_limit_s=args.time_limit)
     print(f"{'problem':<28} {'nodes':>6} -> {'free':>5}  {'method':<10} {'wall':>10}  status")
+    rows = list(TABLE)
     for n in args.sizes:
         if "chain" in args.only:
-            run(f"chain {n}x{STRATEGIES} + memory", chain_problem(n, seed=n, skip_edges=False), options)
+            rows.append(run(f"chain {n}x{STRATEGIES} + memory", chain_problem(n, seed=n, skip_edges=False), options))
         if "chain_ilp" in args.only and n <= 2000:
-            run(f"chain {n}x{STRATEGIES} ILP", chain_problem(n, seed=n, skip_edges=False),
-                SolveOptions(time_limit_s=args.time_limit, method="ilp"))
+            rows.append(run(f"chain {n}x{STRATEGIES} ILP", chain_problem(n, seed=n, skip_edges=False),
+                            SolveOptions(time_limit_s=args.time_limit, method="ilp")))
         if "dag" in args.only:
-            run(f"dag {n}x{STRATEGIES} + memory", chain_problem(n, seed=n, skip_edges=True), options)
+            rows.append(run(f"dag {n}x{STRATEGIES} + memory", chain_problem(n, seed=n, skip_edges=True), options))
     if "transformer" in args.only:
-        run("transformer 80x20 tied", transformer_problem(tied=True), options)
-        run("transformer 80x20 untied", transformer_problem(tied=False), options)
+        rows.append(run("transformer 80x20 tied", transformer_problem(tied=True), options))
+        rows.append(run("transformer 80x20 untied", transformer_problem(tied=False), options))
+    write_results("solve_scale", "cpu", "Solve times of the intra-op solver on synthetic problems", rows, args.out)
 
 
 if __name__ == "__main__":

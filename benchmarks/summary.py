@@ -67,11 +67,13 @@ def rows_with(path: Path, column: str, key: tuple[str, ...]) -> list[dict[str, s
 
 
 def auto_vs_manual(path: Path) -> list[list[str]]:
-    meshes = ["gloo-4", "gloo-8", "h100-8", "h100-64", "h100-512"]
-    return [[f"training {r['model']}: {', '.join(meshes)}",
-             ", ".join(r[m].split(";")[0].strip() for m in meshes), NONE,
-             f"`python -m benchmarks.auto_vs_manual --models {r['model']}`"]
-            for r in rows_with(path, "gloo-4", ("model",))]
+    rows = []
+    for r in rows_with(path, "model", ("model",)):
+        meshes = [column for column in r if column != "model"]  # the meshes the run had, in its order
+        rows.append([f"training {r['model']}: {', '.join(meshes)}",
+                     ", ".join(r[m].split(";")[0].strip() for m in meshes), NONE,
+                     f"`python -m benchmarks.auto_vs_manual --models {r['model']}`"])
+    return rows
 
 
 def published(path: Path) -> list[list[str]]:
