@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import operator
 import os
 import traceback
@@ -131,7 +132,11 @@ def _huggingface_quirks(model: torch.nn.Module):
 @contextlib.contextmanager
 def _without_stack_traces():
     """torch.export without a Python stack trace per node: nothing here reads them, and
-    recording them is about a seventh of an export (12.1 -> 10.5 CPU s for 80 Llama layers)."""
+    recording them is about a seventh of an export (12.1 -> 10.5 CPU s for 80 Llama layers).
+    A torch older than the pinned one (a GPU user's own build) has no such switch: it records them."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     old = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
@@ -199,7 +204,7 @@ def capture(
             "autopar: expected example_inputs as a tuple of positional arguments, found "
             f"{type(example_inputs).__name__}; wrap a single tensor as (tensor,)"
         )
-    example_inputs, example_kwargs = _distinct_tensors((example_inputs, example_kwargs or {}))
+    example_inputs, example_kwargs = _on_the_weights_device(model, _distinct_tensors((example_inputs, example_kwargs or {})))
     was_training = model.training
     model.train(train)
     host_draws: list[str] = []
@@ -224,18 +229,37 @@ class CaptureError(RuntimeError):
 
 
 def on_device(captured: Captured, device: torch.device) -> Captured:
-    """``captured`` with what it makes or moves onto the meta device (a meta model's
-    ``arange(device=...)``, ``x.to(device)``) made on ``device`` instead, in place: a program
-    captured from a meta model that runs on real (or fake) tensors."""
-    def moved(v: Any) -> Any:
-        return device if isinstance(v, torch.device) and v.type == "meta" else v
+    """``captured`` with what it makes or moves onto a device made on ``device`` instead, in
+    place (``retarget_devices``)."""
+    retarget_devices(captured.gm, device)
+    return captured
 
-    for node in captured.gm.graph.nodes:
+
+def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """``gm`` with every device its ops name (``arange(device=...)``, ``x.to(device)``) made
+    ``device``, in place: a program captured where the model's weights were (the meta device,
+    or the host) that runs where the mesh is (a GPU under nccl, or fake tensors)."""
+    def moved(v: Any) -> Any:
+        return device if isinstance(v, torch.device) else v
+
+    for node in gm.graph.nodes:
         if node.op == "call_function":
             node.args = tuple(moved(v) for v in node.args)
             node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
-    captured.gm.recompile()
-    return captured
+    gm.recompile()
+    return gm
+
+
+def _on_the_weights_device(model: torch.nn.Module, tree: Any) -> Any:
+    """Inputs on another device than the model's weights (tokens already on the GPU, the model
+    still on the host, where ``autopar.compile`` takes it) are traced on the weights' device:
+    only their shapes, dtypes and values shape the program, not where they live. A meta model
+    traces any inputs as they are."""
+    weight = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if weight is None or weight.device.type == "meta":
+        return tree
+    return pytree.tree_map(
+        lambda x: x.to(weight.device) if isinstance(x, torch.Tensor) and x.device != weight.device else x, tree)
 
 
 def _distinct_tensors(tree: Any) -> Any:

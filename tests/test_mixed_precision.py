@@ -52,3 +52,28 @@ def test_capture_computes_in_param_dtype_and_leaves_the_model_alone():
     output = next(n for n in cast.gm.graph.nodes if n.op == "output").args[0][cast.user_outputs[0]]
     assert output.meta["val"].dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 and torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+def test_the_whole_state_dict_is_the_float32_masters(one_rank):
+    """``full_state_dict()`` under a policy: the model's names and order, each the master in
+    float32, equal to what the step left in the shards (the capture under a policy is not a
+    partial of the model, so the names come from the model itself)."""
+    import autopar
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, max_seq_len=8, dim=16, n_heads=2, n_layers=1))
+    tokens = torch.randint(0, 32, (4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (1,), (tokens,), hardware="h100", layout="dp", mp_policy=BF16)
+        pm = autopar.compile(model, one_rank, (tokens,), plan=plan, mp_policy=BF16,
+                             loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()),
+                             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    pm.train_step((tokens,), tokens)
+    state = pm.full_state_dict()
+    assert list(state) == list(model.state_dict())
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    moved = [name for name, p in model.named_parameters() if not torch.equal(state[name], p.detach())]
+    assert moved, "one AdamW step at lr 1e-2 moves the masters"
+    for name, tensor in pm.full_parameters().items():
+        assert torch.equal(state[name], tensor)

@@ -73,6 +73,7 @@ class ParallelModule(TrainingModule):
         # the model is captured again for other input shapes and for eval (a partial, not a submodule:
         # its whole parameters are neither this module's parameters nor in its state_dict)
         self._capture = functools.partial(capture, model)
+        self._in_state_dict_order = functools.partial(in_state_dict_order, model)
         if self.precision is not None:  # the program a param_dtype model runs, on the float32 masters
             self._capture = capture_cast(capture, model, self.precision)
             if not captured_under_policy(captured):  # (compile and the dry run capture under it themselves)
@@ -602,7 +603,7 @@ class ParallelModule(TrainingModule):
         compiled = self._compiled
         for ph, fqn in compiled.captured.buffers.items():
             held[fqn] = whole(self.local[ph], compiled.program.input_specs.get(ph) or (), self.mesh)
-        return in_state_dict_order(self._capture.args[0], held)
+        return self._in_state_dict_order(held)
 
 
 class _AtBackward(torch.autograd.Function):

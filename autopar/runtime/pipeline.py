@@ -115,6 +115,7 @@ class PipelineModule(TrainingModule):
         self._intra_shape = tuple(self.intra.shape) if self.intra is not None else ()
         # the model is captured again for other micro-batch shapes and for eval (a partial, not a submodule)
         self._capture = functools.partial(capture, model)
+        self._in_state_dict_order = functools.partial(in_state_dict_order, model)
         self.precision = Precision.of(mp_policy)
         self._capture_stages = self._capture if self.precision is None else capture_cast(capture, model, self.precision)
         self._check_captured_under_policy(captured)
@@ -633,7 +634,7 @@ class PipelineModule(TrainingModule):
         gathered: list[dict] = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         held = self.full_parameters() | {k: v for d in gathered for k, v in d.items()}
-        return in_state_dict_order(self._capture.args[0], held)
+        return self._in_state_dict_order(held)
 
     def held_parameters(self) -> dict[str, Held]:
         """Qualified name -> what the optimizer steps of each of this rank's parameters

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.runtime.batch import Cut
 from autopar.runtime.gradsync import GradientSync
 from autopar.runtime.zero1 import slice_axes
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, retarget_devices
 from autopar.passes.lowering.codegen import RankProgram, lower
 from autopar.passes.placements import Spec, local_shape, local_slice, parse_spec
 from autopar.passes.plan import Plan
@@ -66,6 +66,7 @@ class Variant:
     @staticmethod
     def of(captured: Captured, program: RankProgram, grads: GradientSync, mesh_shape: tuple[int, ...],
            coord: tuple[int, ...], device: torch.device) -> Variant:
+        retarget_devices(program.gm, device)  # captured on the weights' device, run on the mesh's
         settings = settings_of(captured)
         shapes = {n.name: tuple(n.meta["val"].shape) for n in captured.nodes("placeholder")
                   if n.name in captured.user_inputs and n.name not in settings}
