@@ -71,7 +71,7 @@ def auto_vs_manual(path: Path) -> list[list[str]]:
     for r in rows_with(path, "model", ("model",)):
         meshes = [column for column in r if column != "model"]  # the meshes the run had, in its order
         rows.append([f"training {r['model']}: {', '.join(meshes)}",
-                     ", ".join(r[m].split(";")[0].strip() for m in meshes), NONE,
+                     ", ".join(r[m].split(";")[0].strip() for m in meshes), NONE, NONE,
                      f"`python -m benchmarks.auto_vs_manual --models {r['model']}`"])
     return rows
 
@@ -80,32 +80,42 @@ def published(path: Path) -> list[list[str]]:
     auto = {r["run"]: r["auto ÷ published layout"]
             for r in rows_with(path, "auto ÷ published layout", ("run",))}
     return [[f"training {r['run']}: {r['GPUs']} H100s, {r['published layout']}",
-             auto.get(r["run"], NONE), r["predicted ÷ published"],
+             auto.get(r["run"], NONE), r["predicted ÷ published"], NONE,
              f"`python -m benchmarks.published --rows {r['run']}`"]
             for r in rows_with(path, "predicted ÷ published", ("run",))]
 
 
 def inference_published(path: Path) -> list[list[str]]:
     published_rows = [[f"serving {r['row']}: {r['layout']}, prompt {r['prompt']}, time to first token",
-                       NONE, r["predicted / published"],
+                       NONE, r["predicted / published"], NONE,
                        f"`python -m benchmarks.inference_published --rows {r['row']}`"]
                       for r in rows_with(path, "predicted / published", ("row",))]
     layouts = [[f"serving {r['model']}: {r['GPUs']} H100s, {r['objective']}, plan {r['plan']}",
-                r["plan / best manual"], NONE,
+                r["plan / best manual"], NONE, NONE,
                 f"`python -m benchmarks.inference_published --rows --table --sizes {r['model'].split('-')[-1]}`"]
                for r in rows_with(path, "plan / best manual", ("model", "GPUs", "objective"))]
     return published_rows + layouts
 
 
+def gpu_one_device(path: Path) -> list[list[str]]:
+    command, device = "`python -m benchmarks.gpu_one_device`", path.stem.split("_")[-2].upper()
+    training = [[f"training GPT {r['GPT']}, {r['precision']}: one {device}", NONE, NONE, r["measured / predicted"],
+                 command] for r in rows_with(path, "measured step", ("GPT", "precision"))]
+    serving = [[f"serving Llama {r['Llama (float32)']}: one {device}, {what}", NONE, NONE,
+                r[f"{what} measured / predicted"], command]
+               for r in rows_with(path, "TTFT measured / predicted", ("Llama (float32)",)) for what in ("TTFT", "TPOT")]
+    return training + serving
+
+
 SUMMARIES = {"auto_vs_manual": auto_vs_manual, "published": published,
-             "inference_published": inference_published}
+             "inference_published": inference_published, "gpu_one_device": gpu_one_device}
 
 
 def render(results_dir: Path = RESULTS) -> str:
     """The table (with the files it was read from) that README.md holds between its markers."""
     newest = newest_results(results_dir)
-    lines = ["| workload | auto ÷ manual layout, predicted | predicted ÷ published | command |",
-             "|---|---|---|---|"]
+    lines = ["| workload | auto ÷ manual layout, predicted | predicted ÷ published | measured ÷ predicted | command |",
+             "|---|---|---|---|---|"]
     sources = []
     for benchmark, summarise in SUMMARIES.items():
         if benchmark in newest:

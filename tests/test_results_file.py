@@ -74,9 +74,9 @@ def test_the_auto_vs_manual_table_is_what_summary_reads(tmp_path):
                          auto_vs_manual.grid(report), tmp_path, argv=["--quick"])
     assert path.name.startswith("auto_vs_manual_gloo-h100_")
     assert summary.auto_vs_manual(path) == [
-        ["training wide-mlp: gloo-4, h100-8", "0.99, 1.00", "—",
+        ["training wide-mlp: gloo-4, h100-8", "0.99, 1.00", "—", "—",
          "`python -m benchmarks.auto_vs_manual --models wide-mlp`"],
-        ["training gpt2: gloo-4, h100-8", "–, –", "—", "`python -m benchmarks.auto_vs_manual --models gpt2`"]]
+        ["training gpt2: gloo-4, h100-8", "–, –", "—", "—", "`python -m benchmarks.auto_vs_manual --models gpt2`"]]
     assert "| training wide-mlp: gloo-4, h100-8 | 0.99, 1.00 |" in summary.render(tmp_path)
 
 
@@ -88,5 +88,19 @@ def test_the_published_table_is_what_summary_reads(tmp_path):
                         pinned=Pinned(layout="dp"), layout_text="DP 8", tflops_per_gpu=1.0)
     r = published.evaluate(row, time_limit_s=3.0, dry_run=False, auto_plan=False)
     path = write_results("published", "h100", "t", published.table([r]).splitlines(), tmp_path, argv=["--no-auto"])
-    assert summary.published(path) == [["training tiny: 8 H100s, DP 8", "—", f"{r['ratio']:.2f}",
+    assert summary.published(path) == [["training tiny: 8 H100s, DP 8", "—", f"{r['ratio']:.2f}", "—",
                                         "`python -m benchmarks.published --rows tiny`"]]
+
+
+def test_the_gpu_measurements_are_what_summary_reads():
+    """The committed one-GPU file: each training row's measured / predicted and each serving
+    row's time to first token and per output token, one summary row each, on the file's device."""
+    path = summary.RESULTS / "gpu_one_device_h200_20261129.md"
+    rows = summary.gpu_one_device(path)
+    train, serve = [r for r in rows if r[0].startswith("training")], [r for r in rows if r[0].startswith("serving")]
+    assert len(train) == 4 and len(serve) == 4 and all("one H200" in r[0] for r in rows)
+    measured = [r for t in summary.tables(path) for r in t if "measured step" in r]
+    assert [r[3] for r in train] == [r["measured / predicted"] for r in measured]
+    for r in measured:  # the ratio column is the ratio of the times beside it
+        ratio = float(r["measured step"].split()[0]) / float(r["predicted step"].split()[0])
+        assert abs(ratio - float(r["measured / predicted"])) <= 0.006
