@@ -18,6 +18,7 @@ import torch
 from autopar import costmodels
 from autopar.passes.planner import layouts
 from autopar.costmodels.precision import META_KEY
+from autopar.costmodels.units import gib_text
 from autopar.runtime.faults import failures_shared
 from autopar.runtime.loss import WithLoss
 from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
@@ -156,7 +157,23 @@ def plan(
         result.mp_policy = precision.record(priced)
     if layout is not None or (constraints is not None and constraints.layout is not None):
         result.kind = layout or constraints.layout  # the layout, as written or as pins
+    _warn_if_over(result)
     return result
+
+
+class DoesNotFitWarning(UserWarning):
+    """A plan predicted to need more memory per device than it was planned for: a manual layout as
+    written (``layout=``) is priced as given, fitting or not."""
+
+
+def _warn_if_over(plan: Plan) -> None:
+    over = plan.memory_over_limit()
+    if over:
+        total = sum(plan.predicted.memory.values())
+        warnings.warn(f"autopar: layout {plan.kind!r} as written is predicted to need {gib_text(total)} per device, "
+                      f"{gib_text(over)} more than the {gib_text(total - over)} it was planned for; expected a plan "
+                      "that fits: plan without layout= (or pin it, Constraints(layout=...), to search recomputation, "
+                      "micro-batches and depth), or on more devices", DoesNotFitWarning, stacklevel=3)
 
 
 def layout_pinned(layout: str | None, constraints: Constraints | None) -> Constraints | None:
@@ -197,6 +214,7 @@ def _plan_serving(model: torch.nn.Module, mesh_or_shape: Any, example_inputs: tu
         warnings.simplefilter("ignore", NoRuleWarning)
         result = plan_serving(model, inference, request)
     result.solver["planning_seconds"] = time.perf_counter() - started
+    _warn_if_over(result)
     return result
 
 

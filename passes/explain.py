@@ -147,7 +147,7 @@ def _serving_lines(plan) -> list[str]:
         f"decode steps: compute {duration(p.compute)} + communication {duration(p.communication)}); "
         f"{p.tokens_per_second_per_device:.4g} tokens/s per device",
         "predicted memory per device: " + ", ".join(f"{k} {gib_text(v)}" for k, v in p.memory.items())
-        + f" (total {gib_text(sum(p.memory.values()))})",
+        + _total_text(plan),
         f"weights: {split} of {len(plan.params)} parameters split over the mesh; key-value cache laid out as "
         + (", ".join(caches) or "?"),
     ]
@@ -157,6 +157,15 @@ def _cache_specs(plan) -> dict[str, str]:
     """The cache buffers' placements, from the prefill's strategies of their placeholders."""
     return {name: text.split("->")[-1].strip() for name, text in plan.strategies.items()
             if name.startswith("b_cache_keys_") or name.startswith("b_cache_values_")}
+
+
+def _total_text(plan) -> str:
+    total = sum(plan.predicted.memory.values())
+    over = plan.memory_over_limit()
+    if not over:
+        return f" (total {gib_text(total)})"
+    return (f" (total {gib_text(total)}: DOES NOT FIT in the {gib_text(total - over)} per device it was planned for; "
+            "a layout as written is priced as given: plan without layout= for one that fits, or on more devices)")
 
 
 def explain(plan) -> str:
@@ -177,7 +186,7 @@ def explain(plan) -> str:
         f"predicted step {duration(p.step_time)} = compute {duration(p.compute)} + communication {duration(p.communication)}"
         f" + bubble {duration(p.bubble)}",
         "predicted memory per device: " + ", ".join(f"{k} {gib_text(p.memory[k])}" for k in _kinds(p.memory))
-        + f" (total {gib_text(sum(p.memory.values()))})",
+        + _total_text(plan),
     ]
     if plan.pipeline:
         pl = plan.pipeline

@@ -159,6 +159,12 @@ class Plan:
         if bad:
             raise ValueError(f"autopar: ZeRO levels must be 0, 1, 2 or 3; found {bad}")
 
+    def memory_over_limit(self) -> float:
+        """Bytes per device the predicted peak needs beyond the memory it was planned for (0: it
+        fits; a manual layout as written is priced as given, fitting or not)."""
+        limit = self.solver.get("memory_limit")
+        return max(0.0, sum(self.predicted.memory.values()) - limit) if limit else 0.0
+
     # --- inspection (passes/explain.py) -----------------------------------------
     def explain(self) -> str:
         """A table per layer and a summary of why this layout was chosen."""

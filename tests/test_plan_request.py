@@ -148,3 +148,22 @@ def test_compile_refuses_a_pipeline_plan_made_with_its_loss(planned):
                 autopar.compile(model, mesh, (x,), loss_fn=F.cross_entropy, plan=plan)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_written_layout_that_does_not_fit_says_so():
+    """``layout=`` alone prices the layout as written, fitting or not; one that does not fit is a
+    ``DoesNotFitWarning`` naming both sizes and a line of ``explain()``; one that fits is neither."""
+    from autopar.planning import DoesNotFitWarning
+
+    torch.manual_seed(0)
+    model, x = WideMLP(), torch.randn(8, 64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fits = autopar.plan(model, (2,), (x,), hardware="h100", layout="dp", time_limit_s=5)
+    assert not [w for w in seen if issubclass(w.category, DoesNotFitWarning)]
+    assert fits.memory_over_limit() == 0 and "DOES NOT FIT" not in fits.explain()
+    limit = sum(fits.predicted.memory.values()) / 2
+    with pytest.warns(DoesNotFitWarning, match=r"^autopar: layout 'dp' as written is predicted to need .* more than"):
+        over = autopar.plan(model, (2,), (x,), hardware="h100", layout="dp", time_limit_s=5, memory_limit=limit)
+    assert over.memory_over_limit() == pytest.approx(sum(over.predicted.memory.values()) - limit)
+    assert "DOES NOT FIT in the" in over.explain()
