@@ -102,3 +102,31 @@ def test_70b_llama_on_meta_captures_without_allocating():
     assert len(cap.params) == len(list(model.parameters()))
     assert grown_gib < 4, f"capture grew the process by {grown_gib:.1f} GiB; weights were allocated?"
     print(f"70B meta capture: {elapsed:.1f} s, {len(list(cap.nodes()))} nodes, +{grown_gib:.2f} GiB peak")
+
+
+class _Positions(torch.nn.Module):
+    """Makes a tensor on its input's device (as Hugging Face models make positions and masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale + torch.arange(x.shape[-1], device=x.device)
+
+
+def test_a_program_made_on_the_host_runs_where_it_is_retargeted():
+    """The runtime runs a program captured on the weights' device (the host) on the mesh's (a GPU
+    under nccl): ``retarget_devices`` makes every device the graph names the one given. Checked
+    with the meta device standing in for the GPU: the retargeted program makes its positions there."""
+    from autopar.passes.capture import retarget_devices
+
+    model = _Positions()
+    cap = capture(model, (torch.ones(2, 4),))
+    named = {a for n in cap.gm.graph.nodes for a in (*n.args, *n.kwargs.values()) if isinstance(a, torch.device)}
+    assert named == {torch.device("cpu")}
+    retarget_devices(cap.gm, torch.device("meta"))
+    values = {n.name: torch.ones(4, device="meta") for n in cap.nodes("placeholder") if n.name in cap.params}
+    values.update({n: torch.ones(2, 4, device="meta") for n in cap.user_inputs})
+    out = cap.gm(*[values[n] for n in cap.placeholders])
+    assert pytree.tree_leaves(out)[0].device.type == "meta"
