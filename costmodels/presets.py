@@ -168,14 +168,26 @@ H100_HBM2E_500W = H100Variant(
            "between SXM 989.5 and NVL 835.5 dense: their middle)")
 
 
+# NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100 SXM5's GH100 at its tensor peaks, with
+# 141 GB of HBM3e at 4.8 TB/s; HGX H200 boards keep NVLink 4 and a 400 Gb/s NIC per GPU.
+H200_SXM = H100Variant(key="h200", name="NVIDIA H200 141GB SXM", bf16_peak=H100_SXM.bf16_peak, hbm=4800 * GB,
+                       memory_bytes=141 * 10**9,
+                       source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s; H100 SXM5 tensor peaks)")
+# fp32 GEMM (no TF32, torch's default) fitted on one H200 by the profiler's GPU sweep:
+# 51.8 TFLOP/s (benchmarks/results/gpu_one_device_h200_20261129.md); the H100 SXM5 preset
+# keeps the datasheet's 67 as its upper bound until re-priced on an H100.
+H200_FP32_GEMM = 51.8 * TFLOPS
+
+
 def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP32 67 TFLOPS; 132 SMs.
     clock = variant.bf16_peak / H100_SXM.bf16_peak  # 1 for the SXM5
     peak = {"fp32": 67 * TFLOPS * clock, "bf16": variant.bf16_peak, "fp16": variant.bf16_peak}
     sms = 132
     matmul = {
-        # no published achieved fp32 GEMM figure adopted: datasheet peak (upper bound)
-        "fp32": matmul_rate(peak["fp32"], sms),
+        # the H200's measured fp32 GEMM; otherwise no published achieved fp32 figure adopted:
+        # the datasheet peak (upper bound)
+        "fp32": matmul_rate(H200_FP32_GEMM if variant is H200_SXM else peak["fp32"], sms),
         # stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
         # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (80.3% of peak, torch
         # 2.7.0+cu126), the best of a search over large shapes. Cross-checked by shape against
@@ -361,12 +373,18 @@ def h100_96gb_500w(mesh_shape: Sequence[int], axis_names: Sequence[str] | None =
     return build(_h100_node(H100_HBM2E_500W), mesh_shape, axis_names)
 
 
+def h200(mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:
+    """Nodes of 8x H200 SXM (HGX H200), NVLink 4 inside, 400 Gb/s InfiniBand NDR per GPU between."""
+    return build(_h100_node(H200_SXM), mesh_shape, axis_names)
+
+
 def a100(mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:
     """Nodes of 8x A100 80GB SXM4, NVLink 3 inside, 200 Gb/s InfiniBand HDR per GPU between."""
     return build(_a100_node(), mesh_shape, axis_names)
 
 
-PRESETS: dict[str, Callable[..., HardwareProfile]] = {"h100": h100, "h100-96gb-500w": h100_96gb_500w, "a100": a100}
+PRESETS: dict[str, Callable[..., HardwareProfile]] = {"h100": h100, "h100-96gb-500w": h100_96gb_500w, "h200": h200,
+                                                     "a100": a100}
 
 
 def preset(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> HardwareProfile:

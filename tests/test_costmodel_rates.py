@@ -3,6 +3,7 @@ bandwidth, the per-kernel cost, collectives across nodes. Orders and sourced anc
 exact values."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,22 @@ def test_the_500w_hbm2e_h100_runs_below_the_sxm_by_its_sourced_figures():
     numel = 1 << 28
     assert pointwise_time(numel, 3, "bf16", grand_teton, "aten.add.Tensor") > \
         3.35 / 2.4 * 0.99 * pointwise_time(numel, 3, "bf16", sxm, "aten.add.Tensor")
+
+
+def test_the_h200_is_the_h100s_chip_with_more_faster_memory_and_its_measured_fp32():
+    # H200 datasheet: 141 GB HBM3e at 4.8 TB/s, the H100 SXM5's tensor peaks; fp32 GEMM as
+    # measured on one (benchmarks/results/gpu_one_device_h200_20261129.md: 51.8 TFLOP/s)
+    sxm, h200 = h100((8,)), preset("h200", (8,))
+    device = h200.device
+    assert device.memory_bytes == 141e9 and device.peak_memory_bandwidth == 4.8e12
+    assert device.peak_matmul_flops == sxm.device.peak_matmul_flops
+    assert device.matmul["bf16"] == sxm.device.matmul["bf16"] and device.matmul["fp32"].rate == 51.8e12
+    assert h200.fit("all_reduce", 0) == sxm.fit("all_reduce", 0)  # same NVLink node
+    numel = 1 << 28
+    assert pointwise_time(numel, 3, "bf16", h200, "aten.add.Tensor") == pytest.approx(
+        3.35 / 4.8 * pointwise_time(numel, 3, "bf16", sxm, "aten.add.Tensor"), rel=0.01)
+    # the measurement the preset cites is in the repository
+    assert (Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_one_device_h200_20261129.md").is_file()
 
 
 def test_a_ring_across_nodes_pays_the_network_latency_only_on_its_steps_between_nodes():
