@@ -344,63 +344,31 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     precision = precision_of(graph)
     pricer = pricer if reuse else Pricer(graph, profile, precision)
     grad_inputs = tuple(grad_inputs)
-    grad_nodes = pricer.once(("grad", grad_inputs), lambda: requires_grad(graph, grad_inputs))
+    # the capture alone decides the gradient path and what backward keeps: once for every mesh
+    grad_nodes = graph.once(("grad", grad_inputs), lambda: requires_grad(graph, grad_inputs))
     params = graph.captured.params
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    compute, forward, state, activation, comm = [], [], [], [], []
     # one ZeRO node per parameter, after the graph's nodes
     zero_node = {node: len(nodes) + k for k, node in enumerate(n for n in nodes if n.name in params)}
     layer_of, ties = pricer.once(("layers",), lambda: find_layers(graph, index, zero_node))
     recomputed = set(layer_of.values()) if recompute is True else set(recompute or ())
     # outputs some backward keeps where they are made, inputs saved as their consumers read
     # them, and what a checkpointed layer holds to run again: its inputs
-    saved = pricer.once(("saved", grad_inputs), lambda: saved_values(graph.captured.graph.nodes, grad_nodes))
+    saved = graph.once(("saved", grad_inputs), lambda: saved_values(graph.captured.graph.nodes, grad_nodes))
     kept = keep_bases(graph.captured.graph.nodes, set(saved.held) | checkpoint_inputs(nodes, layer_of, recomputed))
-    read_memory: dict[int, np.ndarray | float] = {}
-    followers: list[Follower] = []
-    for node in nodes:
-        ns = graph.nodes[node]
-        k = len(ns.strategies)
-        zeros = np.zeros(k)
-        if ns.follows is not None:
-            followers.append(Follower(index[node], index[ns.follows[0]], tuple(range(k))))
-            compute.append(zeros); forward.append(zeros); activation.append(zeros); state.append(zeros)
-            comm.append(zeros)
-        elif node.op == "placeholder":
-            meta = TensorMeta.of(node.meta["val"])
-            held = np.array([local_bytes(meta, s.output, graph.mesh_shape) for s in ns.strategies])
-            is_state = node.name in params or node.name in graph.captured.buffers
-            state.append(held if is_state and node.name not in params else zeros)
-            activation.append(zeros if is_state else held)
-            casts = pricer.casts(node, ns) if node.name in params else None  # under a policy
-            compute.append(zeros if casts is None else casts); forward.append(zeros); comm.append(zeros)
-        else:
-            t, t_forward, own = pricer.op(ns, node in grad_nodes)
-            compute.append(t); forward.append(t_forward); state.append(zeros)
-            comm.append(pricer.op_comm(ns, node in grad_nodes))
-            read_memory[index[node]] = pricer.reads(ns, saved.reads.get(node, ()))
-            activation.append((own if node in kept else zeros) + read_memory[index[node]])
-            leader = leader_of(graph, node, t, pricer, follow_operands)
-            if leader is not None:
-                followers.append(Follower(index[node], index[leader[0]], leader[1]))
     shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
     # under a policy: which reads of a parameter keep its working copy
     readers = pricer.once(("copy readers", grad_inputs), lambda: copy_readers(graph, grad_nodes))
-    for node in nodes:
-        if node.name not in params:
-            continue
-        ns = graph.nodes[node]
-        meta = TensorMeta.of(node.meta["val"])
-        priced = pricer.zero(meta, ns, precision, shares.get(node, UNPACKED))
-        compute.append(np.array([c[0] for c in priced]))
-        forward.append(np.zeros(len(priced)))
-        comm.append(np.array([c[1] for c in priced]))
-        state.append(np.array([c[2] for c in priced]))
-        activation.append(pricer.node_copy(node, ns) if node in readers and readers[node] is None
-                          else np.zeros(len(priced)))
-        followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
-                                                                    for _ in ZERO_LEVELS)))
+    # what each node costs whatever is recomputed: priced once per graph, every rebuild gets copies
+    priced = pricer.once(("node prices", grad_inputs, follow_operands), lambda: _node_prices(
+        graph, nodes, index, zero_node, grad_nodes, saved, precision, shares, readers, pricer, follow_operands))
+    compute, forward, state, comm = (list(part) for part in (priced.compute, priced.forward, priced.state,
+                                                            priced.comm))
+    read_memory, followers = dict(priced.read_memory), list(priced.followers)
+    activation = list(priced.activation)
+    for v, own in priced.own.items():  # an op's own output: kept where made unless its layer is recomputed
+        activation[v] = (own if nodes[v] in kept else np.zeros(len(own))) + read_memory[v]
     # the edges do not depend on recomputation: priced once per graph, every rebuild gets copies
     masks = None if allowed is None else tuple(allowed[n].tobytes() for n in nodes)
     edges, edge_inputs, edge_prices = (list(part) for part in pricer.once(
@@ -441,6 +409,76 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
                  groups, saved.reads, frozenset(kept))
+
+
+@dataclass(frozen=True)
+class _NodePrices:
+    """Per problem node, what ``build_costs`` prices whatever is recomputed (``_node_prices``)."""
+
+    compute: tuple[np.ndarray, ...]
+    forward: tuple[np.ndarray, ...]
+    state: tuple[np.ndarray, ...]
+    comm: tuple[np.ndarray, ...]
+    # activation bytes; an op's depend on recomputation: there ``own`` (the output its backward
+    # keeps where it is made) and ``read_memory`` (the inputs it saves as it reads them)
+    activation: tuple[np.ndarray | None, ...]
+    own: Mapping[int, np.ndarray]
+    read_memory: Mapping[int, np.ndarray | float]
+    followers: tuple[Follower, ...]
+
+
+def _node_prices(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int],
+                 zero_node: dict[fx.Node, int], grad_nodes: set[fx.Node], saved, precision: str | MixedPrecision,
+                 shares: dict[fx.Node, Shares], readers: dict[fx.Node, frozenset | None], pricer: Pricer,
+                 follow_operands: bool) -> _NodePrices:
+    """``build_costs``' prices of the graph's nodes, in order, then of one ZeRO node per parameter."""
+    params = graph.captured.params
+    compute, forward, state, activation, comm = [], [], [], [], []
+    own_saved: dict[int, np.ndarray] = {}
+    read_memory: dict[int, np.ndarray | float] = {}
+    followers: list[Follower] = []
+    for node in nodes:
+        ns = graph.nodes[node]
+        k = len(ns.strategies)
+        zeros = np.zeros(k)
+        if ns.follows is not None:
+            followers.append(Follower(index[node], index[ns.follows[0]], tuple(range(k))))
+            compute.append(zeros); forward.append(zeros); activation.append(zeros); state.append(zeros)
+            comm.append(zeros)
+        elif node.op == "placeholder":
+            meta = TensorMeta.of(node.meta["val"])
+            held = np.array([local_bytes(meta, s.output, graph.mesh_shape) for s in ns.strategies])
+            is_state = node.name in params or node.name in graph.captured.buffers
+            state.append(held if is_state and node.name not in params else zeros)
+            activation.append(zeros if is_state else held)
+            casts = pricer.casts(node, ns) if node.name in params else None  # under a policy
+            compute.append(zeros if casts is None else casts); forward.append(zeros); comm.append(zeros)
+        else:
+            t, t_forward, own = pricer.op(ns, node in grad_nodes)
+            compute.append(t); forward.append(t_forward); state.append(zeros)
+            comm.append(pricer.op_comm(ns, node in grad_nodes))
+            read_memory[index[node]] = pricer.reads(ns, saved.reads.get(node, ()))
+            own_saved[index[node]] = own
+            activation.append(None)
+            leader = leader_of(graph, node, t, pricer, follow_operands)
+            if leader is not None:
+                followers.append(Follower(index[node], index[leader[0]], leader[1]))
+    for node in nodes:
+        if node.name not in params:
+            continue
+        ns = graph.nodes[node]
+        meta = TensorMeta.of(node.meta["val"])
+        priced = pricer.zero(meta, ns, precision, shares.get(node, UNPACKED))
+        compute.append(np.array([c[0] for c in priced]))
+        forward.append(np.zeros(len(priced)))
+        comm.append(np.array([c[1] for c in priced]))
+        state.append(np.array([c[2] for c in priced]))
+        activation.append(pricer.node_copy(node, ns) if node in readers and readers[node] is None
+                          else np.zeros(len(priced)))
+        followers.append(Follower(index[node], zero_node[node], tuple(i for i in range(len(ns.strategies))
+                                                                    for _ in ZERO_LEVELS)))
+    return _NodePrices(tuple(compute), tuple(forward), tuple(state), tuple(comm), tuple(activation), own_saved,
+                       read_memory, tuple(followers))
 
 
 def _add_loss_memory(graph: StrategyGraph, v: int, loss: LossMemory, activation: list, temporary: list,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 from autopar.passes import rules
@@ -57,11 +58,35 @@ def op_info(node: fx.Node) -> OpInfo:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The nodes behind a call's tensor arguments, in OpInfo.inputs order."""
+    """The nodes behind a call's tensor arguments, in OpInfo.inputs order (``pytree.tree_leaves``'
+    order of ``(node.args, node.kwargs)``; the planner asks this of every node many times, so
+    the plain lists, tuples and dicts fx keeps arguments in are walked here without pytree)."""
     leaves = [*node.args, *node.kwargs.values()]  # already the leaves unless an argument nests
     if any(isinstance(a, (list, tuple, dict)) or type(a) in pytree.SUPPORTED_NODES for a in leaves):
-        leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
+        leaves = []
+        if not _plain_leaves(node.args, leaves) or not _plain_leaves(node.kwargs, leaves):
+            leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
     return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+_PLAIN_SEQUENCES = (list, tuple, immutable_list)
+_PLAIN_MAPPINGS = (dict, immutable_dict)
+
+
+def _plain_leaves(value: Any, out: list) -> bool:
+    """Appends ``value``'s pytree leaves to ``out`` in ``pytree.tree_leaves``' order, walking plain
+    lists, tuples and dicts (a dict by its values in insertion order, as pytree flattens one);
+    False at any other container pytree knows (a named tuple, an ``OrderedDict``): the caller
+    asks pytree then."""
+    kind = type(value)
+    if kind in _PLAIN_SEQUENCES:
+        return all(_plain_leaves(v, out) for v in value)
+    if kind in _PLAIN_MAPPINGS:
+        return all(_plain_leaves(v, out) for v in value.values())
+    if kind in pytree.SUPPORTED_NODES or isinstance(value, (tuple, list, dict)):
+        return False
+    out.append(value)
+    return True
 
 
 def aliases_first(node: fx.Node) -> tuple[bool, bool]:
@@ -131,9 +156,20 @@ class StrategyGraph:
     missing_rules: dict[str, int] = field(default_factory=dict)  # op -> node count
     # (value, reader) edges on an in-place write's path (``in_place_edges``): read where it lies
     in_place: frozenset[tuple[fx.Node, fx.Node]] = frozenset()
+    # what depends on the capture alone, not the mesh (``once``): shared by the graphs of one
+    # capture that ``build_strategy_graph`` is given the same ``shared`` dict for
+    shared: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     def __getitem__(self, node: fx.Node) -> NodeStrategies:
         return self.nodes[node]
+
+    def once(self, key: tuple, make):
+        """``make()``, worked out once per capture: ``make`` must read the capture alone (its
+        nodes, shapes and rules' one-axis options), never the mesh; the result is shared, never
+        to be changed."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
 
     def output_specs(self, node: fx.Node) -> list[Spec]:
         """The placement ``node``'s value takes under each of its strategies (a ``getitem``: its
@@ -190,15 +226,18 @@ def unkeyed_random(node: fx.Node) -> ValueError:
 
 
 def build_strategy_graph(captured: Captured, mesh_shape: Sequence[int],
-                         calls: dict[fx.Node, tuple[OpInfo, str]] | None = None) -> StrategyGraph:
+                         calls: dict[fx.Node, tuple[OpInfo, str]] | None = None,
+                         shared: dict[tuple, Any] | None = None) -> StrategyGraph:
     """Every node's strategies on ``mesh_shape``. ``calls``: a dict kept between graphs of the
     same captured model on several meshes (a planner's factorisations), where each call's
-    OpInfo and key, which do not depend on the mesh, are kept once worked out."""
+    OpInfo and key, which do not depend on the mesh, are kept once worked out; ``shared``: a
+    dict kept between them too, for what else depends on the capture alone
+    (``StrategyGraph.once``)."""
     calls = {} if calls is None else calls
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if any(s < 1 for s in mesh_shape):  # () is one device: a pipeline stage with no intra-op axes
         raise ValueError(f"autopar: expected a mesh shape of positive sizes such as (2, 2), found {mesh_shape}")
-    graph = StrategyGraph(captured, mesh_shape)
+    graph = StrategyGraph(captured, mesh_shape, shared={} if shared is None else shared)
     # Repeated layers repeat the same calls: list each distinct call's strategies once.
     known: dict[str, tuple[ShardingStrategy, ...]] = {}
     for node in captured.nodes():

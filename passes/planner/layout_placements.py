@@ -59,10 +59,12 @@ def layout_placements(name: str, graph: StrategyGraph, found: dict[fx.Node, Line
     mesh = graph.mesh_shape
     roles = axis_roles(name, len(mesh))
     captured = graph.captured
-    tp_dims = megatron_dims(graph, found) if AxisRole.TP in roles else {}
+    # the capture alone decides these: worked out once for every layout on every mesh
+    tp_dims = graph.once(("megatron dims",), lambda: megatron_dims(graph, found)) if AxisRole.TP in roles else {}
     by_expert = expert_axes(name, len(mesh))
-    experts = {w for node in captured.nodes("call_function") for arg in _expert_args(node)
-               for w in expert_weights(node, captured.params, arg)}
+    experts = graph.once(("expert weights",), lambda: {
+        w for node in captured.nodes("call_function") for arg in _expert_args(node)
+        for w in expert_weights(node, captured.params, arg)})
     fixed: dict[fx.Node, Spec] = {}
     zero: dict[fx.Node, int] = {}
     for node in captured.nodes("placeholder"):

@@ -39,7 +39,12 @@ class Linear:
 
 
 def linears(graph: StrategyGraph) -> dict[fx.Node, Linear]:
-    """Every op of ``graph`` that is a linear with a parameter weight, in graph order."""
+    """Every op of ``graph`` that is a linear with a parameter weight, in graph order (read
+    off the rules' one-axis options: the same on every mesh, worked out once; read only)."""
+    return graph.once(("linears",), lambda: _linears(graph))
+
+
+def _linears(graph: StrategyGraph) -> dict[fx.Node, Linear]:
     sources = _ParameterSources(graph)
     out = {}
     for node in graph.captured.nodes("call_function"):

@@ -45,8 +45,12 @@ def batch_size(graph: StrategyGraph) -> int | None:
 
 
 def batch_dims(graph: StrategyGraph, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
-    """Node -> per output, the tensor dims that are made of the batch (see module docstring)."""
-    captured = graph.captured
+    """Node -> per output, the tensor dims that are made of the batch (see module docstring);
+    the capture alone decides them: worked out once for its graphs on every mesh (shared: read only)."""
+    return graph.once(("batch dims", batch), lambda: _batch_dims(graph.captured, batch))
+
+
+def _batch_dims(captured, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
     found: dict[fx.Node, list[frozenset[int]]] = {}
     shape_only: set[fx.Node] = set()  # built without any placeholder's values
     for node in captured.nodes():

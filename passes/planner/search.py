@@ -182,17 +182,19 @@ class SafetyNet:
 
 
 class Graphs:
-    """Strategy graphs of one capture by mesh, built once (each op call's OpInfo shared too):
-    a pinned search plans the same meshes twice, with the pins and without."""
+    """Strategy graphs of one capture by mesh, built once (each op call's OpInfo, and what else
+    the capture alone decides, shared too): a pinned search plans the same meshes twice, with
+    the pins and without."""
 
     def __init__(self, captured) -> None:
         self.captured = captured
         self.calls: dict = {}  # each op call's OpInfo, the same on every mesh: worked out once
+        self.shared: dict = {}  # what else the capture alone decides (``StrategyGraph.once``)
         self.built: dict[tuple[int, ...], StrategyGraph] = {}
 
     def on(self, mesh: tuple[int, ...]) -> StrategyGraph:
         if tuple(mesh) not in self.built:
-            self.built[tuple(mesh)] = build_strategy_graph(self.captured, tuple(mesh), self.calls)
+            self.built[tuple(mesh)] = build_strategy_graph(self.captured, tuple(mesh), self.calls, self.shared)
         return self.built[tuple(mesh)]
 
 

@@ -91,11 +91,16 @@ def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node
 
 
 def output_bytes(costs: Costs, node: fx.Node, choice: Mapping[fx.Node, int]) -> float:
-    """Bytes of ``node``'s (tensor) output on one device under its chosen placement."""
+    """Bytes of ``node``'s (tensor) output on one device under its chosen placement (kept with
+    the graph's prices: each pipeline depth asks it of every value for every layout)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or node not in costs.graph.nodes:
         return 0.0
-    return local_bytes(TensorMeta.of(val), output_spec(costs.graph, node, choice[node]), costs.graph.mesh_shape)
+    key = ("output bytes", node, choice[node])
+    if key not in costs.pricer.tables:
+        costs.pricer.tables[key] = local_bytes(TensorMeta.of(val), output_spec(costs.graph, node, choice[node]),
+                                               costs.graph.mesh_shape)
+    return costs.pricer.tables[key]
 
 
 def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, np.ndarray]:
