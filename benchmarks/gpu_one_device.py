@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.models import GPT, GPTConfig, MODELS
 from autopar.costmodels.presets import preset
-from autopar.costmodels.profiler import Sweep, profile_mesh
+from autopar.costmodels.profiler import Sweep, measure_profile
 from benchmarks.results_file import add_out_argument, write_results
 
 MS = 1e3
@@ -74,11 +74,11 @@ def median_time(run, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def profile_part(out: Path, quick: bool, cuda: bool) -> tuple[object, list[str]]:
+def profile_part(mesh, out: Path, quick: bool, cuda: bool) -> tuple[object, list[str]]:
     sweep = Sweep.quick() if quick or not cuda else Sweep.gpu()
     start = time.perf_counter()
-    profile, path, _ = profile_mesh((1,), ("d",), cache_dir=out / "profile", force=True, sweep=sweep, progress=False)
-    (out / "profile.json").write_text(profile.to_json())
+    profile = measure_profile(mesh, sweep, progress=False)
+    profile.save(out / "profile.json")
     return profile, [f"Measured in {time.perf_counter() - start:.0f} s (`Sweep.gpu()` on a GPU), "
                      f"saved as `profile.json` beside this file.", ""] + profile_lines(profile)
 
@@ -214,7 +214,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     lines: list[str] = []
     profile = "h100"  # stands in if the profile part fails
-    for title, part in (("Profile", lambda: profile_part(out, args.quick, cuda)),
+    for title, part in (("Profile", lambda: profile_part(mesh, out, args.quick, cuda)),
                         ("Training step", lambda: train_part(profile, mesh, device, args.quick)),
                         ("Generation", lambda: serve_part(profile, mesh, device, args.quick))):
         start = time.perf_counter()

@@ -148,6 +148,7 @@ class H100Variant:
     hbm: float  # bytes/s, peak
     memory_bytes: int
     source: str
+    fp32_gemm: float | None = None  # achieved fp32 GEMM FLOP/s where measured; None: the datasheet peak
 
 
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 / FP16 tensor 1,979 TFLOPS *with
@@ -169,14 +170,13 @@ H100_HBM2E_500W = H100Variant(
 
 
 # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100 SXM5's GH100 at its tensor peaks, with
-# 141 GB of HBM3e at 4.8 TB/s; HGX H200 boards keep NVLink 4 and a 400 Gb/s NIC per GPU.
+# 141 GB of HBM3e at 4.8 TB/s; HGX H200 boards keep NVLink 4 and a 400 Gb/s NIC per GPU. fp32
+# GEMM (no TF32, torch's default) fitted on one H200 by the profiler's GPU sweep: 51.8 TFLOP/s
+# (benchmarks/results/gpu_one_device_h200_20261129.md); the H100 SXM5 keeps the datasheet's 67
+# as its upper bound until re-priced on an H100.
 H200_SXM = H100Variant(key="h200", name="NVIDIA H200 141GB SXM", bf16_peak=H100_SXM.bf16_peak, hbm=4800 * GB,
-                       memory_bytes=141 * 10**9,
+                       memory_bytes=141 * 10**9, fp32_gemm=51.8 * TFLOPS,
                        source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s; H100 SXM5 tensor peaks)")
-# fp32 GEMM (no TF32, torch's default) fitted on one H200 by the profiler's GPU sweep:
-# 51.8 TFLOP/s (benchmarks/results/gpu_one_device_h200_20261129.md); the H100 SXM5 preset
-# keeps the datasheet's 67 as its upper bound until re-priced on an H100.
-H200_FP32_GEMM = 51.8 * TFLOPS
 
 
 def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
@@ -185,9 +185,9 @@ def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
     peak = {"fp32": 67 * TFLOPS * clock, "bf16": variant.bf16_peak, "fp16": variant.bf16_peak}
     sms = 132
     matmul = {
-        # the H200's measured fp32 GEMM; otherwise no published achieved fp32 figure adopted:
-        # the datasheet peak (upper bound)
-        "fp32": matmul_rate(H200_FP32_GEMM if variant is H200_SXM else peak["fp32"], sms),
+        # the variant's measured fp32 GEMM, else (no published achieved figure adopted) the
+        # datasheet peak: an upper bound
+        "fp32": matmul_rate(variant.fp32_gemm or peak["fp32"], sms),
         # stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
         # FLOPS comparison table": H100 SXM BF16 MAMF 794.5 TFLOPS (80.3% of peak, torch
         # 2.7.0+cu126), the best of a search over large shapes. Cross-checked by shape against

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils import _pytree as pytree
 
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, retarget_devices
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.lowering.codegen import Part, RankProgram, lower
 from autopar.passes.lowering.recompute import layers_to_recompute, plan_layers, recompute_layers
@@ -206,7 +206,7 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
         if precision is not None:  # before the split: it finds the gathers and readers of each parameter there
             apply_precision(program, captured, named, precision)
         mine = layers_to_recompute(plan.recompute) & {layer_of.get(n.name) for n in part.nodes}
-        program.gm = recompute_layers(program.gm, layer_of, mine)
+        program.gm = retarget_devices(recompute_layers(program.gm, layer_of, mine), place.device)
         own = nn.ParameterList([t for name, t in named.items() if name in captured.params])
         variant.stage_state.append(named)
         variant.programs.append(program)
