@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,14 @@ def test_the_gpu_measurements_are_what_summary_reads():
     for r in measured:  # the ratio column is the ratio of the times beside it
         ratio = float(r["measured step"].split()[0]) / float(r["predicted step"].split()[0])
         assert abs(ratio - float(r["measured / predicted"])) <= 0.006
+
+
+def test_every_benchmark_writes_its_results_file():
+    """Every module of benchmarks/ that is a benchmark (it runs as ``python -m``) writes its table
+    through ``write_results``; the helpers it imports are not benchmarks."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    helpers = {"__init__.py", "results_file.py", "summary.py", "costmodel_ops.py", "costmodel_worker.py"}
+    silent = [f.name for f in sorted(folder.glob("*.py"))
+              if f.name not in helpers and "write_results(" not in f.read_text()]
+    assert not silent, f"benchmarks that write no dated results file: {silent}"
+    assert all((folder / name).is_file() for name in helpers)
