@@ -58,7 +58,7 @@ def rows_with(path: Path, column: str, key: tuple[str, ...]) -> list[dict[str, s
     merged: dict[tuple[str, ...], dict[str, str]] = {}
     for table in tables(path):
         for row in table:
-            if column in row:
+            if column in row and all(k in row for k in key):  # an older table's layout is not this one
                 merged[tuple(row[k] for k in key)] = row
     if not merged:
         raise ValueError(f"autopar: expected a table with a column {column!r} in {path}; found none; "
@@ -101,9 +101,11 @@ def gpu_one_device(path: Path) -> list[list[str]]:
     command, device = "`python -m benchmarks.gpu_one_device`", path.stem.split("_")[-2].upper()
     training = [[f"training GPT {r['GPT']}, {r['precision']}: one {device}", NONE, NONE, r["measured / predicted"],
                  command] for r in rows_with(path, "measured step", ("GPT", "precision"))]
-    serving = [[f"serving Llama {r['Llama (float32)']}: one {device}, {what}", NONE, NONE,
+    serving = [[f"serving Llama {r['Llama']}, {r['dtype']}: one {device}, {what}", NONE, NONE,
                 r[f"{what} measured / predicted"], command]
-               for r in rows_with(path, "TTFT measured / predicted", ("Llama (float32)",)) for what in ("TTFT", "TPOT")]
+               for r in rows_with(path, "TTFT measured / predicted", ("Llama", "dtype", "decode step run"))
+               if r["decode step run"] == "CUDA graph"  # how the runtime runs decode on a GPU
+               for what in ("TTFT", "TPOT")]
     return training + serving
 
 

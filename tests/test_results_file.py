@@ -95,11 +95,18 @@ def test_the_published_table_is_what_summary_reads(tmp_path):
 
 def test_the_gpu_measurements_are_what_summary_reads():
     """The committed one-GPU file: each training row's measured / predicted and each serving
-    row's time to first token and per output token, one summary row each, on the file's device."""
+    row's time to first token and per output token (the decode step as the runtime runs it on
+    a GPU: a CUDA graph), one summary row each, on the file's device."""
     path = summary.RESULTS / "gpu_one_device_h200_20261129.md"
     rows = summary.gpu_one_device(path)
     train, serve = [r for r in rows if r[0].startswith("training")], [r for r in rows if r[0].startswith("serving")]
-    assert len(train) == 4 and len(serve) == 4 and all("one H200" in r[0] for r in rows)
+    assert len(train) == 4 and len(serve) == 8 and all("one H200" in r[0] for r in rows)
+    graphed = [r for t in summary.tables(path) for r in t if r.get("decode step run") == "CUDA graph"]
+    assert [r[3] for r in serve] == [r[f"{what} measured / predicted"] for r in graphed for what in ("TTFT", "TPOT")]
+    for r in graphed:
+        for what in ("TTFT", "TPOT"):
+            ratio = float(r[f"measured {what}"].split()[0]) / float(r[f"predicted {what}"].split()[0])
+            assert abs(ratio - float(r[f"{what} measured / predicted"])) <= 0.006
     measured = [r for t in summary.tables(path) for r in t if "measured step" in r]
     assert [r[3] for r in train] == [r["measured / predicted"] for r in measured]
     for r in measured:  # the ratio column is the ratio of the times beside it

@@ -18,6 +18,11 @@ so every stage works on a different micro-batch at once; the last stage's logits
 others (``_collect``) just before they need them: the last stage broadcasts each as it
 finishes it, the others take it before launching that micro-batch's next step. Every rank
 meets the broadcasts in the same order, (step, micro-batch).
+
+On a GPU the decode step is replayed as a CUDA graph (``autopar.runtime.cuda_graphs``): run
+eagerly, its few hundred small kernels per token wait on the host. ``cuda_graphs = False``
+runs it eagerly; a pipeline's stages run eagerly (their sends and receives lie outside the
+step, between ranks that reach a step at different times). The prefill runs eagerly.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.runtime.batch import Cut, DataParallel, IndexBounds
 from autopar.runtime.contract import CompiledModule, Held
+from autopar.runtime.cuda_graphs import GraphedStep
 from autopar.runtime.draws import agreed_seed
 from autopar.runtime.meshes import mesh_device, whole
 from autopar.runtime.relay import Relay
@@ -96,6 +102,9 @@ class InferenceModule(CompiledModule):
         self._model = (model,)  # for the prefill of every position's logits (``forward``); a tuple: not a submodule
         self._generator: torch.Generator | None = None  # seeded alike on every rank at first use
         self._sending: list = []  # (handle, tensor) of the sends not yet completed
+        # the decode step as a CUDA graph per micro-batch (the module docstring), recorded at first use
+        self.cuda_graphs = self.device.type == "cuda" and self.place.stages == 1 and detect_fake_mode() is None
+        self._graphed: dict[int, GraphedStep] = {}
 
     # --- laying out -----------------------------------------------------------------
     def _lay_out(self, captured: Captured, program: str | None, sources: dict[str, torch.Tensor]) -> Step:
@@ -172,7 +181,7 @@ class InferenceModule(CompiledModule):
                 values[name] = step.cuts[name].take(x.to(self.device))
         for name, shape, dtype in step.received:
             values[name] = place.receive(shape, dtype, self.device)
-        outs = step.program.gm(*[values[n] for n in step.order])
+        outs = self._program(step, micro_batch)(*[values[n] for n in step.order])
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         if step.logits is None:
             self._sending = [(w, t) for w, t in self._sending if w is not None and not w.is_completed()]
@@ -182,6 +191,15 @@ class InferenceModule(CompiledModule):
             return None
         spec = step.program.output_specs[step.logits]
         return outs[step.logits] if spec is None else whole(outs[step.logits], spec, self.place.grid)
+
+    def _program(self, step: Step, micro_batch: int):
+        """What runs ``step`` on this rank: the decode step's CUDA graph where graphs are used, else its program."""
+        if step is not self.decode or not self.cuda_graphs:
+            return step.program.gm
+        if micro_batch not in self._graphed:
+            fixed = [name not in step.cuts and all(name != r[0] for r in step.received) for name in step.order]
+            self._graphed[micro_batch] = GraphedStep(step.program.gm, fixed, "the decode step")
+        return self._graphed[micro_batch]
 
     def _collect(self, step: Step, logits: torch.Tensor | None) -> torch.Tensor:
         """A launched step's logits on every rank: the last stage's, broadcast along the pipeline."""
