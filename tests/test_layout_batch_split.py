@@ -44,3 +44,31 @@ def test_without_the_rule_the_completion_would_split_the_batch_over_tp(costs):
     """The rule is what keeps it: the same layout left free splits the batch over both axes."""
     free = dataclasses.replace(layouts.hint("tp+zero1", costs.graph), batch_whole_axes=())
     assert batch_split(costs.graph, complete(costs, free), BATCH) == MESH[0] * MESH[1]
+
+
+def test_data_parallel_axes_split_values_by_their_batch_only():
+    """``dp`` is DDP: each rank computes its own sequences, and what has no batch dim whole.
+    Hugging Face Llama's rotary table (made from positions, no batch dim) once led the dp
+    completion to split q_proj and the rotary ops along the sequence, with all-to-alls around
+    them (on 4 gloo ranks, 2.5x the step of the same model under DDP)."""
+    from autopar.models import MODELS
+    from autopar.passes.planner.microbatch import batch_dims
+
+    config = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = MODELS["llama"].build(config, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = build_strategy_graph(capture(model, (torch.zeros(16, 64, dtype=torch.long, device="meta"),)), (2, 2))
+    costs = build_costs(graph, costmodels.preset("h100", (2, 2)))
+    choice = complete(costs, layouts.hint("dp", graph))
+    dims = batch_dims(graph, 16)
+    params = graph.captured.params
+    off_batch = [node.name for node, i in choice.items() if node.name not in params and graph.nodes[node].follows is None
+                 for k, spec in enumerate(graph.nodes[node].strategies[i].outputs)
+                 if spec is not None and any(getattr(p, "dim", None) is not None
+                                             and p.dim not in (dims.get(node) or [frozenset()] * (k + 1))[k]
+                                             for p in spec)]
+    assert not off_batch, f"dp split these values off their batch dims: {off_batch[:8]}"
+    assert any(n.name.startswith("linear") for n in choice)  # the check saw the layers' ops

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import costmodels
 from autopar.costmodels.units import GIB
@@ -152,6 +152,8 @@ def layout_restrictions(costs: Costs, hint: Hint) -> Restrictions:
         # the same for every layout on these costs' graph (and its rebuilds): worked out once
         out.soft += costs.pricer.once(("batch kept whole", hint.batch_whole_axes),
                                       lambda: _batch_kept_whole(costs, hint.batch_whole_axes))
+    if hint.data_axes:
+        out.soft += costs.pricer.once(("batch only", hint.data_axes), lambda: _batch_only(costs, hint.data_axes))
     if hint.roles:  # what the ops' rules keep themselves to under these roles (``restrict``)
         for node, ns in graph.nodes.items():
             rule_restrict = restriction_of(node.target) if node.op == "call_function" else None
@@ -184,20 +186,66 @@ def _batch_kept_whole(costs: Costs, axes: tuple[int, ...]) -> list[tuple[int, np
     def cuts(source: fx.Node, i: int, spec) -> bool:
         return sequences_split(source, i, spec, dims, batch, mesh, axes) > 1
 
-    out, tables = [], {}  # repeated layers share a table: keyed by strategies, batch dims and shapes
-    for node, ns in graph.nodes.items():
+    return _forbidding(costs, cuts, lambda node, inputs: bool(dims.get(node) or any(dims.get(u) for u in inputs)),
+                       lambda u: (tuple(dims.get(u, ())), _shapes(u)))
+
+
+def _batch_only(costs: Costs, axes: tuple[int, ...]) -> list[tuple[int, np.ndarray]]:
+    """Soft restrictions: over the data-parallel ``axes`` a value is split by its batch dims
+    only (``microbatch.batch_dims``), as DDP and FSDP run it: each rank computes its own
+    sequences, and what has no batch dim (a rotary table made from positions) whole; never a
+    split along the sequence or the features, which the layout's name does not promise. The
+    parameters and what is made of them alone (views, casts) are left to the layout's storage
+    rules (FSDP stores them split and gathers them where they are used)."""
+    graph = costs.graph
+    batch = batch_size(graph)
+    dims = batch_dims(graph, batch) if batch else {}
+    weights = costs.pricer.once(("made of parameters",), lambda: _made_of_parameters(graph))
+
+    def off_batch(source: fx.Node, i: int, spec) -> bool:
+        if source in weights:
+            return False
+        held = dims.get(source)
+        mine = held[i] if held and i < len(held) else frozenset()
+        return spec is not None and any(isinstance(spec[a], Shard) and spec[a].dim not in mine for a in axes)
+
+    return _forbidding(costs, off_batch, lambda node, inputs: node not in weights,
+                       lambda u: (tuple(dims.get(u, ())), _shapes(u), u in weights))
+
+
+def _forbidding(costs: Costs, bad, applies, value_key) -> list[tuple[int, np.ndarray]]:
+    """Soft restrictions forbidding each op's strategies that place one of its values (an
+    output as made, an input as read) where ``bad(value, output index, spec)`` says, for the
+    ops ``applies(node, tensor inputs)`` names. Repeated layers share a table: keyed by the
+    strategies and ``value_key`` of each value."""
+    out, tables = [], {}
+    for node, ns in costs.graph.nodes.items():
         if node.op == "placeholder" or ns.follows is not None or node not in costs.index:
             continue
         inputs = tensor_inputs(node)
-        if not dims.get(node) and not any(dims.get(u) for u in inputs):
+        if not applies(node, inputs):
             continue
-        key = (id(ns.strategies), *((tuple(dims.get(u, ())), _shapes(u)) for u in (node, *inputs)))
+        key = (id(ns.strategies), *(value_key(u) for u in (node, *inputs)))
         if key not in tables:
-            tables[key] = np.array([np.inf if any(cuts(node, i, spec) for i, spec in enumerate(s.outputs))
-                                    or any(cuts(u, 0, spec) for u, spec in zip(inputs, s.inputs)) else 0.0
+            tables[key] = np.array([np.inf if any(bad(node, i, spec) for i, spec in enumerate(s.outputs))
+                                    or any(bad(u, 0, spec) for u, spec in zip(inputs, s.inputs)) else 0.0
                                     for s in ns.strategies])
         if np.isinf(tables[key]).any():
             out.append((costs.index[node], tables[key]))
+    return out
+
+
+def _made_of_parameters(graph: StrategyGraph) -> set[fx.Node]:
+    """The parameters' placeholders and every op whose tensor inputs are all among them."""
+    params = graph.captured.params
+    out: set[fx.Node] = set()
+    for node in graph.captured.graph.nodes:
+        if node.name in params:
+            out.add(node)
+        elif node.op == "call_function":
+            inputs = tensor_inputs(node)
+            if inputs and all(u in out for u in inputs):
+                out.add(node)
     return out
 
 
