@@ -231,7 +231,7 @@ def _constraints(args: argparse.Namespace) -> Constraints | None:
                               f"{{\"tp\": 8}}, found {type(given).__name__}")
     merged = Constraints.from_dict(given).to_dict()
     for key, value in Constraints.from_pins(args.pin).to_dict().items():
-        merged[key] = {**merged.get(key, {}), **value} if key == "zero_by_name" else value
+        merged[key] = {**merged.get(key, {}), **value} if key in ("zero_by_name", "params", "outputs") else value
     return Constraints.from_dict(merged)
 
 
@@ -436,8 +436,10 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix part of the layout, search the rest (repeatable): tp=8, dp=8, pp=4, axes=pp,dp,tp, "
-                   "micro_batches=16, schedule=1f1b, chunks=2, zero=1, zero:PATTERN=LEVEL, recompute=none|all|0,2-5; "
-                   "explain() prices the pins against the plan without them")
+                   "micro_batches=16, schedule=1f1b, chunks=2, stage_starts=model.layers.16,model.layers.32, zero=1, "
+                   "zero:PATTERN=LEVEL, recompute=none|all|0,2-5, PATTERN=S(0)R|colwise|rowwise (parameters), "
+                   "output:PATTERN=S(1)R|sequence|colwise (a module's output); explain() prices the pins against "
+                   "the plan without them")
     p.add_argument("--constraints", default=None, metavar="FILE.json",
                    help="pins as JSON, autopar.Constraints' fields (e.g. {\"tp\": 8, \"zero_by_name\": "
                    "{\"embed_tokens\": 0}}); --pin adds to them")

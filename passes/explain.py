@@ -256,7 +256,57 @@ def pin_lines(plan) -> list[str]:
     else:  # the budgets differ: the search without pins did not reach this plan
         lines.append(f"  pinning {', '.join(broken)} costs nothing the search can see: this plan is {-100 * change:.3g}% "
                      f"faster than the one it found without them ({duration(t)} against {duration(t0)})")
-    return lines
+    return lines + pin_diff(free.get("placement"), plan)
+
+
+PIN_DIFF_LINES = 12  # differences shown; the rest counted
+
+
+def pin_diff(free: dict | None, plan) -> list[str]:
+    """Where a pinned plan differs from the plan without its pins (``Plan.pins``' record of its
+    placements: ``pin_price.placement_record``), layer by layer as ``diff`` folds them: each
+    parameter placed or ZeRO-levelled otherwise, and the layers recomputed."""
+    if free is None:
+        return []
+    names = sorted(set(free["params"]) | set(plan.params))
+    placed = [(f, free["params"].get(f), plan.params.get(f)) for f in names
+              if free["params"].get(f) != plan.params.get(f)]
+    zeroed = [(f, free["zero"].get(f), plan.zero.get(f)) for f in names if free["zero"].get(f) != plan.zero.get(f)]
+    layers = {**free["param_layers"], **plan.param_layers}
+    changes = _folded("param", placed, layers) + _folded("zero", zeroed, layers)
+    if sorted(free["recompute"]) != sorted(plan.recompute):
+        changes.append(f"recompute: {_layers_text(free['recompute'])} -> {_layers_text(plan.recompute)}")
+    starts = stage_starts(plan)
+    if free.get("stage_starts", []) != starts:
+        changes.insert(0, f"stages start at: {_starts_text(free.get('stage_starts', []))} -> {_starts_text(starts)}")
+    if not changes:
+        return ["  where they differ: no parameter placed or ZeRO-levelled otherwise, no stage starting or layer "
+                "recomputed otherwise (their ops' strategies only)"]
+    more = len(changes) - PIN_DIFF_LINES
+    return (["  where they differ (without them -> pinned), layer by layer:"]
+            + [f"    {line}" for line in changes[:PIN_DIFF_LINES]] + ([f"    ... and {more} more"] if more > 0 else []))
+
+
+def stage_starts(plan) -> list[int]:
+    """The repeated layers where a plan's (virtual) stages 2, 3, ... start, read off where its
+    parameters lie ([] without a pipeline)."""
+    if plan.pipeline is None:
+        return []
+    fqn = {name: key.removeprefix("param:") for name, key in plan.node_keys.items() if key.startswith("param:")}
+    first: dict[int, int] = {}
+    for name, stage in plan.pipeline.stage_of.items():
+        if (layer := plan.param_layers.get(fqn.get(name, ""))) is not None:
+            first[stage] = min(first.get(stage, layer), layer)
+    return [first[s] for s in sorted(first) if s > 0]
+
+
+def _starts_text(starts: list[int]) -> str:
+    return "layers " + ", ".join(map(str, starts)) if starts else "no pipeline"
+
+
+def _layers_text(recomputed: list[str]) -> str:
+    numbers = sorted(int(text.split()[-1]) for text in recomputed)
+    return f"layers {ranges(numbers)}" if numbers else "no layer"
 
 
 def _solver_line(s: dict) -> str:

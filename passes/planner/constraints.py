@@ -12,13 +12,23 @@
   role (``axes=("dp", "tp")``, one role or None per axis of the mesh as given; ``"pp"`` only
   on the outermost axis, which the pipeline takes whole);
 - the pipeline: ``micro_batches``, ``schedule`` (``"1f1b"``, ``"gpipe"``,
-  ``"interleaved_1f1b"``), ``chunks`` (chunks per rank of the interleaved schedule);
+  ``"interleaved_1f1b"``), ``chunks`` (chunks per rank of the interleaved schedule),
+  ``stage_starts`` (the repeated layers, by module name, where stages 2, 3, ... begin: as many
+  stages as names and one, one chunk per rank; ``autopar.passes.planner.stage_starts``);
 - ZeRO: ``zero`` (0-3 for every parameter) and ``zero_by_name`` (fully-qualified-name
   patterns -> level; the first pattern that matches wins, over ``zero``);
 - recomputation: ``recompute`` ``"none"``, ``"all"`` or the repeated layers' numbers;
 - parameters: ``params`` (fully-qualified-name patterns -> placement): stored as ``"S(0)R"``
   says, one placement per axis of the mesh as given, or as Megatron's ``"colwise"`` /
-  ``"rowwise"`` on the tensor-parallel axes (a linear's weight by output or input features).
+  ``"rowwise"`` on the tensor-parallel axes (a linear's weight by output or input features);
+- module outputs: ``outputs`` (module-name patterns -> placement): the value a module's forward
+  returns placed as ``"S(1)R"`` says, or on the tensor-parallel axes as DTensor's plans leave
+  it: ``"sequence"`` split along the sequence dim (dim 1, ``SequenceParallel``'s), ``"colwise"``
+  split along the last dim (``ColwiseParallel``'s ``Shard(-1)``). Not ``"rowwise"``: a row-split
+  linear makes partial sums, which the plan reduces on the way to each reader (all-reduce or
+  reduce-scatter, as priced), so its output has no one placement to pin; pin the placement of
+  a module after the sum (a block's output, ``R`` on the tensor-parallel axis) instead.
+  An output is the value as the module's last op makes it: a pin never holds a partial sum.
 
 A role is what the axis does to the batch and to the weights (``AxisPin``): a tensor-parallel
 axis keeps the batch whole and uses every weight where it is stored (Megatron: no gather);
@@ -31,7 +41,8 @@ integer program and of the pipeline search (``autopar.passes.planner.pin_restric
 ``autopar.passes.planner.pipeline``), and checks a plan against them (``honours``).
 
 Written as the command line takes them: ``layout=pp+fsdp+tp tp=8 pp=4 micro_batches=16 schedule=1f1b chunks=2
-zero=1 zero:embed_tokens=0 recompute=none axes=pp,dp,tp layers.*.mlp.down_proj=rowwise``
+zero=1 zero:embed_tokens=0 recompute=none axes=pp,dp,tp layers.*.mlp.down_proj=rowwise
+stage_starts=model.layers.16,model.layers.32 output:layers.*.input_layernorm=sequence``
 (``Constraints.from_pins``); as JSON, the fields (``Constraints.from_dict``).
 """
 
@@ -40,6 +51,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -52,6 +64,7 @@ ROLES = ("pp", "dp", "tp")
 RECOMPUTE = ("none", "all")
 ZERO_LEVELS = (0, 1, 2, 3)
 MEGATRON_ROLES = ("colwise", "rowwise")  # as DTensor's parallelize_module names them
+OUTPUT_ROLES = ("sequence", "colwise")  # a module's output as DTensor's plans leave it (module docstring)
 # the command line's other spellings of a field's name
 _ALIASES = {"microbatches": "micro_batches", "micro-batches": "micro_batches", "chunks_per_rank": "chunks",
             "interleave": "chunks"}
@@ -69,6 +82,9 @@ class Constraints:
     micro_batches: int | None = None
     schedule: Schedule | None = None
     chunks: int | None = None  # chunks per rank (1: not interleaved)
+    # where stages 2, 3, ... begin: a repeated layer's module name each ("model.layers.16"), in
+    # order; a comma-separated string is accepted
+    stage_starts: tuple[str, ...] = ()
     zero: int | None = None
     zero_by_name: tuple[tuple[str, int], ...] = ()  # (pattern, level); a mapping is accepted
     recompute: str | tuple[int, ...] | None = None  # "none", "all" or layer numbers
@@ -76,6 +92,9 @@ class Constraints:
     # given), or as Megatron's "colwise" / "rowwise" on the tensor-parallel axes; a mapping is
     # accepted; the first pattern that matches wins
     params: tuple[tuple[str, str], ...] = ()
+    # (pattern, placement): the output of each module named placed as "S(1)R" says, or as one of
+    # OUTPUT_ROLES on the tensor-parallel axes; a mapping is accepted; the first pattern that matches wins
+    outputs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "micro_batches", "chunks"):
@@ -107,9 +126,6 @@ class Constraints:
         if self.chunks == 1 and self.schedule is Schedule.INTERLEAVED_1F1B:
             raise ValueError(f"autopar: pin schedule={self.schedule} runs several chunks per rank, and chunks=1 says "
                              "one; pin chunks of at least 2 with it, or another schedule")
-        if self.pp == 1 and self.pipelined_by_settings:
-            raise ValueError(f"autopar: pins {', '.join(self.pipeline_pins())} set a pipeline, and pp=1 says none; "
-                             "expected pp of at least 2 with them, or leave pp out")
         if self.zero is not None and self.zero not in ZERO_LEVELS:
             raise ValueError(f"autopar: pin zero expected a ZeRO level in {ZERO_LEVELS}, found {self.zero!r}")
         pairs = tuple(self.zero_by_name.items()) if isinstance(self.zero_by_name, Mapping) else tuple(
@@ -126,21 +142,55 @@ class Constraints:
                 raise ValueError(f"autopar: pin {pattern}={placement!r} expected a parameter-name pattern and a "
                                  f"placement per mesh axis such as S(0)R, or one of {MEGATRON_ROLES}")
         object.__setattr__(self, "params", placed)
+        outputs = tuple(self.outputs.items()) if isinstance(self.outputs, Mapping) else tuple(
+            tuple(p) for p in self.outputs)
+        for pattern, placement in outputs:
+            if not isinstance(pattern, str) or not pattern or not _placement(placement, OUTPUT_ROLES):
+                raise ValueError(f"autopar: pin output:{pattern}={placement!r} expected a module-name pattern and a "
+                                 f"placement per mesh axis such as S(1)R, or one of {OUTPUT_ROLES}")
+        object.__setattr__(self, "outputs", outputs)
+        self._check_stage_starts()
+        if self.pp == 1 and self.pipelined_by_settings:
+            raise ValueError(f"autopar: pins {', '.join(self.pipeline_pins())} set a pipeline, and pp=1 says none; "
+                             "expected pp of at least 2 with them, or leave pp out")
         if self.layout is not None:
             self._check_layout()
+
+    def _check_stage_starts(self) -> None:
+        names = self.stage_starts.split(",") if isinstance(self.stage_starts, str) else self.stage_starts
+        names = tuple(str(n).strip() for n in names)
+        object.__setattr__(self, "stage_starts", names)
+        if not names:
+            return
+        pin = self.pin("stage_starts")
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"autopar: pin {pin} expected distinct module names of repeated layers, in order, "
+                             "e.g. stage_starts=model.layers.16,model.layers.32")
+        if self.pp is not None and self.pp != len(names) + 1:
+            raise ValueError(f"autopar: pin {pin} starts {len(names) + 1} pipeline stages, and pp={self.pp} "
+                             f"another count; expected pp={len(names) + 1} or pp left out")
+        if (self.chunks or 1) > 1 or self.schedule is Schedule.INTERLEAVED_1F1B:
+            several = f"chunks={self.chunks}" if (self.chunks or 1) > 1 else f"schedule={self.schedule}"
+            raise ValueError(f"autopar: pin {pin} places one stage per pipeline rank, and {several} runs several "
+                             "per rank; expected chunks=1 (or a schedule of one chunk per rank) with it, or leave "
+                             "stage_starts out")
 
     def _check_layout(self) -> None:
         pipelined, depth, _ = layout_parts(self.layout)
         if depth is not None and self.pp not in (None, depth):
             raise ValueError(f"autopar: pin layout={self.layout} names {depth} pipeline stages, and pp={self.pp} "
                              "another; expected one depth: leave pp out, or name the layout without it")
+        if depth is not None and self.stage_starts and depth != len(self.stage_starts) + 1:
+            raise ValueError(f"autopar: pin layout={self.layout} names {depth} pipeline stages, and "
+                             f"{self.pin('stage_starts')} starts {len(self.stage_starts) + 1}; expected one depth: "
+                             "name the layout without it")
         if depth is not None:
             object.__setattr__(self, "pp", depth)
         if pipelined and self.pp == 1:
             raise ValueError(f"autopar: pin layout={self.layout} is pipelined, and pp=1 says no pipeline; expected "
                              f"pp of at least 2, or the layout {layout_parts(self.layout)[2]} without a pipeline")
         settings = [f"pp={self.pp}"] if (self.pp or 1) > 1 else []
-        settings += [p for p in self.pins() if p.partition("=")[0] in ("micro_batches", "schedule", "chunks")]
+        settings += self.pipeline_pins()
         if not pipelined and settings:
             raise ValueError(f"autopar: pin layout={self.layout} has no pipeline, and {', '.join(settings)} "
                              f"pins one; expected the pipelined layout pp+{self.layout} (pp4+{self.layout} for "
@@ -159,13 +209,15 @@ class Constraints:
         None (searched; a pipelined layout's at least 2)."""
         if self.pp is not None:
             return self.pp
+        if self.stage_starts:
+            return len(self.stage_starts) + 1
         return 1 if self.layout is not None and not layout_parts(self.layout)[0] else None
 
     @property
     def wants_pipeline(self) -> bool:
         """Whether the pins ask for a pipeline (a depth of 2 or more, a pipeline setting, a
         pipelined layout, the outermost axis's role)."""
-        return ((self.pp or 1) > 1 or self.pipelined_by_settings or (self.axes or (None,))[0] == "pp"
+        return ((self.stages or 1) > 1 or self.pipelined_by_settings or (self.axes or (None,))[0] == "pp"
                 or self.layout is not None and layout_parts(self.layout)[0])
 
     @property
@@ -176,7 +228,8 @@ class Constraints:
 
     def pipeline_pins(self) -> list[str]:
         """The pipeline settings pinned, as written (``["micro_batches=16"]``)."""
-        return [p for p in self.pins() if p.partition("=")[0] in ("micro_batches", "schedule", "chunks")]
+        return [p for p in self.pins() if p.partition("=")[0] in ("micro_batches", "schedule", "chunks",
+                                                                  "stage_starts")]
 
     @property
     def empty(self) -> bool:
@@ -193,6 +246,11 @@ class Constraints:
         """(pattern, placement) pinned for parameter ``fqn``: its first matching pattern, or None."""
         return next(((p, placed) for p, placed in self.params if name_matches(p, fqn)), None)
 
+    def output_of(self, module: str) -> tuple[str, str] | None:
+        """(pattern, placement) pinned for the output of the module named ``module``: its first
+        matching pattern (``module_matches``), or None."""
+        return next(((p, placed) for p, placed in self.outputs if module_matches(p, module)), None)
+
     def pin(self, name: str) -> str:
         """The pin of field ``name`` as the command line writes it (``"recompute=0,2"``)."""
         return next(p for p in self.pins() if p.partition("=")[0] == name)
@@ -208,8 +266,12 @@ class Constraints:
                 out += [f"zero:{pattern}={level}" for pattern, level in value]
             elif f.name == "params":
                 out += [f"{pattern}={placement}" for pattern, placement in value]
+            elif f.name == "outputs":
+                out += [f"output:{pattern}={placement}" for pattern, placement in value]
             elif f.name == "axes":
                 out.append("axes=" + ",".join(a or "*" for a in value))
+            elif f.name == "stage_starts":
+                out.append("stage_starts=" + ",".join(value))
             elif f.name == "recompute" and not isinstance(value, str):
                 out.append("recompute=" + ",".join(map(str, value)))
             else:
@@ -227,7 +289,7 @@ class Constraints:
             value = getattr(self, f.name)
             if value is None or value == ():
                 continue
-            if f.name in ("zero_by_name", "params"):
+            if f.name in ("zero_by_name", "params", "outputs"):
                 value = dict(value)
             elif f.name == "schedule":
                 value = value.value
@@ -247,6 +309,8 @@ class Constraints:
             given["axes"] = tuple(given["axes"].split(","))
         elif given.get("axes") is not None:
             given["axes"] = tuple(given["axes"])
+        if isinstance(given.get("stage_starts"), list):
+            given["stage_starts"] = tuple(given["stage_starts"])
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
         return cls(**given)
@@ -257,6 +321,7 @@ class Constraints:
         data: dict[str, Any] = {}
         by_name: list[tuple[str, int]] = []
         placed: list[tuple[str, str]] = []
+        outputs: list[tuple[str, str]] = []
         for text in pins:
             key, sep, value = text.partition("=")
             key, value = key.strip(), value.strip()
@@ -266,10 +331,13 @@ class Constraints:
             if key.startswith("zero:"):
                 by_name.append((key[len("zero:"):], _whole(text, value)))
                 continue
+            if key.startswith("output:"):
+                outputs.append((key[len("output:"):], value))
+                continue
             key = _ALIASES.get(key, key)
             if key in ("tp", "dp", "pp", "micro_batches", "chunks", "zero"):
                 data[key] = None if value == "*" else _whole(text, value)
-            elif key == "axes":
+            elif key in ("axes", "stage_starts"):
                 data[key] = tuple(value.split(","))
             elif key == "recompute":
                 data[key] = value if value in RECOMPUTE else tuple(_layer_numbers(text, value))
@@ -279,14 +347,15 @@ class Constraints:
                 placed.append((key, value))
             else:
                 raise ValueError(f"autopar: pin {text!r} names nothing autopar pins; expected one of layout, tp, dp, pp, "
-                                 "axes, micro_batches, schedule, chunks, zero, zero:PATTERN, recompute, or "
-                                 f"PATTERN=PLACEMENT (S(0)R, {', '.join(MEGATRON_ROLES)}) for parameters")
-        return cls(**data, zero_by_name=tuple(by_name), params=tuple(placed))
+                                 "axes, micro_batches, schedule, chunks, stage_starts, zero, zero:PATTERN, recompute, "
+                                 f"output:PATTERN=PLACEMENT, or PATTERN=PLACEMENT (S(0)R, {', '.join(MEGATRON_ROLES)}) "
+                                 "for parameters")
+        return cls(**data, zero_by_name=tuple(by_name), params=tuple(placed), outputs=tuple(outputs))
 
 
-def _placement(text) -> bool:
-    """Whether ``text`` is a placement pin: a Megatron role, or placements such as S(0)R."""
-    if text in MEGATRON_ROLES:
+def _placement(text, roles: Sequence[str] = MEGATRON_ROLES) -> bool:
+    """Whether ``text`` is a placement pin: one of ``roles``, or placements such as S(0)R."""
+    if text in roles:
         return True
     try:
         return isinstance(text, str) and bool(parse_spec(text)) and "P" not in text
@@ -333,6 +402,16 @@ def name_matches(pattern: str, fqn: str) -> bool:
     nor ``model.embedding.weight``."""
     return any(fnmatch.fnmatchcase(fqn, form) for form in (pattern, f"*.{pattern}", f"{pattern}.*",
                                                            f"*.{pattern}.*"))
+
+
+def module_matches(pattern: str, module: str) -> bool:
+    """Whether a name pattern names the module ``module`` itself (not one inside it), whole or
+    as its last dotted parts, ``*`` standing for any characters of one part:
+    ``layers.*.input_layernorm`` names ``model.layers.0.input_layernorm``; ``layers.*`` names
+    ``model.layers.0`` and not ``model.layers.0.mlp``; ``norm`` names neither
+    ``model.layers.0.norm.x`` nor ``model.prenorm``."""
+    body = "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(rf"(?:.*\.)?{body}", module) is not None
 
 
 # --- mesh roles ------------------------------------------------------------------------
@@ -475,6 +554,10 @@ def check_mesh(pins: Constraints, shape: Sequence[int], pipeline: bool) -> None:
         if degree is not None and devices % degree:
             raise ValueError(f"autopar: pin {name}={degree} cannot hold on mesh {tuple(shape)} of {devices} devices: "
                              f"expected a degree that divides the device count; pin a divisor of {devices}")
+    if pins.stage_starts and shape[0] % pins.stages:
+        raise ValueError(f"autopar: pin {pins.pin('stage_starts')} starts {pins.stages} pipeline stages, which cannot "
+                         f"hold on mesh {tuple(shape)}: a pipeline takes its stages out of the outermost axis "
+                         f"({shape[0]} devices); name a number of stage starts one less than a divisor of {shape[0]}")
     if pins.pp is not None and pins.pp > 1 and shape[0] % pins.pp:
         raise ValueError(f"autopar: pin pp={pins.pp} cannot hold on mesh {tuple(shape)}: a pipeline takes its "
                          f"stages out of the outermost axis ({shape[0]} devices); pin a divisor of {shape[0]}, or "
@@ -483,13 +566,15 @@ def check_mesh(pins: Constraints, shape: Sequence[int], pipeline: bool) -> None:
         raise ValueError(f"autopar: pins {pins} set a pipeline, and planning was asked for none (pipeline=False, "
                          "a loss planned with the model, or keyword inputs); plan with pipeline=True and without "
                          "loss_fn, or leave the pipeline pins out")
-    for pattern, placement in pins.params:
-        if placement in MEGATRON_ROLES:
+    placed = [(f"{pattern}={placement}", placement) for pattern, placement in pins.params]
+    placed += [(f"output:{pattern}={placement}", placement) for pattern, placement in pins.outputs]
+    for pin, placement in placed:
+        if placement in MEGATRON_ROLES + OUTPUT_ROLES:
             if not (pins.tp or 1) > 1 and "tp" not in (pins.axes or ()):
-                raise ValueError(f"autopar: pin {pattern}={placement} is a tensor-parallel role, and no axis is "
+                raise ValueError(f"autopar: pin {pin} is a tensor-parallel role, and no axis is "
                                  "tensor parallel; pin tp= (or axes= with tp) too")
         elif len(parse_spec(placement)) != len(shape):
-            raise ValueError(f"autopar: pin {pattern}={placement} gives {len(parse_spec(placement))} placements for "
+            raise ValueError(f"autopar: pin {pin} gives {len(parse_spec(placement))} placements for "
                              f"the {len(shape)} axes of mesh {tuple(shape)}; expected one per axis, e.g. "
                              f"{'S(0)' + 'R' * (len(shape) - 1)}")
     product = math.prod(getattr(pins, n) for n in ("tp", "dp", "pp") if getattr(pins, n) is not None)
@@ -533,8 +618,9 @@ def pinned_schedules(pins: Constraints | None, schedules: Sequence[Schedule]) ->
         return schedules, None
     if pins.schedule is not None:
         schedules = (pins.schedule,)
-    if pins.chunks is not None:  # several chunks: the interleaved schedules; one: any that runs one
+    chunks = pins.chunks or (1 if pins.stage_starts else None)  # pinned stages: one per rank
+    if chunks is not None:  # several chunks: the interleaved schedules; one: any that runs one
         schedules = tuple(s for s in schedules
-                          if (s.interleaved if pins.chunks > 1 else s is not Schedule.INTERLEAVED_1F1B))
-        return schedules, (pins.chunks,)
+                          if (s.interleaved if chunks > 1 else s is not Schedule.INTERLEAVED_1F1B))
+        return schedules, (chunks,)
     return schedules, None

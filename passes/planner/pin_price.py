@@ -1,11 +1,13 @@
 """What pins cost: whether a plan honours them, and the record ``explain()`` prices them from.
 
 ``broken_pins`` checks a finished Plan against ``Constraints``: its pipeline (stages,
-micro-batches, schedule, chunks), its recomputed layers, and its strategies against the same
-masks the pinned search restricts its problems with (``pin_restrictions.pin_masks``, for any
-way the roles can be laid on its mesh: ``constraints.mesh_roles``). ``price_record`` is
-``Plan.pins``: the pins, and the unpinned plan's step time, memory and layout with the pins it
-breaks, so a saved plan explains what its pins cost.
+micro-batches, schedule, chunks, the layers its stages start at), its recomputed layers, and
+its strategies against the same masks the pinned search restricts its problems with
+(``pin_restrictions.pin_masks``, for any way the roles can be laid on its mesh:
+``constraints.mesh_roles``). ``price_record`` is
+``Plan.pins``: the pins, and the unpinned plan's step time, memory, layout and placements
+(``placement_record``) with the pins it breaks, so a saved plan explains what its pins cost and
+where the two differ.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from autopar.costmodels.schedules import Schedule
+from autopar.passes.explain import stage_starts
 from autopar.passes.plan import Plan, choice_from_plan
 from autopar.passes.planner.constraints import Constraints, mesh_roles
 from autopar.passes.planner.pin_restrictions import broken, pin_masks
 from autopar.passes.planner.request import PlanningError
+from autopar.passes.planner.stage_starts import plan_stage_starts, start_layers
 from autopar.passes.strategy_graph import StrategyGraph
 
 
@@ -27,12 +31,14 @@ def broken_pins(plan: Plan, pins: Constraints, shape: tuple[int, ...], graph_on:
     repeated layers the model has."""
     out = _pipeline_broken(plan, pins) + _recompute_broken(plan, pins, layers)
     stages = plan.pipeline.stages if plan.pipeline is not None else 1
+    mesh = (tuple(plan.mesh_shape[1:]) or (1,)) if plan.pipeline is not None else tuple(plan.mesh_shape)
+    graph = graph_on(mesh)
+    if pins.stage_starts and plan_stage_starts(plan, graph.captured) != list(start_layers(pins, graph.captured)):
+        out.append(pins.pin("stage_starts"))
     laid = mesh_roles(pins, shape, stages)
     mesh_pins = [p for p in pins.pins() if p.split("=")[0] in ("tp", "dp", "axes", "layout")]
     if isinstance(laid, str):
         return list(dict.fromkeys(out + (mesh_pins or [laid])))
-    mesh = (tuple(plan.mesh_shape[1:]) or (1,)) if plan.pipeline is not None else tuple(plan.mesh_shape)
-    graph = graph_on(mesh)
     choice = choice_from_plan(graph, plan)
     fewest = None
     for roles in laid:
@@ -81,8 +87,17 @@ def price_record(pins: Constraints, pinned: Plan, unpinned: Plan | None, breaks:
                               "unpinned": None, "broken": list(breaks or []), "priced": priced}
     if unpinned is not None:
         record["unpinned"] = {"step_time": unpinned.predicted.step_time,
-                              "memory": sum(unpinned.predicted.memory.values()), "layout": layout_words(unpinned)}
+                              "memory": sum(unpinned.predicted.memory.values()), "layout": layout_words(unpinned),
+                              "placement": placement_record(unpinned)}
     return record
+
+
+def placement_record(plan: Plan) -> dict[str, Any]:
+    """What ``explain()`` compares a pinned plan with, layer by layer (``explain.pin_diff``): the
+    parameters' placements and ZeRO levels, the layer each parameter is in, the recomputed
+    layers, the layers its stages start at."""
+    return {"params": dict(plan.params), "zero": dict(plan.zero), "param_layers": dict(plan.param_layers),
+            "recompute": list(plan.recompute), "stage_starts": stage_starts(plan)}
 
 
 def layout_words(plan: Plan) -> str:

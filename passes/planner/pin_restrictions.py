@@ -20,7 +20,11 @@ completion all handle (as they handle a manual layout's placements):
 - a parameter's placement pinned (``placement_pins``): stored so on each axis (over ZeRO's
   storage); a Megatron role (colwise, rowwise) sets its split on the tensor-parallel axes;
 - a whole manual layout pinned (``layout=``, ``layout_masks``): every parameter and input
-  placed as the layout places it on every axis, and its ZeRO levels; every other op searched.
+  placed as the layout places it on every axis, and its ZeRO levels; every other op searched;
+- a module's output pinned (``output_masks``): the strategies of the node that makes each value
+  its forward returns (``module_outputs``: its nodes read outside it; a getitem's, its
+  producer's) keep those that place it as pinned on each axis (a role: on the
+  tensor-parallel axes).
 
 ``restricted`` adds them to a ``Costs``' problem; ``broken`` checks a plan's choice against
 the same masks (``autopar.passes.planner.search`` returns the unconstrained plan where it
@@ -32,12 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.passes.costing import Costs
 from autopar.passes.placements import parse_spec
-from autopar.passes.planner.constraints import MEGATRON_ROLES, AxisPin, Constraints, MeshRoles, name_matches
+from autopar.passes.planner.constraints import (MEGATRON_ROLES, OUTPUT_ROLES, AxisPin, Constraints, MeshRoles,
+                                                module_matches, name_matches)
 from autopar.passes.planner.layout_placements import layout_placements
 from autopar.passes.planner.linears import linears
 from autopar.passes.planner.megatron import megatron_dims
@@ -146,6 +152,8 @@ def pin_masks(graph: StrategyGraph, roles: MeshRoles | None, pins: Constraints |
         _read_whole(graph, out, a, readers_whole, of_weight, cache)
     if pins is not None and pins.layout is not None:
         layout_masks(graph, out, pins)
+    if pins is not None and pins.outputs:
+        output_masks(graph, out, pins, roles)
     if any(level == 3 for level, _ in levels.values()) and not any(
             size > 1 and a not in tp for a, size in enumerate(mesh)):
         why = next(w for level, w in levels.values() if level == 3)
@@ -169,6 +177,53 @@ def layout_masks(graph: StrategyGraph, out: PinMasks, pins: Constraints) -> None
         _and_node(out, node, keep, why, f"placing {node.name} as {pins.intra_layout} does")
     for ph, level in zero.items():
         out.zero.setdefault(ph, (level, why))
+
+
+def module_outputs(captured) -> dict[str, list[fx.Node]]:
+    """Module name -> the nodes that make what its forward returns: its nodes (those run under
+    it: ``nn_module_stack``) that a node outside it, or the graph's output, reads."""
+    inside: dict[fx.Node, set[str]] = {
+        node: {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()} for node in captured.nodes()}
+    out: dict[str, list[fx.Node]] = {}
+    for node, paths in inside.items():
+        for path in sorted(paths):
+            if any(path not in inside.get(user, ()) for user in node.users):
+                out.setdefault(path, []).append(node)
+    return out
+
+
+def output_masks(graph: StrategyGraph, out: PinMasks, pins: Constraints, roles: MeshRoles | None) -> None:
+    """Each pinned module's outputs (``module_outputs``) placed as pinned on ``graph``'s mesh: a
+    spec's placement of the axis as given each axis is a part of, a role's on the
+    tensor-parallel axes (``sequence``: split along dim 1; ``colwise``: along the last dim;
+    ``rowwise``: whole), added to ``out``."""
+    mesh = graph.mesh_shape
+    given = roles.given_axis if roles is not None and roles.given_axis else tuple(range(len(mesh)))
+    tp = [a for a, pin in enumerate(roles.axes if roles is not None else ()) if pin.weights == "stored"]
+    outputs = graph.once(("module outputs",), lambda: module_outputs(graph.captured))
+    for module, nodes in outputs.items():
+        if (pinned := pins.output_of(module)) is None:
+            continue
+        pattern, placement = pinned
+        why = f"output:{pattern}={placement}"
+        for node in nodes:
+            value = node.meta.get("val")
+            if node not in graph.nodes or not isinstance(value, torch.Tensor):
+                continue
+            ns = graph.nodes[node]
+            maker, index = ns.follows if ns.follows is not None else (node, 0)
+            specs = [s.outputs[index] if index < len(s.outputs) else None for s in graph.nodes[maker].strategies]
+            if placement in OUTPUT_ROLES:
+                split = {"sequence": 1, "colwise": value.dim() - 1, "rowwise": None}[placement]
+                want = [(WHOLE if split is None else 1 + split) if a in tp else None for a in range(len(mesh))]
+            else:
+                spec = parse_spec(placement)
+                want = [_code(spec[given[a]]) if mesh[a] > 1 else None for a in range(len(mesh))]
+            keep = np.ones(len(specs), dtype=bool)
+            for a, code in enumerate(want):
+                if code is not None:
+                    keep &= _codes(specs, a) == code
+            _and_node(out, maker, keep, why, f"placing {module}'s output {node.name} {list(value.shape)} as pinned")
 
 
 def placement_pins(graph: StrategyGraph, pins: Constraints, roles: MeshRoles | None) -> dict[fx.Node, tuple[list[int | None], str]]:
@@ -279,6 +334,16 @@ def _reads(ns, position: int, a: int, want: int, cache) -> np.ndarray:
 def _zero_pin(pins: Constraints, fqn: str) -> str:
     pattern = next((p for p, _ in pins.zero_by_name if name_matches(p, fqn)), None)
     return f"zero:{pattern}={pins.zero_of(fqn)}" if pattern is not None else f"zero={pins.zero}"
+
+
+def check_outputs(pins: Constraints, captured) -> None:
+    """An ``autopar:`` error for an output pin's pattern that names no module the model runs."""
+    modules = module_outputs(captured) if pins.outputs else {}
+    for pattern, placement in pins.outputs:
+        if not any(module_matches(pattern, module) for module in modules):
+            example = next((m for m in modules if "." in m), next(iter(modules), "none"))
+            raise PlanningError(f"autopar: pin output:{pattern}={placement} names no module of this model; expected a "
+                                f"pattern of module names such as {example!r} (* stands for any characters)")
 
 
 def check_patterns(pins: Constraints, params: dict[str, str]) -> None:

@@ -18,7 +18,8 @@ The Plan's strategies and parameter placements are on the intra-op mesh (each st
 runs its nodes there; ``autopar.passes.plan.choice_from_plan`` drops the pipeline axis).
 
 Nodes outside repeated layers go to the first layer (before it in graph order) or the
-last. ``autopar.passes.solve.pipeline_search`` then cuts stages, picks micro-batches and the
+last. ``autopar.passes.solve.pipeline_search`` then cuts stages (before the pinned layers only,
+where ``stage_starts`` is pinned: ``search``'s ``starts``), picks micro-batches and the
 schedule (every ``Schedule``; zero bubble at 1 and 2 chunks per rank, never with a layer
 recomputed: ``_without_split_recompute``). Recomputation is decided per stage by the stage
 search: the fewest layers that make the stage fit for its micro-batches in flight, each keeping its inputs and
@@ -52,6 +53,7 @@ from autopar.passes.planner.intra_op import PlanningError, pinned_recompute, pla
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import DoesNotFit, PlanRequest
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
+from autopar.passes.planner.stage_starts import layer_modules, layer_names, start_layers
 from autopar.passes.placements import local_shape
 from autopar.passes.solve.pipeline_search import (PipelineSearchResult, _fastest_first, deeper_while_faster,
                                                   search_pipeline, useful_depths)
@@ -283,23 +285,29 @@ def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[s
 
 def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: int, micro_batch_counts, *,
            memory_limit: float, schedules=tuple(costmodels.Schedule), chunks_per_rank: Sequence[int] | None = None,
-           recompute: bool = True):
+           recompute: bool = True, starts: Sequence[int] | None = None):
     """(Best pipeline option, the search's result) for ``stages`` ranks on axis 0, or None.
     ``chunks_per_rank``: the interleaved schedule's depths to try (a pinned layout fixes one);
     None: 2, then deeper ones (``useful_depths``) while each is faster than the last
     (``deeper_while_faster``). ``recompute`` False: no stage recomputes a layer (recomputation
-    pinned: what the costs hold already).
+    pinned: what the costs hold already). ``starts``: the only layers a (virtual) stage may
+    start at besides the first (pinned stage boundaries): a send after any other layer takes
+    an infinite time, so the stage search's exact cut is the pinned one.
 
     A stage that does not fit recomputes the fewest of its layers that make it fit
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
     and runs its forward again, and backward rebuilds one layer of one micro-batch at a time."""
     count = len(num.act_time)
     saving = num.recompute_saving
+    barred = np.zeros(max(count - 1, 0))  # per layer: 0 where a stage may end after it, inf where not
+    if starts is not None:
+        allowed = set(starts)
+        barred[[layer for layer in range(count - 1) if layer + 1 not in allowed]] = np.inf
 
     def layer_costs(p: int, m: int) -> LayerCosts:
         return LayerCosts(
             time=num.act_time / m, static_memory=num.held_once(m), activation_memory=num.activation / m,
-            boundary_time=num.send_times(pp_profile, m) if count > 1 else None,
+            boundary_time=np.asarray(num.send_times(pp_profile, m)) + barred if count > 1 else None,
             step_overhead=num.step_overhead(p),
             recompute_saving=saving / m if recompute else None, recompute_time=num.forward / m if recompute else None,
             gradient_memory=num.gradients,
@@ -452,6 +460,7 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     if shared := parameter_across_layers(graph.captured, layers[0]):  # tied weights: no cut may part them
         return None, shared
     dims = batch_dims(graph, batch) if batch else {}
+    starts = _pinned_starts(pins, captured, layers[0]) if pins is not None and pins.stage_starts else None
     searched: dict[tuple, tuple] = {}  # layouts that complete alike (tp+dp, tp+sp) are searched once
     for label, assignment in candidates:
         if (key := tuple(assignment)) not in searched:
@@ -464,7 +473,7 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
                 counts = [pins.micro_batches] if pins.micro_batches in (
                     valid_counts(batch, split, limit=batch) if batch else [1]) else []
             r = search(num, full, p, counts, memory_limit=memory_limit, schedules=schedules, chunks_per_rank=depths,
-                       recompute=policy is None) if counts and schedules else None
+                       recompute=policy is None, starts=starts) if counts and schedules else None
             searched[key] = (r, num, split)
         r, num, split = searched[key]
         if r is not None:
@@ -480,6 +489,14 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
     return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"
+
+
+def _pinned_starts(pins, captured, where: dict) -> list[int]:
+    """The layer numbers (as ``where``, graph node -> layer, numbers them) of the pinned stage
+    starts (``stage_starts.start_layers``)."""
+    named = layer_modules(captured)
+    number = layer_names(where, captured.params)
+    return [number[named[k]] for k in start_layers(pins, captured)]
 
 
 def _most_micro_batches(pins, batch: int | None) -> int:

@@ -42,9 +42,10 @@ from autopar.costmodels.units import GIB
 from autopar.passes.planner.constraints import MeshRoles, check_mesh, check_recompute, intra_axes, mesh_roles
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
 from autopar.passes.planner.pin_price import broken_pins, price_record
-from autopar.passes.planner.pin_restrictions import check_patterns
+from autopar.passes.planner.pin_restrictions import check_outputs, check_patterns
 from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.stage_starts import start_layers
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -217,8 +218,11 @@ def plan_pinned(captured, request: PlanRequest) -> Plan:
     pins, started, cpu_started = request.constraints, time.perf_counter(), time.process_time()
     check_mesh(pins, request.mesh_shape, request.pipeline)
     check_patterns(pins, captured.params)
+    check_outputs(pins, captured)
     layers = repeated_layer_count(captured)
     check_recompute(pins, layers)
+    if pins.stage_starts:
+        start_layers(pins, captured)  # names that name no layer's start: one error before any search
     graphs = Graphs(captured)
     free = None
     if request.price_pins:
