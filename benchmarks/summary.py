@@ -77,8 +77,8 @@ def auto_vs_manual(path: Path) -> list[list[str]]:
 
 
 def published(path: Path) -> list[list[str]]:
-    auto = {r["run"]: r["auto ÷ published layout"]
-            for r in rows_with(path, "auto ÷ published layout", ("run",))}
+    auto = {r["run"]: r["auto ÷ published layout"] for table in tables(path) for r in table  # a re-run
+            if r.get("auto ÷ published layout", NONE) != NONE}  # without auto plans keeps the earlier ones
     return [[f"training {r['run']}: {r['GPUs']} H100s, {r['published layout']}",
              auto.get(r["run"], NONE), r["predicted ÷ published"], NONE,
              f"`python -m benchmarks.published --rows {r['run']}`"]
