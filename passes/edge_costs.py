@@ -254,22 +254,33 @@ class EdgePricer:
             rows = cols = None
         key = (*whole, None if rows is None else rows.tobytes(), None if cols is None else cols.tobytes())
         if key not in self.tables:
-            have = [s.outputs[edge.output] for s in edge.producer.strategies]
-            priced_rows = range(len(have)) if rows is None else np.flatnonzero(rows)
-            table = np.zeros((len(have), len(edge.consumer.strategies)))
+            # price each distinct (placement held, placement read) pair once: many strategies
+            # of a node make or read a value alike
+            held, have = self._distinct(("made", id(edge.producer.strategies), edge.output),
+                                        lambda: [s.outputs[edge.output] for s in edge.producer.strategies])
+            read, reads = self._distinct(("read", id(edge.consumer.strategies), edge.position, edge.grad),
+                                         lambda: [_read(s, edge.position, edge.grad) for s in edge.consumer.strategies])
+            priced = np.zeros((len(have), len(reads)))
+            for a in np.unique(held if rows is None else held[rows]):
+                for b in np.unique(read if cols is None else read[cols]):
+                    need, g = reads[b]
+                    if need is not None:
+                        priced[a, b] = self._price(edge, have[a], need, g).seconds
+            table = priced[np.ix_(held, read)]
             if rows is not None:
                 table[~rows, :] = np.inf
-            for j, s in enumerate(edge.consumer.strategies):
-                if cols is not None and not cols[j]:
-                    table[:, j] = np.inf
-                    continue
-                need = s.inputs[edge.position]
-                if need is None:
-                    continue
-                g = gradient_spec(need, s.outputs) if edge.grad else None
-                for i in priced_rows:
-                    table[i, j] = self._price(edge, have[i], need, g).seconds
+            if cols is not None:
+                table[:, ~cols] = np.inf
             self.tables[key] = table
+        return self.tables[key]
+
+    def _distinct(self, key: tuple, values) -> tuple[np.ndarray, list]:
+        """(per strategy, the index of its value among the distinct ones; the distinct values)
+        of a strategy table, ``values()`` giving one per strategy; worked out once per table."""
+        if key not in self.tables:
+            index: dict = {}
+            of = np.array([index.setdefault(v, len(index)) for v in values()], dtype=np.int64)
+            self.tables[key] = (of, list(index))
         return self.tables[key]
 
     def _one_sided(self, key: tuple, edge: EdgeInput) -> bool:
@@ -283,6 +294,12 @@ class EdgePricer:
                      for s in edge.consumer.strategies}
             self.sides[key] = len(have) == 1 or len(reads) == 1
         return self.sides[key]
+
+
+def _read(strategy, position: int, grad: bool) -> tuple[Spec | None, Spec | None]:
+    """How ``strategy`` reads its input ``position`` and (``grad``) sends its gradient back."""
+    need = strategy.inputs[position]
+    return need, gradient_spec(need, strategy.outputs) if grad and need is not None else None
 
 
 def edge_tables(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node, int], grad_nodes: set[fx.Node],

@@ -334,6 +334,28 @@ def test_every_edge_price_is_its_table_entry(gpt_costs):
             assert sum(c.seconds for c in price.charges) == pytest.approx(price.seconds, rel=1e-12, abs=1e-18)
 
 
+def test_edge_tables_hold_each_pairs_price_whole_and_under_masks(gpt_costs):
+    """``EdgePricer.edge`` prices each distinct pair of placements once and spreads it: every
+    entry is ``price(edge, i, j)``, inf where a mask forbids a strategy (a one-sided table is
+    priced whole, masks aside)."""
+    pricer = Pricer(gpt_costs.graph, gpt_costs.profile)
+    rng = np.random.default_rng(0)
+    masked = 0
+    for edge in gpt_costs.edge_prices:
+        rows = rng.random(len(edge.producer.strategies)) < 0.7
+        cols = rng.random(len(edge.consumer.strategies)) < 0.7
+        for r, c in ((None, None), (rows, cols)):
+            table = pricer.edge(edge, r, c)
+            one_sided = r is not None and not np.isinf(table).any()
+            for i, j in np.ndindex(table.shape):
+                if r is not None and not one_sided and not (r[i] and c[j]):
+                    assert table[i, j] == math.inf
+                    masked += 1
+                else:
+                    assert table[i, j] == pricer.price(edge, i, j).seconds
+    assert masked  # the masks were seen
+
+
 def test_per_layer_collectives_sum_to_the_solver_s_edge_times(gpt_costs):
     costs = gpt_costs
     layers = sorted(set(costs.layer_of.values()))

@@ -28,7 +28,7 @@ class Solved:
     costs: Costs
     result: SolveResult | None  # None when a layout was only costed
     hint_times: dict[str, tuple[float, float]]  # layout -> (step seconds, bytes per device)
-    hints: list = field(default_factory=list)  # completed Hints (intra_op.Hint)
+    hints: list = field(default_factory=list)  # completed Hints (layout_rules.Hint)
 
 
 

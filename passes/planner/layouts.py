@@ -56,7 +56,7 @@ from torch import fx
 from torch.distributed.tensor import Shard
 
 from autopar.passes.placements import Spec
-from autopar.passes.planner.intra_op import Hint
+from autopar.passes.planner.layout_rules import Hint
 from autopar.passes.planner.layout_placements import (LAYOUTS, axis_roles, expert_axes,  # noqa: F401 (their public name)
                                                       layout_parts, layout_placements)
 from autopar.passes.planner.linears import Linear, linears

@@ -29,7 +29,8 @@ from typing import Callable
 from autopar import costmodels
 from autopar.costmodels.units import gib_text
 from autopar.passes.costing import Costs, build_costs
-from autopar.passes.planner.intra_op import Hint, PlanningError, complete, cost_layout
+from autopar.passes.planner.intra_op import PlanningError, complete, cost_layout
+from autopar.passes.planner.layout_rules import Hint
 from autopar.passes.planner.microbatch import batch_size, batch_split
 from autopar.passes.solve import plan_costs
 from autopar.passes.planner.pipeline import LayerNumbers, layer_numbers, pipeline_profile, search

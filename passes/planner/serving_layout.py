@@ -29,7 +29,8 @@ from autopar.passes.inference_costs import ServingCosts, build_serving_costs, st
 from autopar.passes.node_keys import node_keys
 from autopar.passes.plan import Plan, Prediction, Program, plan_from_choice
 from autopar.passes.placements import fits
-from autopar.passes.planner.layouts import axis_roles, layout_placements
+from autopar.passes.planner.layout_rules import computing_rules
+from autopar.passes.planner.layouts import axis_roles, hint
 from autopar.passes.roles import AxisRole
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.untie import Restrictions, restrict
@@ -190,10 +191,14 @@ def _layout_assignment(name: str, joint: Joint) -> list[int] | None:
     """Layout ``name``'s weights and inputs (``layout_placements``) on both programs, the rest
     completed by the solver's heuristic; None where the layout leaves an op no strategy.
     ``replicated`` is every device running the whole model: every op that can is held
-    replicated too, so the layout moves nothing (the heuristic would split activations)."""
-    hard = []
+    replicated too, so the layout moves nothing (the heuristic would split activations).
+    Each op computes as the layout's name promises (``layout_rules.computing_rules``, as in
+    training: dp splits values by their batch alone, tp reads weights where they lie)."""
+    hard, soft = [], []
     for c, offset in zip(joint.costs, joint.offsets):
-        fixed, _ = layout_placements(name, c.graph)
+        laid = hint(name, c.graph)
+        fixed = laid.fixed
+        soft += [(offset + v, keep) for v, keep in computing_rules(c, laid)]
         if name == "replicated":
             for node in c.nodes:
                 keep = [0.0 if _all_replicated(s) else math.inf for s in c.graph.nodes[node].strategies]
@@ -209,7 +214,7 @@ def _layout_assignment(name: str, joint: Joint) -> list[int] | None:
                 return None
             hard.append((offset + c.index[node], keep))
     restricted = restrict(joint.problem, shrink_problem(joint.problem),
-                          Restrictions(hard=[(v, np.array(k)) for v, k in hard]))
+                          Restrictions(hard=[(v, np.array(k)) for v, k in hard], soft=soft))
     if restricted is None:
         return None
     decisions, _ = chain_relaxation_plan(replace(restricted.shrunk, memory_limit=None))
