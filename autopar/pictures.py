@@ -96,7 +96,7 @@ def pipeline_schedule(plan, path: str | Path) -> Path | None:
     ax.set_xlim(0, span * scale * 1.005)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
-    ax.set_yticklabels([f"rank {r}" + (f" (stages {', '.join(str(c * p + r) for c in range(v))})" if v > 1
+    ax.set_yticklabels([f"rank {r}" + (f" (stages {', '.join(map(str, schedule.stages_of(r, p, v)))})" if v > 1
                                        else f" (stage {r})") for r in range(p)])
     ax.set_xlabel(f"time ({unit})")
     parts = [("F", "forward"), ("I", "input gradients"), ("W", "weight gradients")] if schedule.split_backward \

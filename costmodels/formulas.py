@@ -101,11 +101,18 @@ BYTES_PER_PARAM = {
 # micro-batch is held from its forward to its weight gradient and (v - 1) P + P - 1 - r + 1 + r
 # = v P of them are held on every rank: P whole-stage micro-batches, 1F1B's rank 0 count (Qi et
 # al. 2024, sec. 3.1: ZB-H1 keeps 1F1B's peak memory); checked against torch's order by the tests.
+# The V-shaped schedules (v = 2, torch's ScheduleZBVZeroBubble and ScheduleDualPipeV, at the
+# micro-batch counts ``Schedule.micro_batch_problem`` admits) replayed the same way: ZB-V holds
+# P whole-stage micro-batches on every rank (its warm-up runs 2P - 1 - r forwards of the first
+# chunk and r of the second before its first weight gradient), DualPipe-V one chunk
+# micro-batch more, P + 1/2 (its steady state pairs a forward with a backward of the other chunk).
 IN_FLIGHT = {
     "gpipe": M,
     "1f1b": sp.Min(M, P - r),
     "interleaved_1f1b": sp.Min(M, P + (P - 1 - 2 * r) / v),
     "interleaved_zero_bubble": sp.Min(M, P),
+    "zbv_zero_bubble": sp.Min(M, P),
+    "dualpipe_v": sp.Min(M, P + 1 / v),
 }
 ACTIVATION_MEMORY = {k: A * n for k, n in IN_FLIGHT.items()}
 
@@ -131,12 +138,19 @@ BACKWARD_FACTOR = 2
 # (Qi et al. 2024, sec. 3.1: ZB-H1's bubble (P - 1)(T_F + T_B - T_W), its input-gradient T_B
 # equal to its weight-gradient T_W), the forward 1 / (1 + BACKWARD_FACTOR) of a chunk's time;
 # torch's ScheduleInterleavedZeroBubble order, replayed, gives exactly this for equal chunks
-# (``costmodels.schedule_replay``, checked by the tests).
+# (``costmodels.schedule_replay``, checked by the tests). torch's ZB-V and DualPipe-V orders,
+# replayed with a forward, an input-gradient and a weight-gradient part alike, leave the same
+# P - 1 chunk forwards idle (ZB-V's "zero" bubble needs the weight gradients to fill its
+# warm-up exactly, Qi et al. 2024 sec. 6; DualPipe-V's gain, a forward's communication hidden
+# behind the paired backward's compute, is not modelled: compute here runs one action at a time).
+_ZERO_BUBBLE_FRACTION = (P - 1) / ((1 + BACKWARD_FACTOR) * v * M + P - 1)
 BUBBLE_FRACTION = {
     "gpipe": (P - 1) / (M + P - 1),
     "1f1b": (P - 1) / (M + P - 1),
     "interleaved_1f1b": (P - 1) / (v * M + P - 1),
-    "interleaved_zero_bubble": (P - 1) / ((1 + BACKWARD_FACTOR) * v * M + P - 1),
+    "interleaved_zero_bubble": _ZERO_BUBBLE_FRACTION,
+    "zbv_zero_bubble": _ZERO_BUBBLE_FRACTION,
+    "dualpipe_v": _ZERO_BUBBLE_FRACTION,
 }
 # Step time of a pipeline whose slowest stage takes t_f + t_b per micro-batch.
 PIPELINE_TIME = {
@@ -144,6 +158,8 @@ PIPELINE_TIME = {
     "1f1b": (M + P - 1) * (t_f + t_b),
     "interleaved_1f1b": (M + (P - 1) / v) * (t_f + t_b),
     "interleaved_zero_bubble": M * (t_f + t_b) + (P - 1) * t_f / v,
+    "zbv_zero_bubble": M * (t_f + t_b) + (P - 1) * t_f / v,
+    "dualpipe_v": M * (t_f + t_b) + (P - 1) * t_f / v,
 }
 
 # -- one training step without pipelining: forward, backward (about twice the forward

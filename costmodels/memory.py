@@ -1,8 +1,8 @@
 """Memory per device and pipeline-schedule quantities.
 
 Parameters, gradients and AdamW state under ZeRO 0-3 (``formulas.ZERO_MEMORY``), and by
-schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``
-or a ``Schedule``) the activations alive under it, its bubble and its step time: the
+schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``,
+``"zbv_zero_bubble"``, ``"dualpipe_v"`` or a ``Schedule``) the activations alive under it, its bubble and its step time: the
 ``Schedule`` methods (``autopar.costmodels.schedules``), which hold that mathematics; the
 order torch's schedules run their actions in (``schedule_actions``, ``schedule_order``).
 What a ZeRO-3 bucket's gather and reduce-scatter hold while they run
@@ -70,7 +70,7 @@ def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batche
     if schedule.split_backward:
         v = schedule.chunks(chunks)
         per_rank = [_held_with_gradients(order) / v for order in schedule_order(schedule, stages, micro_batches, v)]
-        return [per_rank[c % stages] for c in range(stages * v)]
+        return [per_rank[schedule.rank_of(c, stages)] for c in range(stages * v)]
     if schedule is Schedule.INTERLEAVED_1F1B:
         return peak
     if schedule is Schedule.GPIPE:
@@ -111,7 +111,8 @@ def schedule_actions(schedule: str | Schedule, stages: int, micro_batches: int,
     execute); kind ``"F"`` a forward, ``"B"`` a whole backward, ``"I"`` and ``"W"`` a split
     backward's input-gradient and weight-gradient parts (``Schedule.split_backward``; torch
     runs stage 0's whole backward at its ``W``, its ``I`` computes nothing). Virtual stage ``c``
-    runs on rank ``c mod stages``."""
+    runs on rank ``Schedule.rank_of(c, stages)``. A forward paired with a backward (DualPipe-V's
+    overlapped ``F`` and ``B``) counts as its two actions, forward first, as torch runs them."""
     schedule = Schedule.parse(schedule)
     v = schedule.chunks(chunks)
     schedule.check(stages, micro_batches, v)
@@ -120,11 +121,23 @@ def schedule_actions(schedule: str | Schedule, stages: int, micro_batches: int,
         # the compute order alone: the runtime's communication lowering, which the schedule's
         # constructor also runs, is quadratic in the actions (minutes at M = 64)
         with patch.object(torch_class, "_prepare_schedule_with_comms", lambda *_: None):
-            torch_schedule = torch_class([_StageShape(c * stages, stages * v, stages) for c in range(v)], micro_batches)
+            torch_schedule = torch_class([_StageShape(c, stages * v, stages) for c in schedule.stages_of(0, stages, v)],
+                                         micro_batches)
     else:
         torch_schedule = torch_class(_StageShape(0, stages, stages), micro_batches)
-    return tuple(tuple((_KINDS[a.computation_type], a.stage_index) for a in torch_schedule.pipeline_order[rank]
-                       if a is not None and a.computation_type in _KINDS) for rank in range(stages))
+    return tuple(tuple((_KINDS[a.computation_type], a.stage_index)
+                       for a in _computations(torch_schedule.pipeline_order[rank])) for rank in range(stages))
+
+
+def _computations(actions) -> list:
+    """torch's compute actions of one rank's order, a paired one (``OVERLAP_F_B``) as its parts."""
+    out = []
+    for action in actions:
+        if action is not None and action.computation_type is _ComputationType.OVERLAP_F_B:
+            out += [a for a in action.sub_actions if a.computation_type in _KINDS]
+        elif action is not None and action.computation_type in _KINDS:
+            out.append(action)
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -137,6 +150,28 @@ def schedule_order(schedule: str | Schedule, stages: int, micro_batches: int,
     from), and only then do the stage's parameters hold gradients."""
     return tuple(tuple((kind == "F", s) for kind, s in actions if kind != "I")
                  for actions in schedule_actions(schedule, stages, micro_batches, chunks))
+
+
+def numbered(order: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int]]:
+    """(kind, stage, micro-batch) of each action of a rank's ``schedule_actions`` order: every
+    torch schedule runs a stage's forwards, and its backwards (whole or input-gradient parts
+    alike), in micro-batch order, and a stage's weight-gradient parts in the order of its
+    input-gradient parts (DualPipe-V runs some backwards whole between them). torch 2.13's 1F1B
+    ``pipeline_order`` numbers the last stage's from 1, which its ``_step_microbatches`` does not."""
+    counts: dict[tuple[str, int], int] = {}
+    awaiting: dict[int, list[int]] = {}  # stage -> micro-batches whose input-gradient part ran, W not yet
+    out = []
+    for kind, stage in order:
+        if kind == "W":
+            mb = awaiting[stage].pop(0)
+        else:
+            key = ("F" if kind == "F" else "B", stage)
+            mb = counts.get(key, 0)
+            counts[key] = mb + 1
+            if kind == "I":
+                awaiting.setdefault(stage, []).append(mb)
+        out.append((kind, stage, mb))
+    return out
 
 
 def activation_bytes(

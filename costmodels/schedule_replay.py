@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from autopar.costmodels.memory import schedule_actions
+from autopar.costmodels.memory import numbered, schedule_actions
 from autopar.costmodels.schedules import Schedule
 
 
@@ -69,16 +69,15 @@ def replay(schedule: str | Schedule, micro_batches: int, forward: Sequence[float
             return [("I", s, mb)]
         return [("F", s, mb)] + ([("I", s + 1, mb)] if s < last else [])
 
-    done: dict[tuple, float] = {}  # (F or I, stage, micro-batch) -> when it finished; a whole B counts as I
+    done: dict[tuple, float] = {}  # (F, I or W, stage, micro-batch) -> when it finished; a whole B counts as I
     timeline: list[Replayed] = []
-    numbered: dict[tuple, int] = {}
+    orders = [numbered(order) for order in orders]
     free, position = [0.0] * ranks, [0] * ranks
     while any(position[r] < len(orders[r]) for r in range(ranks)):
         moved = False
         for r in range(ranks):
             while position[r] < len(orders[r]):
-                kind, s = orders[r][position[r]]
-                mb = numbered.get((kind, s), 0)  # every torch schedule runs a stage's actions of a kind in order
+                kind, s, mb = orders[r][position[r]]
                 waits = [done.get(need) for need in needs(kind, s, mb)]
                 if None in waits:
                     break
@@ -86,7 +85,6 @@ def replay(schedule: str | Schedule, micro_batches: int, forward: Sequence[float
                 free[r] = start + duration(kind, s)
                 done["I" if kind == "B" else kind, s, mb] = free[r]
                 timeline.append(Replayed(r, kind, s, mb, start, free[r]))
-                numbered[kind, s] = mb + 1
                 position[r] += 1
                 moved = True
         if not moved:

@@ -3,7 +3,9 @@
 Glossary (the words the planner, the Plan and the runtime use):
 
 - **stage**: a contiguous run of layers on one pipeline rank; with interleaving, a rank
-  holds ``v`` of them (**chunks**, or virtual stages: chunk ``c`` runs on rank ``c mod P``).
+  holds ``v`` of them (**chunks**, or virtual stages), placed by the schedule
+  (``Schedule.rank_of``): looped, virtual stage ``c`` on rank ``c mod P``, or V-shaped, down
+  the ranks and back up (rank ``r`` holds stages ``r`` and ``2P - 1 - r``).
 - **P**: pipeline ranks (the size of the pipeline's mesh axis); **M**: micro-batches per
   step; **v**: chunks per rank (1 unless interleaved); **r**: a pipeline rank, 0 the first.
 - **in flight**: micro-batches whose activations a rank holds at its peak, in units of one
@@ -51,12 +53,22 @@ class Schedule(str, Enum):
       its weight-gradient part, which rank r runs r backwards later to fill the bubble. The
       bubble shrinks to P - 1 forwards of a chunk; every rank holds P micro-batches (1F1B's
       rank 0 count), each from its forward until its weight gradient.
+    - ``ZBV_ZERO_BUBBLE``: ZB-V (Qi et al. 2024, sec. 6; torch's ``ScheduleZBVZeroBubble``):
+      exactly 2 chunks per rank placed V-shaped, so the first and the last stage share rank 0;
+      backward split as zero bubble's. With forward, input and weight gradients alike its
+      bubble is P - 1 chunk forwards less the warm-up's weight gradients (formulas: torch's
+      order replayed).
+    - ``DUALPIPE_V``: DeepSeek's DualPipe folded to a V (torch's ``ScheduleDualPipeV``):
+      2 chunks per rank placed V-shaped, at least 2P micro-batches; a forward of one chunk
+      paired with a backward of the other in the steady state, split backwards at the ends.
     """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
     INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+    ZBV_ZERO_BUBBLE = "zbv_zero_bubble"
+    DUALPIPE_V = "dualpipe_v"
 
     def __str__(self) -> str:  # printed as the name it is given by, as a plain str would be
         return self.value
@@ -70,14 +82,33 @@ class Schedule(str, Enum):
 
     @property
     def interleaved(self) -> bool:
-        """Whether a rank may run several chunks (virtual stages), chunk ``c`` on rank ``c mod P``."""
-        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE)
+        """Whether a rank may run several chunks (virtual stages), placed by ``rank_of``."""
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE) or self.v_shaped
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether stages are placed down the ranks and back up (``rank_of``), 2 chunks per rank."""
+        return self in (Schedule.ZBV_ZERO_BUBBLE, Schedule.DUALPIPE_V)
 
     @property
     def split_backward(self) -> bool:
-        """Whether a backward runs as two actions, input gradients (torch's ``I``) then, later,
-        weight gradients (``W``); a stage's parameters hold gradients only after its ``W``."""
-        return self is Schedule.INTERLEAVED_ZERO_BUBBLE
+        """Whether a backward may run as two actions, input gradients (torch's ``I``) then, later,
+        weight gradients (``W``); a stage's parameters hold gradients only after its ``W``
+        (DualPipe-V runs some backwards whole, ``B``, and splits the rest)."""
+        return self in (Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV_ZERO_BUBBLE, Schedule.DUALPIPE_V)
+
+    def rank_of(self, stage: int, ranks: int) -> int:
+        """The pipeline rank that runs (virtual) ``stage`` of ``ranks`` ranks: looped, ``stage mod
+        P``; V-shaped, down the ranks for even rounds of P stages and back up for odd ones (torch's
+        ``generate_stage_to_rank_mapping``, style ``"v"``)."""
+        if ranks < 1 or stage < 0:
+            raise ValueError(f"autopar: expected a stage >= 0 on ranks >= 1, found stage {stage} on {ranks} ranks.")
+        position = stage % ranks
+        return ranks - 1 - position if self.v_shaped and (stage // ranks) % 2 else position
+
+    def stages_of(self, rank: int, ranks: int, chunks: int = 1) -> list[int]:
+        """The (virtual) stages pipeline ``rank`` runs, ascending (``rank_of``): its chunks in order."""
+        return [s for s in range(ranks * self.chunks(chunks)) if self.rank_of(s, ranks) == rank]
 
     @property
     def torch_class(self) -> type:
@@ -99,23 +130,41 @@ class Schedule(str, Enum):
         return requested if self.interleaved else 1
 
     def check(self, stages: int, micro_batches: int, chunks: int = 1) -> None:
-        """Raise unless P, M and v are positive and only an interleaved schedule has v > 1."""
+        """Raise unless P, M and v are positive and v is a count this schedule runs (``chunks_problem``)."""
         if stages < 1 or micro_batches < 1 or chunks < 1:
             raise ValueError(
                 f"autopar: expected positive stages, micro-batches and chunks per rank, found {stages}, "
                 f"{micro_batches}, {chunks}.")
         if chunks != 1 and not self.interleaved:
-            several = " and ".join(s.value for s in Schedule if s.interleaved)
-            raise ValueError(
-                f"autopar: only {several} run several chunks per rank; {self.value} got chunks={chunks}; pass "
-                "chunks=1 or an interleaved schedule.")
+            several = ", ".join(s.value for s in Schedule if s.interleaved)
+            raise ValueError(f"autopar: only {several} run several chunks per rank; {self.value} got chunks={chunks}; "
+                             "pass chunks=1 or one of those schedules.")
+        if self.v_shaped and chunks != 2:
+            raise ValueError(f"autopar: {self.value} places exactly 2 chunks per rank (torch's Schedule{self.display} "
+                             f"runs stages r and 2P - 1 - r on rank r); found chunks={chunks}; pass chunks=2 or another "
+                             "schedule.")
+
+    def chunks_problem(self, chunks: int) -> str:
+        """Why this schedule cannot run ``chunks`` chunks per rank ("" when it can; ``check``
+        says it as an error): only the interleaved ones run several, the V-shaped ones exactly 2."""
+        if chunks != 1 and not self.interleaved:
+            return f"{self.value} runs one chunk per rank"
+        if self.v_shaped and chunks != 2:
+            return f"{self.value} places exactly 2 chunks per rank"
+        return ""
 
     def micro_batch_problem(self, stages: int, micro_batches: int) -> str:
         """Why this schedule cannot run ``micro_batches`` on ``stages`` ranks ("" when it can):
         torch runs interleaving in rounds of P micro-batches (and refuses some other counts);
         the step-time formula is exact only for whole rounds; torch's ``Schedule1F1B`` refuses
-        fewer micro-batches than stages."""
-        if self.interleaved and micro_batches % stages:
+        fewer micro-batches than stages, ``ScheduleDualPipeV`` fewer than its 2P stages, and
+        ``ScheduleZBVZeroBubble`` runs fewer than 2P - 1 with its own warm-up cut short (what
+        the step-time formula does not price)."""
+        if self is Schedule.DUALPIPE_V and micro_batches < 2 * stages:
+            return f"DualPipe-V needs at least as many micro-batches as its {2 * stages} stages (2 per rank)"
+        if self is Schedule.ZBV_ZERO_BUBBLE and micro_batches < 2 * stages - 1:
+            return f"ZB-V needs at least 2P - 1 = {2 * stages - 1} micro-batches on {stages} ranks"
+        if self.interleaved and not self.v_shaped and micro_batches % stages:
             words = "interleaved 1F1B" if self is Schedule.INTERLEAVED_1F1B else "interleaved zero bubble"
             return f"{words} needs micro-batches in multiples of {stages} stages"
         if self is Schedule.ONE_F_ONE_B and micro_batches < stages:
@@ -134,10 +183,10 @@ class Schedule(str, Enum):
         """Micro-batches each (virtual) stage keeps alive at its peak: rank ``r``'s count
         (``in_flight``); interleaved, a rank's ``v * in_flight`` chunk micro-batches (the count
         torch's ``ScheduleInterleaved1F1B`` order reaches) spread evenly over its chunks, which
-        is exact for alike chunks, so stage ``c`` takes rank ``c mod P``'s."""
+        is exact for alike chunks, so stage ``c`` takes its rank's (``rank_of``)."""
         v = self.chunks(chunks)
         per_rank = [float(self.in_flight(stages, micro_batches, v, rank=r)) for r in range(stages)]
-        return [per_rank[c % stages] for c in range(stages * v)]
+        return [per_rank[self.rank_of(c, stages)] for c in range(stages * v)]
 
     def bubble_fraction(self, stages: int, micro_batches: int, chunks: int = 1) -> float:
         """Fraction of the step a stage sits idle (``formulas.BUBBLE_FRACTION``)."""
@@ -174,7 +223,7 @@ class Schedule(str, Enum):
         slowest = max(stage_time)
         if not self.interleaved:
             return (micro_batches + p - 1) * slowest
-        rank_time = [sum(stage_time[c] for c in range(r, p * v, p)) for r in range(p)]
+        rank_time = [sum(stage_time[c] for c in self.stages_of(r, p, v)) for r in range(p)]
         return micro_batches * max(rank_time) + self.bubble_time(stage_time, v)
 
     def _ranks(self, stage_time: Sequence[float], chunks: int) -> int:
@@ -187,4 +236,5 @@ class Schedule(str, Enum):
 
 
 _DISPLAY = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
-            Schedule.INTERLEAVED_ZERO_BUBBLE: "InterleavedZeroBubble"}
+            Schedule.INTERLEAVED_ZERO_BUBBLE: "InterleavedZeroBubble", Schedule.ZBV_ZERO_BUBBLE: "ZBVZeroBubble",
+            Schedule.DUALPIPE_V: "DualPipeV"}

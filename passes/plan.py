@@ -38,7 +38,7 @@ class Pipeline:
     axis: int
     stages: int
     micro_batches: int
-    schedule: str  # "GPipe", "1F1B", "Interleaved1F1B"
+    schedule: str  # torch's schedule class less "Schedule" (``Schedule.display``): "GPipe", "1F1B", ...
     stage_of: dict[str, int] = field(default_factory=dict)  # node name -> stage
     chunks_per_rank: int = 1
     # The whole batch (sequences per step) and the number every micro-batch's sequence count
@@ -53,6 +53,7 @@ class Pipeline:
                 f"autopar: a pipeline expects positive stages, micro-batches, chunks per rank and batch split; "
                 f"found {self.stages}, {self.micro_batches}, {self.chunks_per_rank}, {self.batch_split}")
         self.check_micro_batches(self.micro_batches)
+        Schedule.parse(self.schedule).check(self.stages, self.micro_batches, self.chunks_per_rank)
         if problem := Schedule.parse(self.schedule).micro_batch_problem(self.stages, self.micro_batches):
             raise ValueError(f"autopar: {problem}; found {self.micro_batches} micro-batches over {self.stages} "
                              "stages. Re-plan, or pick another micro-batch count or schedule")

@@ -213,7 +213,8 @@ def hand_plan(schedule=None, stages=2, micro_batches=4, chunks=1) -> Plan:
 
 
 @pytest.mark.parametrize("schedule, stages, micro_batches, chunks", [
-    ("GPipe", 2, 4, 1), ("1F1B", 4, 8, 1), ("Interleaved1F1B", 4, 8, 2),
+    ("GPipe", 2, 4, 1), ("1F1B", 4, 8, 1), ("Interleaved1F1B", 4, 8, 2), ("ZBVZeroBubble", 2, 4, 2),
+    ("DualPipeV", 2, 4, 2),
 ])
 def test_pipeline_schedule_picture(schedule, stages, micro_batches, chunks, tmp_path):
     plan = hand_plan(schedule, stages, micro_batches, chunks)

@@ -100,6 +100,8 @@ def test_pins_read_as_written_and_round_trip():
     (["zero=4"], "pin zero expected a ZeRO level"),
     (["schedule=zigzag"], "pin schedule='zigzag' names no schedule"),
     (["chunks=2", "schedule=1f1b"], "pin chunks=2 runs several chunks per rank"),
+    (["chunks=1", "schedule=zbv_zero_bubble"], "places exactly 2 chunks per rank .* chunks=1 says otherwise"),
+    (["chunks=4", "schedule=dualpipe_v"], "places exactly 2 chunks per rank .* chunks=4 says otherwise"),
     (["pp=1", "micro_batches=4"], "pp=1 says none"),
     (["axes=dp,pp"], "puts the pipeline on an inner axis"),
     (["recompute=some"], "recompute=none, all or layer numbers"),

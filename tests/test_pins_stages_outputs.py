@@ -85,6 +85,7 @@ def test_stage_starts_read_as_written_and_round_trip():
     (["stage_starts=layers.4", "pp=1"], "starts 2 pipeline stages, and pp=1"),
     (["stage_starts=layers.4", "chunks=2"], "places one stage per pipeline rank, and chunks=2"),
     (["stage_starts=layers.4", "schedule=interleaved_1f1b"], "and schedule=interleaved_1f1b runs several"),
+    (["stage_starts=layers.4", "schedule=zbv_zero_bubble"], "and schedule=zbv_zero_bubble runs several"),
     (["stage_starts=layers.4,layers.4"], "expected distinct module names"),
     (["stage_starts=layers.4", "layout=fsdp"], "layout=fsdp has no pipeline, and stage_starts=layers.4"),
     (["stage_starts=layers.4", "layout=pp4+fsdp"], "names 4 pipeline stages, and stage_starts=layers.4 starts 2"),

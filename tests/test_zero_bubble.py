@@ -4,7 +4,9 @@ lists, the planner choosing it, its dry run, and (``tests/distributed/zero_bubbl
 under torchrun, gloo) training exactly like one process on 2, 4 and 8 ranks: one and two
 chunks per rank, up to 8 stages, stages data or tensor parallel, at ZeRO-1, 2 and 3, with
 accumulation and a hand-written loop with clipping (train_check's ``accum:`` and ``clip-loop:``
-cases), and with every layer recomputed. Launches take about 35, 65 and 75 s wall."""
+cases), and with every layer recomputed; likewise ZB-V and DualPipe-V (``zbv:``, ``dpv:``) on 2, 4
+and 8 ranks, at ZeRO-2 and 3, tensor parallel, recomputed, and their forward in eval mode. Launches
+take about 35, 95 and 105 s wall."""
 
 import dataclasses
 import math
@@ -38,7 +40,7 @@ def test_step_time_is_torchs_order_replayed(p, v, m):
     """Equal chunks, forward 1, input and weight gradients 1 each: torch's order replayed takes
     the printed formula's time, M (t_f + t_b) + (P - 1) t_f / v, for every schedule."""
     for schedule in Schedule:
-        if v > 1 and not schedule.interleaved:
+        if schedule.chunks_problem(v) or schedule.micro_batch_problem(p, m):
             continue
         n = p * v
         replayed = replayed_step_time(schedule, m, [1 / v] * n, [1 / v] * n, [1 / v] * n, v)
@@ -156,13 +158,17 @@ def test_every_rank_is_predicted_within_ten_percent_of_its_dry_run():
         assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
 
 
+# zbv: and dpv: are torch's V-shaped ZB-V and DualPipe-V (``tests/test_v_schedules.py``); a few
+# seconds a case
 LAUNCHES = {
-    2: ["zb:2:gpt:2:1", "zb:2:gpt:4:2", "zb:2:mlp:4:2", "zb:2:indices:4:2"],
+    2: ["zb:2:gpt:2:1", "zb:2:gpt:4:2", "zb:2:mlp:4:2", "zb:2:indices:4:2", "zbv:2:gpt:4:2", "dpv:2:mlp:4:2"],
     4: ["zb:2x2:gpt:2:1:fsdp", "zb:2x2:gpt:4:2:zero2", "zb:2x2:mlp:4:2:zero1", "zb:2x2:gpt:2:1:tp", "zb:4:gpt:8:2",
         "zb:2x2:gpt:2:1:tp:recompute", "zb:2x2:gpt:4:2:fsdp:recompute", "accum:2x2:gpt:pp:InterleavedZeroBubble:2:1:zero2",
-        "clip-loop:pp:2x2:mlp:InterleavedZeroBubble:2:1"],
-    8: ["zb:8:gpt:8:1", "zb:2x4:gpt:2:1:fsdp"],
+        "clip-loop:pp:2x2:mlp:InterleavedZeroBubble:2:1", "zbv:4:gpt:8:2", "zbv:2x2:gpt:4:2:fsdp:recompute",
+        "dpv:4:gpt:8:2", "dpv:2x2:gpt:4:2:zero2", "dpv:2x2:gpt:4:2:tp:recompute"],
+    8: ["zb:8:gpt:8:1", "zb:2x4:gpt:2:1:fsdp", "zbv:4x2:gpt:8:2:tp", "dpv:2x4:gpt:4:2:tp"],
 }
+TORCH_CLASS = {"zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dpv": "ScheduleDualPipeV"}
 
 
 @pytest.mark.parametrize("nproc", sorted(LAUNCHES))
@@ -178,10 +184,19 @@ def test_zero_bubble_trains_like_one_process(nproc):
         if case.startswith("clip-loop:"):  # a hand-written loop: loss().backward(), clip_grad_norm_, step()
             assert r["norm_err"] <= 1e-9 and r["loss_err"] <= 1e-9 and r["param_err"] <= 1e-9, r
             continue
-        assert r["schedule"] == "ScheduleInterleavedZeroBubble", r
+        prefix, mesh = case.split(":")[:2]
+        assert r["schedule"] == TORCH_CLASS[prefix], r
         micro_batches, chunks = (int(x) for x in case.split(":")[3:5])
-        # every backward of this rank's chunks ran split: its input gradients, then its weights'
-        assert r["input_actions"] == r["weight_actions"] == micro_batches * chunks == micro_batches * r["stages"], r
+        stages = micro_batches * chunks
+        assert r["forward_actions"] == stages == micro_batches * r["stages"], r
+        if prefix == "dpv":  # DualPipe-V: backwards whole in its steady state, split at its ends
+            assert r["input_actions"] == r["weight_actions"] and r["input_actions"] + r["whole_backward_actions"] == stages
+            assert 0 < r["input_actions"] < stages, r
+        else:  # every backward of this rank's chunks ran split: its input gradients, then its weights'
+            assert r["input_actions"] == r["weight_actions"] == stages, r
+        if prefix != "zb":  # rank 0 holds the V's first and last stage; its forward alone, in eval mode
+            assert r["pp_rank"] == 0 and r["stage_indices"] == [0, 2 * int(mesh.split("x")[0]) - 1], r
+            assert r["output_err"] <= 1e-9, r
         if case.endswith(":recompute"):  # every layer rebuilt inside its stage, for each part of the backward
             assert r["recompute"] and r["recomputed_here"], r
             case = case.removesuffix(":recompute")

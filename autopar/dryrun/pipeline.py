@@ -14,14 +14,15 @@ every rank through exactly the (state, action) pairs the plan's M do -- warm-up,
 state and cool-down -- so replaying M' micro-batches of the plan's size gives the same peak
 and breakdown as replaying all M, in M'/M of the time (1F1B: P + 1; interleaved: three
 rounds of P; GPipe, whose in-flight count is M: all M). A split backward's input-gradient
-part (``I``) and weight-gradient part (``W``) are actions of their own."""
+part (``I``) and weight-gradient part (``W``) are actions of their own (DualPipe-V runs some
+backwards whole, ``B``, between them; ``costmodels.memory.numbered`` pairs each W with its I)."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from autopar.costmodels.memory import schedule_actions
+from autopar.costmodels.memory import numbered, schedule_actions
 from autopar.costmodels.schedules import Schedule
 from autopar.dryrun.results import RankResult
 from autopar.passes.costing import carrying_gradient
@@ -54,7 +55,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     in_flight: dict[tuple[int, int], tuple] = {}
     awaiting_weights: dict[tuple[int, int], object] = {}  # a split backward's kept state, until its W
     order = schedule_actions(pp.schedule, pp.stages, replayed, pp.chunks_per_rank)[pm.pp_rank]
-    for kind, index, mb in _numbered(order):
+    for kind, index, mb in numbered(order):
         stage = stages[index][0]
         if kind == "F":
             program = stages[index][1]
@@ -119,18 +120,6 @@ def _states(order: tuple[tuple[str, int], ...]) -> set[tuple]:
             awaiting[stage] = awaiting.get(stage, 0) - (kind == "W")
             with_gradients.add(stage)
     return seen
-
-
-def _numbered(order: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int]]:
-    """(kind, stage, micro-batch) of each action of a rank's order: every torch schedule runs
-    a stage's actions of one kind in micro-batch order (torch 2.13's 1F1B ``pipeline_order``
-    numbers the last stage's from 1, which its ``_step_microbatches`` does not)."""
-    seen: dict[tuple[str, int], int] = {}
-    out = []
-    for key in order:
-        out.append((*key, seen.get(key, 0)))
-        seen[key] = seen.get(key, 0) + 1
-    return out
 
 
 def _received(pm: PipelineModule, index: int, program, inputs: tuple, mb: int) -> list[torch.Tensor]:

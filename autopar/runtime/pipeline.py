@@ -2,8 +2,10 @@
 
 The graph, captured at micro-batch size, is cut into the plan's stages and each stage this
 rank holds is lowered on the intra-op mesh (``autopar.runtime.stages``), so a stage can
-itself be tensor or data parallel. GPipe, 1F1B, interleaved 1F1B and interleaved zero
-bubble come from torch's schedules (``Schedule.torch_class``); ``PipelineModule`` drives
+itself be tensor or data parallel. GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble,
+ZB-V and DualPipe-V come from torch's schedules (``Schedule.torch_class``), each rank's stages
+where the schedule places them (``Schedule.stages_of``: looped, or V-shaped, the first and the
+last stage on rank 0); ``PipelineModule`` drives
 them: the schedule runs, the loss, the gradients' sums once per step, the optimizer step,
 and a hand-written loop's held gradients (``loss``).
 
@@ -41,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleGPipe, ScheduleLoopedBFS
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, ScheduleGPipe, ScheduleLoopedBFS, _Action,
+                                                   _ComputationType)
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils import _pytree as pytree
 
@@ -85,6 +88,29 @@ def _owned_outputs(module: nn.Module, args: tuple, outputs: tuple) -> tuple:
     return tuple(t.clone(memory_format=torch.contiguous_format) if t.requires_grad else t for t in outputs)
 
 
+class _ForwardOnly(ScheduleLoopedBFS):
+    """torch's breadth-first order, forward only (no loss: eval and ``forward``), over the plan's
+    placement: each rank runs every micro-batch through its stages (``placed(rank)``, ascending),
+    looped or V-shaped; torch reads which rank holds a stage from these actions."""
+
+    def __init__(self, stages: list[PipelineStage], micro_batches: int, placed: Callable[[int], list[int]]):
+        self._placed = placed
+        super().__init__(stages, micro_batches)
+        # the backwards were listed for torch's check alone: without a loss none runs, and across
+        # a V's turn (two stages on one rank) a backward would read the gradient it hands on
+        self.pipeline_order_with_comms = {
+            rank: [a for a in actions if a.computation_type not in _BACKWARD_ACTIONS]
+            for rank, actions in self.pipeline_order_with_comms.items()}
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action]:
+        placed, micro_batches = self._placed(rank), range(self._n_microbatches)
+        return ([_Action(s, _ComputationType.FORWARD, mb) for s in placed for mb in micro_batches]
+                + [_Action(s, _ComputationType.FULL_BACKWARD, mb) for s in reversed(placed) for mb in reversed(micro_batches)])
+
+
+_BACKWARD_ACTIONS = (_ComputationType.FULL_BACKWARD, _ComputationType.SEND_B, _ComputationType.RECV_B)
+
+
 class PipelineModule(TrainingModule):
     def __init__(
         self,
@@ -101,6 +127,7 @@ class PipelineModule(TrainingModule):
         under the policy, ``autopar.runtime.precision.capture_cast``)."""
         super().__init__()
         pp = plan.pipeline
+        Schedule.parse(pp.schedule).check(pp.stages, pp.micro_batches, pp.chunks_per_rank)  # e.g. ZB-V's 2 chunks
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError("autopar: a pipeline plan needs a mesh with axis names (init_device_mesh(..., mesh_dim_names=...))")
@@ -316,8 +343,8 @@ class PipelineModule(TrainingModule):
         (``_loss_scale``), so that several schedule runs can accumulate in ``.grad``."""
         pp = self.plan.pipeline
         if target_micro is None:  # forward only: each micro-batch through every stage, in order
-            looped = len(self.stages) > 1
-            self.schedule = (ScheduleLoopedBFS(self.stages, self._variant.micro_batches) if looped
+            placed = functools.partial(Schedule.parse(pp.schedule).stages_of, ranks=pp.stages, chunks=pp.chunks_per_rank)
+            self.schedule = (_ForwardOnly(self.stages, self._variant.micro_batches, placed) if len(self.stages) > 1
                              else ScheduleGPipe(self.stages[0], self._variant.micro_batches))
             self._variant.trains = False
             return
@@ -592,7 +619,7 @@ class PipelineModule(TrainingModule):
             self._run_schedule(inputs, None)
             outputs = self._gathered_outputs() if self.stages[-1].is_last else None
             pp = self.plan.pipeline
-            last = (pp.stages * pp.chunks_per_rank - 1) % pp.stages  # the pipeline rank of the last stage
+            last = Schedule.parse(pp.schedule).rank_of(pp.stages * pp.chunks_per_rank - 1, pp.stages)  # holds the loss
             box = [outputs]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
             user = [box[0][i] for i in self.captured.user_outputs]

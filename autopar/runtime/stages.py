@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils import _pytree as pytree
 
+from autopar.costmodels import Schedule
 from autopar.passes.capture import Captured, retarget_devices
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.lowering.codegen import Part, RankProgram, lower
@@ -180,7 +181,8 @@ class StagePlace:
 def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: Plan, place: StagePlace,
                  take: Callable[[Captured, str, Any], torch.Tensor], precision: Precision | None = None,
                  micro_batches: int | None = None, sync_as: dict[str, tuple[int, ...]] | None = None) -> Stages:
-    """This rank's stages of ``captured``, cut where the plan cuts and lowered by the
+    """This rank's stages of ``captured`` (those the plan's schedule places here, ascending:
+    ``Schedule.stages_of``), cut where the plan cuts and lowered by the
     strategies ``choice`` (of ``graph``) on the intra-op mesh; ``take(captured, placeholder,
     spec)`` gives each stage's state. Under ``precision`` (``captured`` as the model computes
     under it: ``capture_cast``) each stage computes on cast copies of the master state it
@@ -198,7 +200,7 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
     per_use = frozenset(ph for ph, fqn in captured.params.items() if plan.zero.get(fqn, 0) == 3)
     graded = carrying_gradient(captured)
     intra_shape = tuple(place.intra.shape) if place.intra is not None else ()
-    for index in range(place.pp_rank, n_stages, pp.stages):
+    for index in Schedule.parse(pp.schedule).stages_of(place.pp_rank, pp.stages, pp.chunks_per_rank):
         part = parts[index]
         program = lower(graph, choice, place.intra, per_use, part=part, sync_as=sync_as)
         named = {n.name: take(captured, n.name, program.input_specs.get(n.name))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Placement, Shard
 
+from autopar.costmodels.schedules import Schedule
 from autopar.costmodels.units import gib_text
 from autopar.passes.export.data_parallel import DataParallel
 from autopar.passes.export.reading import Reading
@@ -466,10 +467,14 @@ def _parallelize(layout: Layout) -> str:
 def _pipeline(layout: Layout) -> str:
     st, axes = layout.stages, layout.reading.axes
     pp = axes.names[axes.pipeline]
-    # torch's looped schedules (PipelineScheduleMulti) take every stage of the rank, the others its one
-    interleaved = st.schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+    # torch's multi-stage schedules take every stage of the rank, the others its one; the
+    # schedule places the stages (looped, or V-shaped: Schedule.rank_of)
+    schedule = Schedule.parse(st.schedule.removeprefix("Schedule"))
+    interleaved = schedule.interleaved
+    placement = tuple(schedule.rank_of(s, st.pipeline_ranks) for s in range(len(st.layers)))
     lines = [f"NUM_STAGES = {len(st.layers)}",
              f"STAGE_LAYERS = {tuple(st.layers)!r}  # per stage: [first, last) of LAYERS",
+             f"STAGE_RANKS = {placement!r}  # per stage: the rank on the pipeline axis that runs it",
              "# per stage: the modules around the layers whose weights it trains",
              f"STAGE_TRAINS = ({', '.join(_strings(t) for t in st.trains)}{',' if len(st.trains) == 1 else ''})",
              f"MICROBATCHES = {st.micro_batches}"]
@@ -479,7 +484,7 @@ def _pipeline(layout: Layout) -> str:
     notes = _notes_comment(st.notes, indent="    ")
     lines += ["",
               "def pipeline(model: nn.Module, mesh: DeviceMesh, microbatches: int = MICROBATCHES, loss_fn=None):",
-              f'    """This rank\'s stages of the plan\'s pipeline over {pp} (stage i on the rank at i mod its size),',
+              f'    """This rank\'s stages of the plan\'s pipeline over {pp} (stage i on rank STAGE_RANKS[i]),',
               "    each laid out by ``parallelize`` on the other axes, and torch's schedule running them. Train with",
               f"    ``schedule.step({layout.input_name}=..., target=..., losses=...)`` on every rank: each stage runs the "
               "model's",
@@ -489,7 +494,7 @@ def _pipeline(layout: Layout) -> str:
               '    if hasattr(getattr(model, "config", None), "use_cache"):',
               "        model.config.use_cache = False  # a training step keeps no key-value cache (Hugging Face)",
               f'    ranks = mesh["{pp}"]',
-              "    indices = range(ranks.get_local_rank(), NUM_STAGES, ranks.size())",
+              "    indices = [i for i, rank in enumerate(STAGE_RANKS) if rank == ranks.get_local_rank()]",
               '    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else torch.device(',
               "        mesh.device_type, torch.accelerator.current_device_index())",
               "    stages = []",

@@ -123,6 +123,10 @@ class Constraints:
             several = [s.value for s in Schedule if s.interleaved]
             raise ValueError(f"autopar: pin chunks={self.chunks} runs several chunks per rank, which only {several} "
                              f"do; found schedule={self.schedule}; pin one of those or chunks=1")
+        if self.chunks is not None and self.schedule is not None and self.schedule.v_shaped and self.chunks != 2:
+            raise ValueError(f"autopar: pin schedule={self.schedule} places exactly 2 chunks per rank (stages r and "
+                             f"2P - 1 - r on rank r), and chunks={self.chunks} says otherwise; pin chunks=2 with it, "
+                             "or another schedule")
         if self.chunks == 1 and self.schedule is Schedule.INTERLEAVED_1F1B:
             raise ValueError(f"autopar: pin schedule={self.schedule} runs several chunks per rank, and chunks=1 says "
                              "one; pin chunks of at least 2 with it, or another schedule")
@@ -169,7 +173,8 @@ class Constraints:
         if self.pp is not None and self.pp != len(names) + 1:
             raise ValueError(f"autopar: pin {pin} starts {len(names) + 1} pipeline stages, and pp={self.pp} "
                              f"another count; expected pp={len(names) + 1} or pp left out")
-        if (self.chunks or 1) > 1 or self.schedule is Schedule.INTERLEAVED_1F1B:
+        if (self.chunks or 1) > 1 or self.schedule is Schedule.INTERLEAVED_1F1B or (
+                self.schedule is not None and self.schedule.v_shaped):
             several = f"chunks={self.chunks}" if (self.chunks or 1) > 1 else f"schedule={self.schedule}"
             raise ValueError(f"autopar: pin {pin} places one stage per pipeline rank, and {several} runs several "
                              "per rank; expected chunks=1 (or a schedule of one chunk per rank) with it, or leave "
@@ -621,6 +626,7 @@ def pinned_schedules(pins: Constraints | None, schedules: Sequence[Schedule]) ->
     chunks = pins.chunks or (1 if pins.stage_starts else None)  # pinned stages: one per rank
     if chunks is not None:  # several chunks: the interleaved schedules; one: any that runs one
         schedules = tuple(s for s in schedules
-                          if (s.interleaved if chunks > 1 else s is not Schedule.INTERLEAVED_1F1B))
+                          if (s.interleaved and not s.chunks_problem(chunks) if chunks > 1
+                              else s is not Schedule.INTERLEAVED_1F1B and not s.v_shaped))
         return schedules, (chunks,)
     return schedules, None

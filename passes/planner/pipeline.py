@@ -20,8 +20,8 @@ runs its nodes there; ``autopar.passes.plan.choice_from_plan`` drops the pipelin
 Nodes outside repeated layers go to the first layer (before it in graph order) or the
 last. ``autopar.passes.solve.pipeline_search`` then cuts stages (before the pinned layers only,
 where ``stage_starts`` is pinned: ``search``'s ``starts``), picks micro-batches and the
-schedule (every ``Schedule``; zero bubble at 1 and 2 chunks per rank, never with a layer
-recomputed: ``_without_split_recompute``). Recomputation is decided per stage by the stage
+schedule (every ``Schedule``; zero bubble at 1 and 2 chunks per rank, ZB-V and DualPipe-V at
+the 2 torch runs, none that splits backward with a layer recomputed: ``_without_split_recompute``). Recomputation is decided per stage by the stage
 search: the fewest layers that make the stage fit for its micro-batches in flight, each keeping its inputs and
 running its forward again (``autopar.passes.solve.stages``). Micro-batch counts are those whose
 micro-batches divide over every axis that splits the batch (``autopar.passes.planner.microbatch``).

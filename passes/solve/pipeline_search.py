@@ -123,7 +123,7 @@ def evaluate_pipeline(
     if stages * v > costs.layers:
         option.rejected = f"{stages * v} stages for {costs.layers} layers"
         return option
-    if problem := schedule.micro_batch_problem(stages, micro_batches):
+    if problem := schedule.chunks_problem(v) or schedule.micro_batch_problem(stages, micro_batches):
         option.rejected = problem
         return option
     in_flight = InFlight.of(schedule, stages, micro_batches, v)

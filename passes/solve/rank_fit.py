@@ -54,7 +54,8 @@ class _Fitting:
 
     def __init__(self, cut: StageCut, describe: Describe, schedule, micro_batches: int, v: int, cap: float,
                  saving: Sequence[float]):
-        self.describe, self.schedule, self.micro_batches, self.v, self.cap = describe, schedule, micro_batches, v, cap
+        self.describe, self.micro_batches, self.v, self.cap = describe, micro_batches, v, cap
+        self.schedule = Schedule.parse(schedule)
         self.ranks = len(cut.starts) // v
         # a chunk is worth recomputing in only if its layers save bytes
         self.useful = [sum(saving[layer] for layer in cut.layers(s)) > 0 for s in range(len(cut.starts))]
@@ -71,7 +72,7 @@ class _Fitting:
         return cut, [p.total for p in rank_peaks(cut, self.schedule, self.micro_batches, self.v)]
 
     def _stage(self, rank: int, chunk: int) -> int:
-        return rank + chunk * self.ranks  # virtual stage ``c`` runs on rank ``c mod P``
+        return self.schedule.stages_of(rank, self.ranks, self.v)[chunk]  # the schedule's placement
 
     def _can_grow(self, s: int) -> bool:
         return self.useful[s] and self.cut.recomputed[s] < len(self.cut.layers(s))
@@ -111,7 +112,7 @@ class _Fitting:
                 if not tried:
                     break
                 cut, peaks = self._trial(tried)
-                kept = {s: -1 for s in tried if peaks[s % self.ranks] <= self.cap}
+                kept = {s: -1 for s in tried if peaks[self.schedule.rank_of(s, self.ranks)] <= self.cap}
                 if kept:
                     self._set(cut if kept == tried else self._trial(kept)[0])
                     changed = True

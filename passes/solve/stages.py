@@ -77,7 +77,9 @@ schedule's own (``costmodels.Schedule.step_time``):
     interleaved 1F1B, ``v`` chunks per rank (virtual stage c on rank c mod P):
         M * slowest rank + (P - 1) * slowest chunk,
     which for equal chunks is (M + (P - 1) / v) * rank time: a bubble of
-    (P - 1) / (v * M) relative to the ideal M * rank time.
+    (P - 1) / (v * M) relative to the ideal M * rank time; the zero-bubble schedules (ZB-V and
+    DualPipe-V with their V-shaped placement, ``Schedule.rank_of``): M * slowest rank + (P - 1) *
+    the slowest chunk's forward.
 """
 
 from __future__ import annotations
@@ -376,7 +378,7 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
     ranks = len(cut.starts) // v
     out = []
     for rank, actions in enumerate(schedule_order(schedule, ranks, micro_batches, v)):
-        base = sum(cut.held_always[s] for s in range(rank, ranks * v, ranks))
+        base = sum(cut.held_always[s] for s in Schedule.parse(schedule).stages_of(rank, ranks, v))
         in_flight, with_gradients, gradients = 0.0, set(), 0.0  # with_gradients: stages past their first backward
         best = RankPeak(base, 0.0, 0.0)
 

@@ -5,8 +5,9 @@ per case on rank 0, as ``tests/distributed/train_check.py`` (whose helpers it ru
 
     torchrun --standalone --nproc_per_node 4 -m tests.distributed.zero_bubble_check zb:2x2:gpt:4:1:fsdp ...
 
-A case is ``zb:<mesh>:<model>:<micro-batches>:<chunks per rank>[:<intra-op layout>][:recompute]``:
-the pipeline over mesh axis 0, on the other axes data parallel or the layout
+A case is ``zb:<mesh>:<model>:<micro-batches>:<chunks per rank>[:<intra-op layout>][:recompute]``
+(``zbv:`` and ``dpv:`` the same under torch's V-shaped ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV``, 2 chunks per rank, rank r holding stages r and 2P - 1 - r): the pipeline over mesh axis 0, on the other axes data parallel or the layout
 ``autopar.layouts`` builds (``fsdp``: ZeRO-3, ``zero1``, ``zero2``, ``tp``...); ``recompute``:
 every layer recomputed in backward inside its stage (rebuilt for each part of the split backward).
 Any other case is train_check's (``accum:...:pp:InterleavedZeroBubble:...``), run by its loop.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import sys
 
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -25,23 +27,34 @@ from tests.distributed import train_check
 from tests.distributed.plans import pipeline_plan
 
 
+SCHEDULES = {"zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dpv": "DualPipeV"}  # a case's prefix -> Plan's name
+
+
 def zero_bubble_case(spec: str) -> dict:
-    _, mesh_text, model_name, m, v, *rest = spec.split(":")
+    prefix, mesh_text, model_name, m, v, *rest = spec.split(":")
     recompute = rest[-1:] == ["recompute"]
     intra_layout = rest[:-1] if recompute else rest
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
     model, loss_fn, batches = train_check.MODELS[model_name]()
     reference = copy.deepcopy(model)
-    plan = copy.deepcopy(pipeline_plan(model, batches[0][0], mesh_shape, "InterleavedZeroBubble", int(m), int(v),
+    plan = copy.deepcopy(pipeline_plan(model, batches[0][0], mesh_shape, SCHEDULES[prefix], int(m), int(v),
                                        *intra_layout))
     if recompute:
         plan.recompute = [f"layer {layer}" for layer in sorted(set(plan_layers(plan).values()))]
     pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=train_check.adamw, plan=plan)
     losses, loss_err, param_err, _ = train_check.train_against_reference(pm, reference, loss_fn, batches)
     kinds = [a.computation_type.value for a in pm.schedule.pipeline_order[pm.pp_rank] if a is not None]
-    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
+    output_err = None
+    if prefix != "zb":  # eval stages of the V: forward only, torch's breadth-first order over its placement
+        pm.eval()
+        with torch.no_grad():
+            output_err = (pm(batches[0][0]) - reference.eval()(batches[0][0])).abs().max().item()
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "output_err": output_err, "losses": losses,
             "schedule": type(pm.schedule).__name__, "stages": len(pm.stages),
+            "stage_indices": [stage.stage_index for stage in pm.stages], "pp_rank": pm.pp_rank,
+            "forward_actions": kinds.count("F") + kinds.count("OVERLAP_F_B"),
+            "whole_backward_actions": kinds.count("B") + kinds.count("OVERLAP_F_B"),
             "weight_actions": kinds.count("W"), "input_actions": kinds.count("I"),
             "zero_levels": sorted(set(plan.zero.values())), "recompute": plan.recompute,
             "recomputed_here": sum(isinstance(mod, Recomputed) for p in pm.programs for mod in p.gm.modules())}
