@@ -197,6 +197,7 @@ def test_zero_bubble_trains_like_one_process(nproc):
         if prefix != "zb":  # rank 0 holds the V's first and last stage; its forward alone, in eval mode
             assert r["pp_rank"] == 0 and r["stage_indices"] == [0, 2 * int(mesh.split("x")[0]) - 1], r
             assert r["output_err"] <= 1e-9, r
+            assert r["train_forward_err"] <= 1e-9, r  # a forward in train mode between steps, then training on
         if case.endswith(":recompute"):  # every layer rebuilt inside its stage, for each part of the backward
             assert r["recompute"] and r["recomputed_here"], r
             case = case.removesuffix(":recompute")

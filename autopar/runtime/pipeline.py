@@ -614,7 +614,9 @@ class PipelineModule(TrainingModule):
         its splits need. In eval mode (``pm.eval()``; ``pm.train()`` to go back) the stages
         captured with the model in eval mode run (dropout off)."""
         with torch.no_grad(), self._running(inputs, trains=False):
-            if self.schedule is None:
+            # a training schedule runs forward alone by its ``eval``, except a V's: its order
+            # turns at the last stage, which then waits on the loss (the next step rebuilds it)
+            if self.schedule is None or (self._variant.trains and Schedule.parse(self.plan.pipeline.schedule).v_shaped):
                 self._build_schedule(None)
             self._run_schedule(inputs, None)
             outputs = self._gathered_outputs() if self.stages[-1].is_last else None
