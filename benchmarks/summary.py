@@ -91,7 +91,7 @@ def inference_published(path: Path) -> list[list[str]]:
                        f"`python -m benchmarks.inference_published --rows {r['row']}`"]
                       for r in rows_with(path, "predicted / published", ("row",))]
     layouts = [[f"serving {r['model']}: {r['GPUs']} H100s, {r['objective']}, plan {r['plan']}",
-                r["plan / best manual"], NONE, NONE,
+                r["plan / best manual"] or NONE, NONE, NONE,  # none where no layout fits
                 f"`python -m benchmarks.inference_published --rows --table --sizes {r['model'].split('-')[-1]}`"]
                for r in rows_with(path, "plan / best manual", ("model", "GPUs", "objective"))]
     return published_rows + layouts
