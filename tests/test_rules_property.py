@@ -106,3 +106,22 @@ def test_at_least_1000_strategies_were_checked():
     total = sum(checked)
     print(f"SPMD property test: {total} strategies checked")
     assert total >= 1000, f"only {total} strategies were checked"
+
+
+@pytest.mark.parametrize("source, target, passes", [
+    (torch.float64, torch.float32, False), (torch.float32, torch.bfloat16, False),
+    (torch.bfloat16, torch.float16, False), (torch.float32, torch.int64, False),
+    (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, True),
+    (torch.float32, torch.float64, True)])
+def test_a_pending_sum_passes_only_through_casts_that_keep_its_digits(source, target, passes):
+    """Summing after a narrowing cast rounds each rank's part instead of the sum. After a widening
+    one the sum is more exact than one process's, which summed in ``source``: up to its rounding."""
+    x = torch.randn(4, 6, dtype=torch.float64).to(source)
+    rounding = 2 * torch.finfo(source).eps if source.is_floating_point else 1e-4
+    info = OpInfo.from_call(torch.ops.aten._to_copy.default, (x,), {"dtype": target})
+    strategies = rules.strategies_for(info, (2,))
+    partial_in = [s for s in strategies if s.inputs[0][0].is_partial()]
+    assert bool(partial_in) == passes
+    rng = random.Random(0)
+    for strategy in strategies:
+        check_strategy(info, strategy, [x], (2,), rng, rtol=rounding, atol=rounding)

@@ -22,11 +22,10 @@ LAUNCHES = {
     4: ["2x2:llama:tp+dp", "4:gpt2:tp", "4:llama:tp", "2x2:mixtral:tp+dp", "2x2:llama:pp+tp", "4x1:llama4:pp", "4x1:llama4:pp:4",
         "2x2:mixtral:pp", "2x2:gpt2:auto", "errors"],
 }
-# Mixtral runs in float32. Llama's RMSNorm computes in float32 inside the float64 model: under
-# tensor parallelism its input is summed across ranks (Megatron's row-parallel output), so its
-# logits agree to float32 rounding (3e-8 seen), as in training (tests/test_train_distributed.py's
-# EVAL_TOLERANCE); the greedy tokens still match exactly. The other float64 models to rounding.
-LOGITS_TOLERANCE = {"mixtral": 1e-5, "llama": 1e-6}
+# Mixtral runs in float32. Llama's RMSNorm computes in float32 inside the float64 model; under
+# tensor parallelism its input is summed across ranks in float64 before that cast (a pending sum
+# passes no narrowing cast), as one process computes it. The float64 models to rounding.
+LOGITS_TOLERANCE = {"mixtral": 1e-5}
 
 
 @pytest.mark.parametrize("nproc", sorted(LAUNCHES))

@@ -190,20 +190,14 @@ def _shared_state(costs: list[ServingCosts]) -> list[tuple[tuple[int, int], tupl
 def _layout_assignment(name: str, joint: Joint) -> list[int] | None:
     """Layout ``name``'s weights and inputs (``layout_placements``) on both programs, the rest
     completed by the solver's heuristic; None where the layout leaves an op no strategy.
-    ``replicated`` is every device running the whole model: every op that can is held
-    replicated too, so the layout moves nothing (the heuristic would split activations).
     Each op computes as the layout's name promises (``layout_rules.computing_rules``, as in
-    training: dp splits values by their batch alone, tp reads weights where they lie)."""
+    training: dp splits values by their batch alone, tp reads weights where they lie,
+    ``replicated`` runs every op on whole values, so the layout moves nothing)."""
     hard, soft = [], []
     for c, offset in zip(joint.costs, joint.offsets):
         laid = hint(name, c.graph)
         fixed = laid.fixed
         soft += [(offset + v, keep) for v, keep in computing_rules(c, laid)]
-        if name == "replicated":
-            for node in c.nodes:
-                keep = [0.0 if _all_replicated(s) else math.inf for s in c.graph.nodes[node].strategies]
-                if node not in fixed and not all(math.isinf(k) for k in keep):
-                    hard.append((offset + c.index[node], keep))
         caches = {ph for ph, fqn in c.graph.captured.buffers.items() if is_cache(fqn)}
         for node, spec in fixed.items():
             if node.name in caches:
@@ -219,10 +213,6 @@ def _layout_assignment(name: str, joint: Joint) -> list[int] | None:
         return None
     decisions, _ = chain_relaxation_plan(replace(restricted.shrunk, memory_limit=None))
     return None if decisions is None else [int(i) for i in restricted.shrunk.expand(decisions)]
-
-
-def _all_replicated(strategy) -> bool:
-    return all(spec is None or all(isinstance(p, Replicate) for p in spec) for spec in (strategy.output, *strategy.inputs))
 
 
 def cache_placement(name: str, shape: tuple[int, ...], mesh: tuple[int, ...]) -> tuple:

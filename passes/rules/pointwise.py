@@ -1,14 +1,16 @@
 """Elementwise ops, with broadcasting: any output dim can be split, and each input
 follows with the dim it broadcasts from (or stays replicated where it has size 1).
 
-Partial (a pending sum) passes through ops that are linear in it: ``neg``, casts,
-scaling by a number, ``add``/``sub`` of two pending sums, ``mul`` by a replicated factor,
+Partial (a pending sum) passes through ops that are linear in it: ``neg``, casts that keep
+every digit (to the same dtype or a wider float: summing after a narrowing cast rounds each
+rank's part, not the sum), scaling by a number, ``add``/``sub`` of two pending sums, ``mul`` by a replicated factor,
 ``div`` of a pending sum by a replicated divisor. The rest are one table (``UNARY``: any
 number of operands, no pending sums), torch's ``Tag.pointwise`` ops that models call.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 
@@ -50,8 +52,7 @@ def _partial_at(info: OpInfo, which: set[int]) -> AxisOption:
 
 UNARY_LINEAR = [
     aten.neg.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
-    aten.detach.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.dtype_layout,
-    aten.to.device, aten._to_copy.default, aten.type_as.default, aten.positive.default,
+    aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default,
     aten.mul.Scalar, aten.div.Scalar, aten.mul_.Scalar, aten.div_.Scalar, aten.neg_.default,
 ]
 
@@ -105,9 +106,32 @@ def pointwise(info: OpInfo) -> list[AxisOption]:
     return broadcast_options(info)
 
 
+CASTS = [aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default]
+
+
 @register(*UNARY_LINEAR)
 def pointwise_linear(info: OpInfo) -> list[AxisOption]:
     return broadcast_options(info) + [_partial_at(info, {0})]
+
+
+@register(*CASTS)
+def cast(info: OpInfo) -> list[AxisOption]:
+    """A pending sum passes through a cast that keeps every digit of it."""
+    options = broadcast_options(info)
+    if _keeps_digits(info.inputs[0].dtype, info.outputs[0].dtype):
+        options.append(_partial_at(info, {0}))
+    return options
+
+
+def _keeps_digits(source, target) -> bool:
+    """``target`` holds every value of ``source`` exactly: the same dtype, or a float at least as
+    wide in both mantissa and exponent (bfloat16 -> float32, float32 -> float64)."""
+    if source == target:
+        return True
+    if not (source.is_floating_point and target.is_floating_point):
+        return False
+    a, b = torch.finfo(source), torch.finfo(target)
+    return b.eps <= a.eps and b.max >= a.max and b.tiny <= a.tiny
 
 
 @register(aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor)
