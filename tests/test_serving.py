@@ -18,6 +18,8 @@ from autopar.cli import main
 from autopar.passes.capture import capture
 from autopar.passes.generation import capture_programs, capture_prompt_logits
 from autopar.passes.node_keys import node_keys
+from autopar.passes.planner import serving, serving_layout
+from autopar.passes.planner.request import PlanningError
 from autopar.passes.planner.relayout import relayout
 from autopar.passes.solve import Follower, SolveProblem, evaluate_memory, evaluate_time, solve
 from autopar.passes.solve.joint import join
@@ -162,6 +164,17 @@ def test_a_serving_plan_is_data_explained_and_never_slower_than_its_layouts(serv
     assert pinned.kind == "tp+dp" and pinned.predicted.step_time >= p.step_time * (1 - 1e-9)
 
 
+def test_where_the_solver_finds_no_layout_the_fastest_manual_one_that_fits_is_the_plan(tiny_llama, monkeypatch):
+    """The solver's rounds of room for activations can end with nothing (injected here): a
+    manual layout that fits is still a plan, not a failure."""
+    monkeypatch.setattr(serving_layout, "_solve", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(tiny_llama[0], (2, 2), inference=WORKLOAD, hardware="h100", time_limit_s=2)
+    fastest = min(plan.candidates, key=plan.candidates.get)
+    assert plan.kind == fastest and plan.predicted.step_time == pytest.approx(plan.candidates[fastest])
+
+
 def test_a_serving_plan_dry_runs_holding_the_weights_and_cache_it_predicts(tiny_llama, serving_plans):
     """Every distinct rank builds and runs its prefill and a decode step on the fake
     backend; the weights and cache it holds are the prediction's to the byte."""
@@ -196,6 +209,33 @@ def test_the_throughput_batch_is_searched_down_from_the_largest_that_fits(tiny_l
     assert found.inference["batch"] == 40
     assert found.predicted.tokens_per_second_per_device == pytest.approx(tried[0][1], rel=1e-3)
     assert sum(found.predicted.memory.values()) <= limit
+
+
+def test_the_throughput_search_narrows_the_gap_to_the_smallest_batch_that_did_not_fit(tiny_llama, monkeypatch):
+    """Where the batch the memory should hold does not fit (here: no plan above 27 sequences,
+    injected), the search halves it, then halves the gap to the smallest refused batch twice,
+    and says which batches did not fit and why."""
+    model, _ = tiny_llama
+    real = serving.plan_serving
+
+    def fits_up_to_27(model, inference, request):
+        if inference.batch is not None and inference.batch > 27:
+            raise PlanningError(f"autopar: batch {inference.batch} does not fit (injected)")
+        return real(model, inference, request)
+
+    monkeypatch.setattr(serving, "plan_serving", fits_up_to_27)
+    kwargs = dict(hardware="h100", time_limit_s=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = autopar.plan(model, (1,), inference=autopar.Inference(
+            batch=1, prompt_len=6, max_len=16, objective="throughput"), **kwargs).predicted.memory
+        limit = one["parameters"] + 40.5 * (one["kv_cache"] + one["activations"])
+        found = autopar.plan(model, (1,), inference=autopar.Inference(
+            batch=None, prompt_len=6, max_len=16, objective="throughput"), memory_limit=limit, **kwargs)
+    tried = [int(pair.split(": ")[0]) for pair in found.reasons[0].split("(")[1].split(")")[0].split(", ")]
+    assert tried == [20, 25, 12], tried  # 40 and 30 refused; 25 fits; its half serves less
+    assert found.inference["batch"] == 25
+    assert found.reasons[1] == "batches that did not fit: 40, 30; at 30: autopar: batch 30 does not fit (injected)"
 
 
 def test_a_pipeline_with_micro_batches_in_flight_holds_every_cache_and_dry_runs(tiny_llama):

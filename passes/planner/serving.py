@@ -37,39 +37,60 @@ def searched_batch(model, inference: Inference, request: PlanRequest) -> Plan:
     """The throughput objective without a batch: the batch serving the most tokens per second
     per device. The plan at one sequence (one per micro-batch where they are given) prices a
     sequence's cache and activations per device; the batch whose caches fill the memory the
-    weights leave is planned first (halved while nothing fits). A larger batch reads the same
-    weights for more sequences, but can fit only layouts that spread its cache wider (deeper
-    pipelines, wider splits) whose steps are slower, so the batch is halved while the halved
-    batch serves more, and the best planned is the plan. The batches are multiples of the
-    given micro-batch count, or else of every pipeline depth, so that a pipeline can keep one
-    micro-batch per stage in flight."""
+    weights leave is planned first, halved while nothing fits, and the gap to the smallest
+    batch that did not fit halved twice more (so the largest that fits is found to within a
+    quarter of it). A larger batch reads the same weights for more sequences, but can fit only
+    layouts that spread its cache wider (deeper pipelines, wider splits) whose steps are
+    slower, so the batch is then halved while the halved batch serves more, and the best
+    planned is the plan. The batches are multiples of the given micro-batch count, or else of
+    every pipeline depth, so that a pipeline can keep one micro-batch per stage in flight."""
     unit = inference.micro_batches or 1
     step = unit if inference.micro_batches else math.lcm(1, *(p for p, _ in pipeline_options(request)))
     one = plan_serving(model, replace(inference, batch=unit), request)
     memory = one.predicted.memory
     per_sequence = (memory.get("kv_cache", 0.0) + memory.get("activations", 0.0)) / unit
     room = request.memory_bytes - memory.get("parameters", 0.0)
+    plans: dict[int, Plan] = {unit: one}
+    refused: dict[int, str] = {}
+
+    def planned(batch: int) -> Plan | None:
+        if batch not in plans and batch not in refused:
+            try:
+                plans[batch] = plan_serving(model, replace(inference, batch=batch), request)
+            except PlanningError as exc:
+                refused[batch] = str(exc)
+        return plans.get(batch)
+
     batch = max(step, int(room // per_sequence) // step * step) if per_sequence > 0 else step
-    tried: list[Plan] = []
-    while True:
-        try:
-            plan = one if batch == unit else plan_serving(model, replace(inference, batch=batch), request)
-        except PlanningError:
-            if tried or batch == step:  # keep the best of the larger batches, or the one sequence's plan
-                break
-            batch = _halved(batch, step)  # the estimate from one sequence was too large: nothing fits yet
-            continue
-        tried.append(plan)
-        if batch == step or (len(tried) > 1 and _served(plan) <= _served(tried[-2])):
-            break
+    while planned(batch) is None and batch > step:
         batch = _halved(batch, step)
-    tried = tried or [one]
-    best = max(tried, key=_served)
-    priced = ", ".join(f"{p.inference['batch']}: {p.predicted.tokens_per_second_per_device:.4g}" for p in tried)
+    tried = [plans[batch]] if batch in plans else []
+    for _ in range(2 if tried else 0):  # between the largest that fits and the smallest that did not
+        above = min((b for b in refused if b > batch), default=None)
+        middle = None if above is None else (batch + above) // 2 // step * step
+        if middle is None or middle <= batch:
+            break
+        if planned(middle) is not None:
+            batch = middle
+            tried.append(plans[batch])
+    while tried and batch > step:  # smaller batches, while they serve more
+        batch = _halved(batch, step)
+        plan = planned(batch)
+        if plan is None:
+            break
+        tried.append(plan)
+        if _served(plan) <= _served(tried[-2]):
+            break
+    best = max(tried or [one], key=_served)
+    priced = ", ".join(f"{p.inference['batch']}: {p.predicted.tokens_per_second_per_device:.4g}" for p in tried or [one])
     best.reasons.insert(0, f"batch {best.inference['batch']}: the most tokens/s per device of the batches planned "
                            f"({priced}), from the largest the memory holds (one sequence's cache and activations "
                            f"{gib_text(per_sequence)} per device beside {gib_text(memory.get('parameters', 0.0))} "
                            "of weights), halved while that served more")
+    if refused:
+        smallest = min(refused)
+        best.reasons.insert(1, f"batches that did not fit: {', '.join(map(str, sorted(refused, reverse=True)))}; "
+                               f"at {smallest}: {refused[smallest]}")
     return best
 
 

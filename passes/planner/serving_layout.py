@@ -111,10 +111,14 @@ def plan_on_mesh(joint: Joint, programs: Programs, inference: Inference, request
             raise PlanningError(_too_big(programs, request, joint.memory(assignment), limit))
     else:
         result = _solve(joint, list(candidates.values()), limit, request)
-        if result is None:
+        # the solver's layout, or a manual one where that fits and is faster (the solver's rounds
+        # of room for activations can end with nothing, or with a slower layout, under its limits)
+        options = ([result.assignment] if result is not None else []) + [
+            a for a in candidates.values() if joint.memory(a) <= limit * (1 + 1e-9)]
+        if not options:
             least = min((joint.memory(a) for a in candidates.values()), default=math.inf)
             raise PlanningError(_too_big(programs, request, least, limit))
-        assignment = result.assignment
+        assignment = min(options, key=lambda a: _generation(joint, a))
         kind = next((name for name, a in candidates.items() if a == assignment), "auto")
     ttft, tpot = joint.times(assignment)
     plan = _assemble(joint, assignment, inference, programs, request, kind, ttft, tpot)
