@@ -16,7 +16,7 @@ from autopar.runtime.faults import PeerFailure, failures_shared
 from autopar.runtime.inference import InferenceModule
 from autopar.runtime.pipeline import PipelineModule
 from autopar.planning import plan as make_plan
-from autopar.runtime.meshes import require_usable
+from autopar.runtime.meshes import plan_mesh, require_usable
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy, warn_under_autocast
 from autopar.costmodels.profiler import profile_mesh
@@ -99,6 +99,7 @@ def compile(  # noqa: A001  (the public name users expect)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
         plan = plan_once(model, mesh, example_inputs, hardware, mp_policy=mp_policy, constraints=constraints,
                          **keywords)
+    mesh = plan_mesh(mesh, tuple(plan.mesh_shape), tuple(plan.axis_names))  # the plan's split of the user's axes
     if mp_policy is None:  # a saved plan priced under a policy replays under it
         mp_policy = recorded_policy(plan.mp_policy)
     if plan.pipeline is not None:

@@ -1,7 +1,8 @@
 """The torchtitan job-config fragment of an export (``Exported.torchtitan``:
 ``autopar.passes.export.torchtitan``): torchtitan's own key names (``torchtitan/config/
-job_config.py``), the plan's degrees, schedule, micro-batch size and checkpoint mode, and a
-note where torchtitan's recipe cannot say the plan's choice; none for a model outside the Llama family."""
+job_config.py``), the plan's degrees, schedule, micro-batch size, stages (by torchtitan's own module
+names) and checkpoint mode, and a note where torchtitan's recipe cannot say the plan's choice; none for a
+model outside the Llama family."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import tomllib
 import warnings
 
 import pytest
+import torch
 
 import autopar
-from tests.models import gpt2, llama
+from autopar.models import MODELS
+from tests.models import BATCH, SEQ, TINY, gpt2, llama
 
 # torchtitan/config/job_config.py: the fields of Parallelism, Training, ActivationCheckpoint it reads
 PARALLELISM = {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-               "pipeline_parallel_microbatch_size", "pipeline_parallel_split_points"}
+               "pipeline_parallel_microbatch_size", "module_fqns_per_model_part"}
 
 
 def planned(factory, *args, **options):
@@ -49,7 +52,7 @@ def test_a_pipelined_fsdp_llama_with_some_layers_recomputed(tmp_path):
     assert p["pipeline_parallel_schedule"] == "1F1B" and p["fsdp_reshard_after_forward"] == "always"
     local = config["training"]["local_batch_size"]
     assert local == inputs[0].shape[0] // 2 and p["pipeline_parallel_microbatch_size"] == local // 2
-    assert len(p["pipeline_parallel_split_points"]) == 1
+    assert p["module_fqns_per_model_part"] == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
     # layer 0 only: torchtitan recomputes all layers or by its own policy, said so
     assert config["activation_checkpoint"]["mode"] == "full"
     assert "recomputes layers [0] only" in exported.torchtitan
@@ -61,3 +64,20 @@ def test_no_torchtitan_config_outside_the_llama_family(tmp_path):
     assert exported.torchtitan is None
     with pytest.raises(ValueError, match="autopar: no torchtitan job config for this model"):
         exported.write_torchtitan(tmp_path / "job.toml")
+
+
+def test_torchtitan_stages_are_the_plans_cut_in_torchtitans_module_names(tmp_path):
+    """A 5-layer Llama cut where the pin says (its second stage from model.layers.3): torchtitan's
+    stages hold its blocks layers.<i> by their index in the Hugging Face container, every block
+    once and in order, the embedding first and the norm and output projection last."""
+    torch.manual_seed(0)
+    model = MODELS["llama"].build({**TINY["llama"], "num_hidden_layers": 5}, SEQ)
+    inputs = (torch.randint(0, TINY["llama"]["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0)),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (2,), inputs, hardware="h100", time_limit_s=5, constraints=autopar.Constraints(
+            stage_starts=("model.layers.3",), micro_batches=2, schedule="gpipe"))
+    exported = plan.export(model, tmp_path / "pp.py", example_inputs=inputs)
+    parts = tomllib.loads(exported.torchtitan)["parallelism"]["module_fqns_per_model_part"]
+    assert parts == [["tok_embeddings", "layers.0", "layers.1", "layers.2"], ["layers.3", "layers.4", "norm", "output"]]
+    assert "model.layers" not in exported.torchtitan

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.passes.placements import Spec
+from autopar.passes.planner.mesh_split import refinement
 
 
 def whole(local: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
@@ -22,6 +23,18 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
+
+
+def plan_mesh(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` as a plan for a mesh of ``shape`` runs on it: ``mesh`` itself where the shapes
+    agree; where ``shape`` splits its axes into consecutive factors (a pipeline taken out of the
+    outermost axis, an axis split for pinned degrees: ``autopar.passes.planner.mesh_split``), the
+    same ranks reshaped row-major, its axes named ``names``; else an ``autopar:`` error. Every rank
+    of the world builds it (its axes' process groups)."""
+    if tuple(mesh.shape) == tuple(shape):
+        return mesh
+    refinement(tuple(mesh.shape), shape)  # the error where ``shape`` does not split the mesh
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names))
 
 
 def require_usable(mesh: DeviceMesh) -> None:

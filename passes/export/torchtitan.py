@@ -8,7 +8,10 @@ schedule and micro-batch size, FSDP2's resharding policy and the activation-chec
 as TOML, with a comment for each choice of the plan that torchtitan's recipe cannot say
 (torchtitan's tensor-parallel plan, with sequence-parallel norms and loss parallel, is fixed;
 its mesh is ordered pp, dp_replicate, dp_shard, tp; it recomputes no layer, every layer, or a
-selective policy of its own).
+selective policy of its own). A pipeline's stages are written as torchtitan names its Llama's
+modules (``module_fqns_per_model_part``, one list per stage: its embedding ``tok_embeddings``, its
+blocks ``layers.<i>`` by their index in its ``Transformer.layers``, its ``norm`` and ``output``);
+torchtitan refuses the older ``pipeline_parallel_split_points`` since July 2025.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import math
 LLAMA_FAMILY = ("Llama", "Transformer")  # Hugging Face's Llama*ForCausalLM, torchtitan's own Transformer
 # Plan.pipeline.schedule -> torchtitan's --parallelism.pipeline_parallel_schedule (torch's class names)
 SCHEDULES = {"1F1B": "1F1B", "GPipe": "GPipe", "Interleaved1F1B": "Interleaved1F1B"}
+# torchtitan's Llama (torchtitan/models/llama3/model/model.py): its modules' names, which its pipeline
+# splitter takes (torchtitan/distributed/pipeline_parallel.py, generate_llm_fqn_per_model_part)
+TITAN_EMBEDDING, TITAN_LAYERS, TITAN_HEAD = "tok_embeddings", "layers", ("norm", "output")
 
 
 def is_llama_family(model_name: str) -> bool:
@@ -55,8 +61,8 @@ def fragment(plan, model_name: str, reading, dp, cut, batch: int, notes: list[st
         parallelism.append(("pipeline_parallel_schedule", f'"{SCHEDULES.get(p.schedule, p.schedule)}"'))
         parallelism.append(("pipeline_parallel_microbatch_size", max(1, local // p.micro_batches)))
         if cut is not None:
-            starts = [f'"{cut.container}.{first}"' for first, _ in cut.layers[1:]]
-            parallelism.append(("pipeline_parallel_split_points", f"[{', '.join(starts)}]"))
+            parts = ", ".join("[" + ", ".join(f'"{name}"' for name in part) + "]" for part in model_parts(cut.layers))
+            parallelism.append(("module_fqns_per_model_part", f"[{parts}]"))
     mode = _checkpoint_mode(plan, len(reading.layers), said)
     lines = [f"# {line}" for line in said]
     lines += ["# not as planned (torchtitan's Llama recipe is fixed): " + n for n in notes]
@@ -64,6 +70,17 @@ def fragment(plan, model_name: str, reading, dp, cut, batch: int, notes: list[st
     lines += ["", "[training]", f"local_batch_size = {local}", f"global_batch_size = {batch}"]
     lines += ["", "[activation_checkpoint]", f'mode = "{mode}"', ""]
     return "\n".join(lines)
+
+
+def model_parts(layers: list[tuple[int, int]]) -> list[list[str]]:
+    """torchtitan's modules of each (virtual) stage, in stage order, for stages running the
+    repeated layers ``[first, last)`` each (``Stages.layers``): the blocks by their index in the
+    container, which torchtitan's Llama keys alike; the embedding on the first stage, the final
+    norm and the output projection on the last, where the export's stages hold them."""
+    parts = [[f"{TITAN_LAYERS}.{i}" for i in range(first, last)] for first, last in layers]
+    parts[0].insert(0, TITAN_EMBEDDING)
+    parts[-1].extend(TITAN_HEAD)
+    return parts
 
 
 def _checkpoint_mode(plan, total: int, said: list[str]) -> str:

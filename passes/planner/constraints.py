@@ -10,11 +10,13 @@
 - the mesh: a degree per role (``tp=8``: tensor parallel over mesh axes whose sizes multiply
   to 8; ``dp=8``: data parallel so; ``pp=4``: four pipeline stages) and which axis plays which
   role (``axes=("dp", "tp")``, one role or None per axis of the mesh as given; ``"pp"`` only
-  on the outermost axis, which the pipeline takes whole);
+  on the outermost axis, which the pipeline takes whole); degrees no whole axes multiply to
+  (``tp=2, dp=2`` on a mesh of 4) split an axis (``autopar.passes.planner.mesh_split``);
 - the pipeline: ``micro_batches``, ``schedule`` (``"1f1b"``, ``"gpipe"``,
   ``"interleaved_1f1b"``), ``chunks`` (chunks per rank of the interleaved schedule),
   ``stage_starts`` (the repeated layers, by module name, where stages 2, 3, ... begin: as many
-  stages as names and one, one chunk per rank; ``autopar.passes.planner.stage_starts``);
+  stages as names and one; P ranks of v chunks each run P * v stages, v as ``chunks``, a V-shaped
+  schedule (2) or ``pp`` say, else 1: ``Constraints.starts_chunks``; ``autopar.passes.planner.stage_starts``);
 - ZeRO: ``zero`` (0-3 for every parameter) and ``zero_by_name`` (fully-qualified-name
   patterns -> level; the first pattern that matches wins, over ``zero``);
 - recomputation: ``recompute`` ``"none"``, ``"all"`` or the repeated layers' numbers;
@@ -119,14 +121,11 @@ class Constraints:
             except ValueError:
                 raise ValueError(f"autopar: pin schedule={self.schedule!r} names no schedule; expected one of "
                                  f"{[s.value for s in Schedule]}") from None
-        if self.chunks is not None and self.chunks > 1 and self.schedule is not None and not self.schedule.interleaved:
-            several = [s.value for s in Schedule if s.interleaved]
-            raise ValueError(f"autopar: pin chunks={self.chunks} runs several chunks per rank, which only {several} "
-                             f"do; found schedule={self.schedule}; pin one of those or chunks=1")
-        if self.chunks is not None and self.schedule is not None and self.schedule.v_shaped and self.chunks != 2:
-            raise ValueError(f"autopar: pin schedule={self.schedule} places exactly 2 chunks per rank (stages r and "
-                             f"2P - 1 - r on rank r), and chunks={self.chunks} says otherwise; pin chunks=2 with it, "
-                             "or another schedule")
+        if self.chunks is not None and self.schedule is not None and (
+                problem := self.schedule.chunks_problem(self.chunks)):
+            runs = 2 if self.schedule.v_shaped else 1
+            raise ValueError(f"autopar: pin schedule={self.schedule}: {problem}, and chunks={self.chunks} says "
+                             f"otherwise; pin chunks={runs} with it, or another schedule")
         if self.chunks == 1 and self.schedule is Schedule.INTERLEAVED_1F1B:
             raise ValueError(f"autopar: pin schedule={self.schedule} runs several chunks per rank, and chunks=1 says "
                              "one; pin chunks of at least 2 with it, or another schedule")
@@ -153,41 +152,61 @@ class Constraints:
                 raise ValueError(f"autopar: pin output:{pattern}={placement!r} expected a module-name pattern and a "
                                  f"placement per mesh axis such as S(1)R, or one of {OUTPUT_ROLES}")
         object.__setattr__(self, "outputs", outputs)
+        names = self.stage_starts.split(",") if isinstance(self.stage_starts, str) else self.stage_starts
+        object.__setattr__(self, "stage_starts", tuple(str(n).strip() for n in names))
+        if self.layout is not None:
+            self._check_layout()
         self._check_stage_starts()
         if self.pp == 1 and self.pipelined_by_settings:
             raise ValueError(f"autopar: pins {', '.join(self.pipeline_pins())} set a pipeline, and pp=1 says none; "
                              "expected pp of at least 2 with them, or leave pp out")
-        if self.layout is not None:
-            self._check_layout()
 
     def _check_stage_starts(self) -> None:
-        names = self.stage_starts.split(",") if isinstance(self.stage_starts, str) else self.stage_starts
-        names = tuple(str(n).strip() for n in names)
-        object.__setattr__(self, "stage_starts", names)
+        names = self.stage_starts
         if not names:
             return
         pin = self.pin("stage_starts")
         if not all(names) or len(set(names)) != len(names):
             raise ValueError(f"autopar: pin {pin} expected distinct module names of repeated layers, in order, "
                              "e.g. stage_starts=model.layers.16,model.layers.32")
-        if self.pp is not None and self.pp != len(names) + 1:
-            raise ValueError(f"autopar: pin {pin} starts {len(names) + 1} pipeline stages, and pp={self.pp} "
-                             f"another count; expected pp={len(names) + 1} or pp left out")
-        if (self.chunks or 1) > 1 or self.schedule is Schedule.INTERLEAVED_1F1B or (
-                self.schedule is not None and self.schedule.v_shaped):
-            several = f"chunks={self.chunks}" if (self.chunks or 1) > 1 else f"schedule={self.schedule}"
-            raise ValueError(f"autopar: pin {pin} places one stage per pipeline rank, and {several} runs several "
-                             "per rank; expected chunks=1 (or a schedule of one chunk per rank) with it, or leave "
-                             "stage_starts out")
+        count = len(names) + 1
+        chunks, why = self._starts_chunks(self.pp)
+        if self.pp is not None and (self.pp < 2 or self.pp * chunks != count):
+            raise ValueError(f"autopar: pin {pin} starts {count} pipeline stages, and pp={self.pp} cannot run them at "
+                             f"{chunks} per rank ({why}); expected pp={count // chunks}, or pp left out")
+        if count % chunks or count // chunks < 2:
+            raise ValueError(f"autopar: pin {pin} starts {count} pipeline stages, which {chunks} per rank ({why}) "
+                             f"cannot share among 2 or more pipeline ranks; expected a multiple of {chunks} stages "
+                             f"of at least {2 * chunks} ({2 * chunks - 1}, {3 * chunks - 1}, ... stage starts), or "
+                             "another chunk count")
+        if self.schedule is not None and (problem := self.schedule.chunks_problem(chunks) or (
+                chunks == 1 and self.schedule is Schedule.INTERLEAVED_1F1B and "it runs several chunks per rank")):
+            raise ValueError(f"autopar: pin {pin} runs {count} stages at {chunks} per rank ({why}), and schedule="
+                             f"{self.schedule} cannot: {problem}; expected chunks=, pp= or stage starts that give it "
+                             "as many as it runs, or another schedule")
+
+    def _starts_chunks(self, pp: int | None) -> tuple[int, str]:
+        """(chunks per rank of the stages ``stage_starts`` names, the pin that says so): ``chunks``;
+        else a V-shaped schedule's 2; else what ``pp`` ranks leave of them (their count over pp);
+        else one per rank."""
+        count = len(self.stage_starts) + 1
+        if self.chunks is not None:
+            return self.chunks, self.pin("chunks")
+        if self.schedule is not None and self.schedule.v_shaped:
+            return 2, self.pin("schedule")
+        if pp is not None and pp > 1 and count % pp == 0:
+            return count // pp, f"pp={pp}"
+        return 1, "the default, with neither chunks, pp nor a V-shaped schedule pinned"
 
     def _check_layout(self) -> None:
         pipelined, depth, _ = layout_parts(self.layout)
         if depth is not None and self.pp not in (None, depth):
             raise ValueError(f"autopar: pin layout={self.layout} names {depth} pipeline stages, and pp={self.pp} "
                              "another; expected one depth: leave pp out, or name the layout without it")
-        if depth is not None and self.stage_starts and depth != len(self.stage_starts) + 1:
+        count = len(self.stage_starts) + 1
+        if depth is not None and self.stage_starts and depth * self._starts_chunks(depth)[0] != count:
             raise ValueError(f"autopar: pin layout={self.layout} names {depth} pipeline stages, and "
-                             f"{self.pin('stage_starts')} starts {len(self.stage_starts) + 1}; expected one depth: "
+                             f"{self.pin('stage_starts')} starts {count}; expected one depth: "
                              "name the layout without it")
         if depth is not None:
             object.__setattr__(self, "pp", depth)
@@ -215,8 +234,15 @@ class Constraints:
         if self.pp is not None:
             return self.pp
         if self.stage_starts:
-            return len(self.stage_starts) + 1
+            return (len(self.stage_starts) + 1) // self.starts_chunks
         return 1 if self.layout is not None and not layout_parts(self.layout)[0] else None
+
+    @property
+    def starts_chunks(self) -> int | None:
+        """Chunks per rank of the stages ``stage_starts`` names (P ranks of v chunks: P * v - 1
+        starts): ``chunks``; else a V-shaped schedule's 2; else their count over ``pp``; else 1.
+        None without ``stage_starts``."""
+        return self._starts_chunks(self.pp)[0] if self.stage_starts else None
 
     @property
     def wants_pipeline(self) -> bool:
@@ -462,7 +488,9 @@ def mesh_roles(pins: Constraints, shape: Sequence[int], stages: int) -> list[Mes
     ``shape`` (the mesh as given), preferred first: tensor parallel on the innermost axes (the
     fast links), data parallel on the outermost; or why there is none."""
     if pins.stages is not None and pins.stages != stages:
-        return f"pp={pins.pp} pinned" if pins.pp is not None else f"layout={pins.layout} pinned: no pipeline"
+        return (f"pp={pins.pp} pinned" if pins.pp is not None else
+                f"{pins.pin('stage_starts')} pinned: {pins.stages} pipeline ranks" if pins.stage_starts else
+                f"layout={pins.layout} pinned: no pipeline")
     if stages == 1 and pins.pipelined_by_settings:
         return f"{', '.join(pins.pipeline_pins())} pinned: a pipeline"
     if stages == 1 and pins.wants_pipeline:
@@ -560,9 +588,11 @@ def check_mesh(pins: Constraints, shape: Sequence[int], pipeline: bool) -> None:
             raise ValueError(f"autopar: pin {name}={degree} cannot hold on mesh {tuple(shape)} of {devices} devices: "
                              f"expected a degree that divides the device count; pin a divisor of {devices}")
     if pins.stage_starts and shape[0] % pins.stages:
-        raise ValueError(f"autopar: pin {pins.pin('stage_starts')} starts {pins.stages} pipeline stages, which cannot "
-                         f"hold on mesh {tuple(shape)}: a pipeline takes its stages out of the outermost axis "
-                         f"({shape[0]} devices); name a number of stage starts one less than a divisor of {shape[0]}")
+        count, chunks = len(pins.stage_starts) + 1, pins.starts_chunks
+        ranks = f" ({chunks} per rank: {pins.stages} pipeline ranks)" if chunks > 1 else ""
+        raise ValueError(f"autopar: pin {pins.pin('stage_starts')} starts {count} pipeline stages{ranks}, which cannot "
+                         f"hold on mesh {tuple(shape)}: a pipeline takes its ranks out of the outermost axis "
+                         f"({shape[0]} devices); name {chunks} x a divisor of {shape[0]}, less one, stage starts")
     if pins.pp is not None and pins.pp > 1 and shape[0] % pins.pp:
         raise ValueError(f"autopar: pin pp={pins.pp} cannot hold on mesh {tuple(shape)}: a pipeline takes its "
                          f"stages out of the outermost axis ({shape[0]} devices); pin a divisor of {shape[0]}, or "
@@ -623,7 +653,7 @@ def pinned_schedules(pins: Constraints | None, schedules: Sequence[Schedule]) ->
         return schedules, None
     if pins.schedule is not None:
         schedules = (pins.schedule,)
-    chunks = pins.chunks or (1 if pins.stage_starts else None)  # pinned stages: one per rank
+    chunks = pins.chunks or pins.starts_chunks  # pinned stages: as many chunks per rank as they leave
     if chunks is not None:  # several chunks: the interleaved schedules; one: any that runs one
         schedules = tuple(s for s in schedules
                           if (s.interleaved and not s.chunks_problem(chunks) if chunks > 1

@@ -41,6 +41,7 @@ from autopar.passes.plan import Plan
 from autopar.costmodels.units import GIB
 from autopar.passes.planner.constraints import MeshRoles, check_mesh, check_recompute, intra_axes, mesh_roles
 from autopar.passes.planner.intra_op import PlanningError, plan_intra_op
+from autopar.passes.planner.mesh_split import split_request
 from autopar.passes.planner.pin_price import broken_pins, price_record
 from autopar.passes.planner.pin_restrictions import check_outputs, check_patterns
 from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
@@ -54,25 +55,27 @@ def factorisations(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
     return [(p, intra_axes(shape, p)[0]) for p in range(2, shape[0] + 1) if shape[0] % p == 0]
 
 
-def pipeline_factorisations(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
-    """The factorisations the request's hardware can price: any (``factorisations``) for a
-    preset, which is built for each; for a measured profile only the pipeline over the whole
-    outermost axis, the intra-op mesh being the other measured axes (``pipeline.pipeline_profile``)."""
-    shape = request.mesh_shape
+def pipeline_factorisations(request: PlanRequest, shape: tuple[int, ...] | None = None
+                            ) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations the request's hardware can price on ``shape`` (default: the request's
+    mesh): any (``factorisations``) for a preset, which is built for each; for a measured profile
+    only the pipeline over the whole outermost axis, the intra-op mesh being the other measured
+    axes (``pipeline.pipeline_profile``)."""
+    shape = shape or request.mesh_shape
     if request.preset is not None:
         return factorisations(shape)
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
 
 
-def pipeline_options(request: PlanRequest) -> list[tuple[int, tuple[int, ...]]]:
-    """The factorisations the request may pipeline over (none without ``request.pipeline`` or
-    with a fixed ``layout``); ``request.outer_axis_only``: the whole outermost axis only (a
-    plan for a given device mesh keeps its shape)."""
+def pipeline_options(request: PlanRequest, shape: tuple[int, ...] | None = None) -> list[tuple[int, tuple[int, ...]]]:
+    """The factorisations the request may pipeline over on ``shape`` (default: the request's mesh;
+    none without ``request.pipeline`` or with a fixed ``layout``); ``request.outer_axis_only``:
+    the whole outermost axis only (a plan for a given device mesh keeps its shape)."""
     if not request.pipeline or request.layout is not None:
         return []
-    options = pipeline_factorisations(request)
+    shape = shape or request.mesh_shape
+    options = pipeline_factorisations(request, shape)
     if request.outer_axis_only:
-        shape = request.mesh_shape
         options = [(p, intra) for p, intra in options if p == shape[0] and tuple(intra) == tuple(shape[1:])]
     return options
 
@@ -235,8 +238,9 @@ def plan_pinned(captured, request: PlanRequest) -> Plan:
     if free is not None and not breaks:
         best = free
     else:
-        try:
-            best = _search(captured, request, graphs)
+        try:  # on the mesh the pins need: an axis split where the degrees lie on no whole axes
+            best = _search(captured, split_request(request, lambda shape: [1] + [
+                p for p, _ in pipeline_options(request, shape)]), graphs)
         except PlanningError as exc:
             raise PlanningError(f"autopar: no plan honours the pins {pins}"
                                 + ("" if free is None else f" (without them: {duration(free.predicted.step_time)})")

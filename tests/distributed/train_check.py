@@ -26,6 +26,7 @@ from autopar.models import GPT, GPTConfig, WideMLP
 import autopar
 from autopar.runtime import checkpoint
 from autopar.passes.capture import capture
+from autopar.passes.explain import stage_starts
 from autopar.passes.plan import Pipeline, Plan
 from tests.distributed import dropout_check, mp_check
 from tests.distributed.plans import case_plan, layout_plan, pipeline_plan, planned
@@ -50,9 +51,9 @@ def mse(out, target):
 DTYPE = torch.float64
 
 
-def gpt_case():
+def gpt_case(layers: int = 2):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2)).to(DTYPE)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=layers)).to(DTYPE)
     gen = torch.Generator().manual_seed(1)
     batches = [
         (torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen))
@@ -130,7 +131,7 @@ def indices_case():
 
 
 MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "gpt2": gpt2_case, "indices": indices_case,
-          "gptj": gptj_case}
+          "gptj": gptj_case, "gpt6": lambda: gpt_case(layers=6)}
 
 
 def train_against_reference(pm, reference, loss_fn, batches, step=None):
@@ -559,6 +560,35 @@ def planned_pipeline_case(spec: str) -> dict:
             "recomputed_here": wrapped, "recompute": plan.recompute, "axis_names": list(plan.axis_names)}
 
 
+def quietly(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with its warnings (capture's, planning's) kept out of the output."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return function(*args, **kwargs)
+
+
+def pinned_case(spec: str) -> dict:
+    """pinned:<mesh>:<model>:<pin>/<pin>/...: the plan ``autopar.plan`` makes under the pins (as
+    the command line writes them) for a mesh of this shape, on rank 0 with the H100 preset, run by
+    ``autopar.compile`` on the mesh as the user built it (the plan's own mesh may split its axes)."""
+    _, mesh_text, model_name, pins_text = spec.split(":", 3)
+    shape = tuple(int(x) for x in mesh_text.split("x"))
+    model, loss_fn, batches = MODELS[model_name]()
+    reference, tokens = copy.deepcopy(model), batches[0][0]
+    pins = autopar.Constraints.from_pins(pins_text.split("/"))
+    made = [quietly(autopar.plan, model, shape, (tokens,), hardware="h100", time_limit_s=5, constraints=pins)
+            if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made)  # planning once: the same plan on every rank
+    plan = made[0]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(shape))))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, optimizer=adamw, plan=plan)
+    losses, loss_err, param_err, _ = train_against_reference(pm, reference, loss_fn, batches)
+    pp = plan.pipeline
+    return {"case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses,
+            "mesh": list(plan.mesh_shape), "params": plan.params, "stage_starts": stage_starts(plan),
+            "pipeline": None if pp is None else [pp.stages, pp.chunks_per_rank, pp.schedule]}
+
+
 def compiled_pipeline_case(spec: str) -> dict:
     """compile-pp:<P>x<D>:<model>: ``autopar.compile`` given no plan plans on its mesh by itself
     (``plan_once``, the H100 preset) and considers a pipeline over the mesh's outer axis;
@@ -844,6 +874,8 @@ def main(cases: list[str]) -> None:
                 result = moves_case()
             elif spec.startswith("pp-planned:"):
                 result = planned_pipeline_case(spec)
+            elif spec.startswith("pinned:"):
+                result = pinned_case(spec)
             elif spec.startswith("compile-pp:"):
                 result = compiled_pipeline_case(spec)
             elif spec.startswith("pp:"):
