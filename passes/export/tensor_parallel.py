@@ -94,7 +94,7 @@ def tensor_parallel(plan, reading: Reading, model: nn.Module, captured: Captured
         styles = {path: _styled(style, decisions) for path, style in placed.items()}
         styles.update({path: _sequence_style(path, model.get_submodule(path), dim)
                        for path, dim in decisions.sequence.items()})
-        if graph.entry is not None:
+        if graph.entry is not None and graph.entry[0] not in decisions.whole:
             layer, _, split = graph.entry
             styles[layer] = Style(layer, "entry", type(model.get_submodule(layer)).__name__, output_layout=split)
         if not _simulate(graph, styles, decisions):
@@ -292,9 +292,11 @@ def _simulate(graph: _PlannedGraph, styles: dict[str, Style], decisions: _Decisi
         owner = _owner(graph.module[node], styles)
         args = _tensor_inputs(node)
         got = [_value(placed, a) for a in args]
-        if graph.entry is not None:
+        if graph.entry is not None and graph.entry[0] in styles:  # split on entry to the first layer
             layer, hidden, split = graph.entry
-            got = [split if a is hidden and graph.layer_of(node) == layer else p for a, p in zip(args, got)]
+            if graph.layer_of(node) == layer and hidden in args:
+                got = [split if a is hidden else p for a, p in zip(args, got)]
+                origin.setdefault(hidden, layer)  # the split's source, should the layer's ops not take it
         if owner is not None:
             style = styles[owner]
             outside = [(a, p) for a, p in zip(args, got) if a.op != "placeholder" and not _inside(graph, a, owner)]
@@ -368,7 +370,7 @@ def _run_between(graph, node, args, got, placed, origin, dtensor, decisions) -> 
     as_dtensor = [a in dtensor for a in args]
     if any(as_dtensor):  # DTensor places each op itself
         if not all(as_dtensor):  # a DTensor meets a local tensor: torch cannot mix them
-            return _decide_whole(decisions, origin[next(a for a, d in zip(args, as_dtensor) if d)],
+            return _decide_whole(graph, decisions, origin[next(a for a, d in zip(args, as_dtensor) if d)],
                                  f"its output meets a local tensor at {node.target}")
         dtensor.add(node)
         placed[node] = list(graph.plan_outputs(node) or got[:1] * n_out)
@@ -399,16 +401,19 @@ def _run_between(graph, node, args, got, placed, origin, dtensor, decisions) -> 
     if culprit is None:
         raise RuntimeError(f"autopar: export lost track of where {node.name}'s split input comes from; please report")
     planned = ", ".join(_short(w) for w in (wanted or []))
-    return _decide_whole(decisions, culprit, f"{node.target} reads it as the plan places it ({planned or 'unknown'}) "
-                                             "only in the plan's own per-op layout")
+    return _decide_whole(graph, decisions, culprit, f"{node.target} reads it as the plan places it "
+                                                    f"({planned or 'unknown'}) only in the plan's own per-op layout")
 
 
-def _decide_whole(decisions: _Decisions, module: str, why: str) -> bool:
+def _decide_whole(graph: _PlannedGraph, decisions: _Decisions, module: str, why: str) -> bool:
+    entry = graph.entry is not None and module == graph.entry[0]
     if module in decisions.whole:
         raise RuntimeError(f"autopar: export could not lay out {module} consistently; please report this plan")
     decisions.whole.add(module)
     decisions.dtensor.discard(module)
-    decisions.why_whole[module] = (f"the plan keeps this module's output split into the next ops, which torch's "
+    decisions.why_whole[module] = (f"the plan splits this layer's input on entry, which its ops cannot take split "
+                                   f"({why}): handed in whole (Replicate) instead" if entry else
+                                   f"the plan keeps this module's output split into the next ops, which torch's "
                                    f"eager code cannot take split ({why}): handed on whole (Replicate) instead")
     return True
 
@@ -439,7 +444,7 @@ def _check_outputs(graph, node, placed, origin, dtensor, styles, decisions) -> b
         if last and styles[source].kind in ("colwise", "distribute") and source not in decisions.dtensor:
             decisions.dtensor.add(source)
             return True
-        return _decide_whole(decisions, source, "the model's output leaves whole")
+        return _decide_whole(graph, decisions, source, "the model's output leaves whole")
     return False
 
 
