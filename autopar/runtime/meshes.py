@@ -29,11 +29,15 @@ def plan_mesh(mesh: DeviceMesh, shape: tuple[int, ...], names: tuple[str, ...]) 
     """``mesh`` as a plan for a mesh of ``shape`` runs on it: ``mesh`` itself where the shapes
     agree; where ``shape`` splits its axes into consecutive factors (a pipeline taken out of the
     outermost axis, an axis split for pinned degrees: ``autopar.passes.planner.mesh_split``), the
-    same ranks reshaped row-major, its axes named ``names``; else an ``autopar:`` error. Every rank
-    of the world builds it (its axes' process groups)."""
+    same ranks reshaped row-major, its axes named ``names``; else ``mesh`` itself, which the
+    plan's own check refuses (``autopar.passes.plan.check_mesh``). Every rank of the world builds
+    it (its axes' process groups)."""
     if tuple(mesh.shape) == tuple(shape):
         return mesh
-    refinement(tuple(mesh.shape), shape)  # the error where ``shape`` does not split the mesh
+    try:
+        refinement(tuple(mesh.shape), shape)
+    except ValueError:
+        return mesh
     return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names))
 
 
