@@ -72,3 +72,25 @@ def test_data_parallel_axes_split_values_by_their_batch_only():
                                              for p in spec)]
     assert not off_batch, f"dp split these values off their batch dims: {off_batch[:8]}"
     assert any(n.name.startswith("linear") for n in choice)  # the check saw the layers' ops
+
+
+def test_a_batch_as_large_as_the_heads_is_told_apart_from_them():
+    """With as many sequences as attention heads (4 and 4) the heads dim is not the batch: a
+    [batch, heads, seq, head_dim] value's batch is its dim 0 alone (the ops' own rules carry
+    the batch, not sizes), so tp splits attention by heads as it does at a batch of 12."""
+    from autopar.passes.planner.microbatch import batch_dims, batch_size
+    from tests.models import llama
+
+    model, _ = llama()
+    heads = model.config.num_attention_heads
+    for batch in (heads, 3 * heads):  # the sequence (8) another length: a mask made of shapes alone has no other clue
+        tokens = torch.randint(0, model.config.vocab_size, (batch, 8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = layouts.build("tp", model, (2,), (tokens,), hardware="h100")
+            graph = build_strategy_graph(capture(model, (tokens,)), (2,))
+        attention = [s for n, s in plan.strategies.items() if n.startswith("scaled_dot_product_attention")]
+        assert attention and all(s.startswith("(S(1), S(1), S(1)") for s in attention), (batch, attention)
+        dims = batch_dims(graph, batch_size(graph))
+        sdpa = next(n for n in graph.nodes if n.name == "scaled_dot_product_attention")
+        assert dims[sdpa][0] == frozenset({0}), (batch, dims[sdpa])

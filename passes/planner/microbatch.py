@@ -10,10 +10,13 @@ is the least common multiple of those over every node of the plan (the ids may s
 replicated while the embedding splits the batch: every activation counts).
 
 The batch dims of every node (``batch_dims``) are found by following the batch from the
-user inputs' dim 0: a view maps dims by ``view_groups`` (DTensor's own view rule), any
-other op passes the batch to its output dims of a size its inputs' batch dims have; a
-tensor built from shapes alone (a mask, made without the inputs' values) has a batch dim
-where a dim's size is the batch.
+user inputs' dim 0: a view maps dims by ``view_groups`` (DTensor's own view rule); any
+other op passes the batch to the output dims its own sharding rule splits where it splits
+an input along a batch dim (so a [batch, heads, ...] value keeps heads apart from the batch
+when there are as many of both), or, where the rule carries it nowhere (no rule, an op that
+reduces the batch), to its output dims of a size its inputs' batch dims have; a tensor
+built from shapes alone (a mask, made without the inputs' values) has a batch dim where a
+dim's size is the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from torch import fx
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._ops._view_ops import Flatten, InputDim, Split, view_groups
 
+from autopar.passes.op_strategies import OpInfo
+from autopar.passes.rules.registry import rule_for
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 MAX_COUNTS = 16  # micro-batch counts tried per pipeline: the stage search runs once per count
@@ -47,10 +52,11 @@ def batch_size(graph: StrategyGraph) -> int | None:
 def batch_dims(graph: StrategyGraph, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
     """Node -> per output, the tensor dims that are made of the batch (see module docstring);
     the capture alone decides them: worked out once for its graphs on every mesh (shared: read only)."""
-    return graph.once(("batch dims", batch), lambda: _batch_dims(graph.captured, batch))
+    return graph.once(("batch dims", batch), lambda: _batch_dims(
+        graph.captured, batch, {node: ns.info for node, ns in graph.nodes.items() if ns.info is not None}))
 
 
-def _batch_dims(captured, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
+def _batch_dims(captured, batch: int, infos: dict[fx.Node, OpInfo]) -> dict[fx.Node, list[frozenset[int]]]:
     found: dict[fx.Node, list[frozenset[int]]] = {}
     shape_only: set[fx.Node] = set()  # built without any placeholder's values
     for node in captured.nodes():
@@ -78,10 +84,33 @@ def _batch_dims(captured, batch: int) -> dict[fx.Node, list[frozenset[int]]]:
             source = _values(sources[0])[0]
             found[node] = [_view_batch_dims(tuple(source.shape), tuple(vals[0].shape), found[sources[0]][0], batch)]
             continue
+        ruled = _through_rule(infos.get(node), sources, found, len(vals)) if batch > 1 else None
+        if ruled is not None:
+            found[node] = ruled
+            continue
         sizes = {int(_values(u)[i].shape[d]) for u, i, dims in carried for d in dims}
         found[node] = [frozenset(d for d, s in enumerate(v.shape) if s in sizes) if v is not None else frozenset()
                        for v in vals]
     return found
+
+
+def _through_rule(info: OpInfo | None, sources: list[fx.Node], found: dict[fx.Node, list[frozenset[int]]],
+                  outputs: int) -> list[frozenset[int]] | None:
+    """Per output, the dims the op's sharding rule splits where one of its options splits an
+    input along that input's batch dim (one mesh axis, as DTensor propagates a split); None
+    where the op has no rule, its inputs do not line up with the graph's, or no option carries
+    the batch to an output (a batch of one, a reduction over it: sizes decide instead)."""
+    rule = rule_for(info.op) if info is not None else None
+    if rule is None or len(info.inputs) != len(sources):
+        return None
+    held = [found[u][0] if u in found and found[u] else frozenset() for u in sources]
+    out: list[set[int]] = [set() for _ in range(outputs)]
+    for option in rule.options(info):
+        if any(isinstance(p, Shard) and p.dim in dims for p, dims in zip(option.inputs, held)):
+            for k, q in enumerate(option.outputs[:outputs]):
+                if isinstance(q, Shard):
+                    out[k].add(q.dim)
+    return [frozenset(d) for d in out] if any(out) else None
 
 
 def batch_split(graph: StrategyGraph, choice: dict[fx.Node, int], batch: int,
