@@ -95,6 +95,25 @@ def llama_case():
     return _hf_case(llama)
 
 
+def llama64_case():
+    """Llama with its RMSNorm computing in the model's float64, not float32: no float32 island,
+    so a plan of any strategies (a random one) must train like one process to float64 rounding;
+    the island, where AdamW turns float32 rounding of tiny gradients into steps of up to its
+    learning rate, is left to the ``llama`` cases, at their bound."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class NormInModelDtype(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    model, loss_fn, batches = llama_case()
+    for module in model.modules():
+        if isinstance(module, LlamaRMSNorm):
+            module.__class__ = NormInModelDtype
+    return model, loss_fn, batches
+
+
 def gpt2_case():
     from tests.models import gpt2
 
@@ -130,8 +149,8 @@ def indices_case():
     return model, lm_loss, batches
 
 
-MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "gpt2": gpt2_case, "indices": indices_case,
-          "gptj": gptj_case, "gpt6": lambda: gpt_case(layers=6)}
+MODELS = {"gpt": gpt_case, "mlp": mlp_case, "llama": llama_case, "llama64": llama64_case, "gpt2": gpt2_case,
+          "indices": indices_case, "gptj": gptj_case, "gpt6": lambda: gpt_case(layers=6)}
 
 
 def train_against_reference(pm, reference, loss_fn, batches, step=None):
