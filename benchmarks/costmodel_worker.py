@@ -432,8 +432,10 @@ def step_rows(measured: dict, profile) -> list[dict]:
                 group=layout,
                 predicted=pred["step_time"] + m["loss"],
                 measured=m["measured"],
+                # hidden: what the plan counts as hidden behind compute (the step priced
+                # without overlap is the step plus it)
                 breakdown=dict(compute=pred["compute"], communication=pred["communication"], loss=m["loss"],
-                               plan=pred["step_time"]),
+                               plan=pred["step_time"], hidden=pred.get("hidden_communication", 0.0)),
                 measured_phases=m["phases"],
                 runtime_priced=dict(compute=ops, communication=comm, ops=len(m["ops"]), collectives=len(calls)),
                 plan_kind=m["plan"]["kind"],

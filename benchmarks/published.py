@@ -27,7 +27,8 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
 
 Prints a markdown table, and the published layouts' predicted step by where it goes
-(``Plan.predicted``: compute, communication, pipeline bubble). Writes them to results/published.md
+(``Plan.predicted``: compute, exposed communication, pipeline bubble; and the communication that
+ran hidden behind compute, not part of the step). Writes them to results/published.md
 (``--out``) after every row, and at the end to ``benchmarks/results/published_h100_<yyyymmdd>.md``
 (``--table-dir``).
 """
@@ -272,8 +273,10 @@ def published_pins(pinned: Pinned, *, recompute: str | None = None) -> tuple[str
                                               recompute=policy)
 
 
-# where a step's seconds go, from ``Plan.predicted`` (``PinnedCost.parts`` of a planned layout)
-BREAKDOWN_PARTS = ("compute", "communication", "bubble", "other")
+# where a step's seconds go, from ``Plan.predicted`` (``PinnedCost.parts`` of a planned layout):
+# communication exposed (what the step waits for), and apart, not in the step, what ran hidden
+# behind compute (``costmodels.overlap``)
+BREAKDOWN_PARTS = ("compute", "communication", "bubble", "other", "hidden comm")
 
 
 def layout_cost(plan: Plan, layers: int, notes: list[str] | None = None) -> PinnedCost:
@@ -281,6 +284,7 @@ def layout_cost(plan: Plan, layers: int, notes: list[str] | None = None) -> Pinn
     p = plan.predicted
     parts = {"compute": p.compute, "communication": p.communication, "bubble": p.bubble}
     parts["other"] = max(0.0, p.step_time - sum(parts.values()))
+    parts["hidden comm"] = p.hidden_communication
     return PinnedCost(step_time=p.step_time, memory=sum(p.memory.values()), recomputed=len(plan.recompute),
                       layers=layers, fits=True, notes=list(notes or []), parts=parts)
 

@@ -10,6 +10,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
 - ``collective_time(collective, nbytes, axis, profile, latency_share, in_step=...)`` (``in_step``:
   as a training step calls it, after compute, where the profile measured that) and
   ``gradient_buckets(total_bytes)`` (how many calls bucketed gradients make);
+- ``kind_of``, ``hidden_share``, ``WINDOW`` and ``excess``: communication run beside compute
+  and what of it stays on the critical path (``autopar.costmodels.overlap``);
 - ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
   ``reshard_time(shape, itemsize, src, dst, profile)``;
 - ``model_state_bytes(n_params, zero, n_shards, precision)``,
@@ -44,6 +46,7 @@ from autopar.costmodels.memory import (
     model_state_bytes,
     pipeline_time,
 )
+from autopar.costmodels.overlap import WINDOW, excess, hidden_share, kind_of
 from autopar.costmodels.presets import PRESETS, a100, h100, preset
 from autopar.costmodels.schedules import Schedule
 from autopar.costmodels.profile import (
@@ -71,6 +74,7 @@ __all__ = [
     "Schedule",
     "Step",
     "StepCost",
+    "WINDOW",
     "a100",
     "activation_bytes",
     "adamw_ops",
@@ -83,9 +87,12 @@ __all__ = [
     "collective_time",
     "compute_time",
     "default_cache_dir",
+    "excess",
     "grad_target",
     "gradient_buckets",
     "h100",
+    "hidden_share",
+    "kind_of",
     "layer_activation_bytes",
     "load_profile",
     "local_numel",

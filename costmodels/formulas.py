@@ -34,6 +34,9 @@ P, M, v = sp.symbols("P M v", positive=True)
 A, t_f, t_b, t_comm_f, t_comm_b, t_opt = sp.symbols("A t_f t_b t_comm_f t_comm_b t_opt", nonnegative=True)
 H_a, t_h = sp.symbols("H_a t_h", nonnegative=True)
 r = sp.Symbol("r", nonnegative=True)
+# communication beside compute (``costmodels.overlap``): what the tables leave out as hidden,
+# the second stream's busy seconds, the window of compute beside it
+t_hidden, t_busy, t_window = sp.symbols("t_hidden t_busy t_window", nonnegative=True)
 
 # -- collectives (ring algorithms; Thakur et al. 2005, and nccl-tests' PERFORMANCE.md
 #    which defines busbw with exactly these factors) -------------------------------------
@@ -166,6 +169,9 @@ PIPELINE_TIME = {
 #    FLOPs, Kaplan et al. 2020 sec. 2.1), the dual collectives, optimizer step ----------
 STEP_TIME = t_f + t_b + t_comm_f + t_comm_b + t_opt
 BACKWARD_FLOPS = BACKWARD_FACTOR * F
+# -- communication hidden behind compute: a second stream busier than its window of compute
+#    hides only the window's share of what it would hide (``costmodels.overlap``) -----------
+HIDDEN = t_hidden * sp.Min(1, t_window / t_busy)
 
 _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"collective.{c}": (e, (alpha, beta, N, X)) for c, e in COLLECTIVE_TIME.items()},
@@ -177,6 +183,7 @@ _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"bubble.{s}": (e, (M, P, v)) for s, e in BUBBLE_FRACTION.items()},
     **{f"pipeline.{s}": (e, (M, P, v, t_f, t_b)) for s, e in PIPELINE_TIME.items()},
     "step": (STEP_TIME, (t_f, t_b, t_comm_f, t_comm_b, t_opt)),
+    "hidden": (HIDDEN, (t_hidden, t_busy, t_window)),
 }
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from autopar.costmodels.opkinds import POINTWISE_KINDS
+from autopar.costmodels.overlap import KINDS as OVERLAP_KINDS
 from autopar.costmodels.profile import (
     AxisProfile,
     CollectiveFit,
@@ -134,6 +135,23 @@ class NodeSpec:
     device: DeviceProfile
     # bus bandwidth (bytes/s) per collective and link, with its source
     busbw: dict[str, dict[str, tuple[float, str]]]
+    # the part of a collective's time hidden beside compute (``costmodels.overlap``), every kind alike
+    overlap: float = 0.0
+
+
+# NCCL runs a collective as one thread block per channel, each block holding a streaming
+# multiprocessor while the collective runs: an all-gather beside a GEMM on an H100 launched
+# 24 blocks (NVIDIA developer forums, "Compute-Communication Overlap Causes Severe GEMM
+# Performance Degradation because of Tail Effect", 2025, Nsight Systems trace). A GEMM beside it
+# runs on the other SMs, so a collective of C seconds beside compute costs that compute
+# C * 24 / SMs: it hides 1 - 24 / SMs of its time. (The same post shows a one-wave GEMM
+# doubling in time, a tail effect of its shape; large GEMMs run many waves.)
+NCCL_COLLECTIVE_SMS = 24
+
+
+def nccl_overlap(sms: int) -> float:
+    """The part of a collective's time hidden beside compute on a GPU of ``sms`` SMs."""
+    return 1.0 - NCCL_COLLECTIVE_SMS / sms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +249,7 @@ def _h100_node(variant: H100Variant = H100_SXM) -> NodeSpec:
         gpus_per_node=8,  # DGX H100 / HGX H100 8-GPU baseboard; Grand Teton: 8 H100s per host
         device=device,
         busbw={"intra_node": {c: nvlink for c in RING_STEPS}, "inter_node": {c: ndr for c in RING_STEPS}},
+        overlap=nccl_overlap(sms),
     )
 
 
@@ -282,6 +301,7 @@ def _a100_node() -> NodeSpec:
             "intra_node": {c: nvlink for c in RING_STEPS} | {"send_recv": sendrecv},
             "inter_node": {c: hdr for c in RING_STEPS},
         },
+        overlap=nccl_overlap(A100_SMS),
     )
 
 
@@ -359,6 +379,7 @@ def build(
         device=node.device,
         axes=axes,
         source=f"preset {node.name}: nodes of {node.gpus_per_node} GPUs (see costmodels/presets.py)",
+        overlap={kind: node.overlap for kind in OVERLAP_KINDS},
     )
 
 

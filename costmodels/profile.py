@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autopar.costmodels.opkinds import ATTENTION_DIRECTIONS, POINTWISE_KINDS
+from autopar.costmodels.overlap import KINDS
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:
@@ -222,6 +223,9 @@ class HardwareProfile:
     device: DeviceProfile
     axes: list[AxisProfile]
     source: str = ""  # how it was made: command, date, preset citation
+    # collective kind (``overlap.KINDS``) -> the part of its time hidden when it runs beside
+    # compute (``costmodels.overlap``); a kind not here hides nothing
+    overlap: dict[str, float] = field(default_factory=dict)
     version: int = PROFILE_VERSION
     _axis_index: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -234,6 +238,12 @@ class HardwareProfile:
                 f"they must agree. Re-measure with `autopar profile --force`."
             )
         self._axis_index = {a.name: i for i, a in enumerate(self.axes)}
+        bad = {k: v for k, v in self.overlap.items() if k not in KINDS or not 0.0 <= v <= 1.0}
+        if bad:
+            raise ProfileError(
+                f"autopar: profile overlap {bad} is not understood; expected kinds among {list(KINDS)}, "
+                f"each a share of its time hidden, in [0, 1]. Re-measure with `autopar profile --force`."
+            )
 
     # -- lookup -------------------------------------------------------------------------
     @property

@@ -36,6 +36,8 @@ from autopar.costmodels.fit import fit_linear, fit_per_item
 from autopar.costmodels.formulas import BUS_FACTOR
 from autopar.costmodels.formulas import N as N_SYM
 from autopar.costmodels.opkinds import POINTWISE_KINDS
+from autopar.costmodels.overlap import COLLECTIVE as OVERLAP_COLLECTIVE
+from autopar.costmodels.overlap import overlap_from_times
 from autopar.costmodels.presets import PRESETS
 from autopar.costmodels.profile import (
     COLLECTIVES,
@@ -151,6 +153,10 @@ class Sweep:
         )
 
 
+# the collectives the overlap kinds run, each timed beside compute once
+OVERLAP_COLLECTIVES = tuple(sorted(set(OVERLAP_COLLECTIVE.values())))
+
+
 def _ends(sizes: Sequence) -> tuple:
     """The smallest and the largest of a sweep (what bf16 / fp16 time, to save time)."""
     return tuple(sizes) if len(sizes) <= 2 else (sizes[0], sizes[-1])
@@ -235,6 +241,7 @@ class _Measure:
         self.matmul: dict[str, Rate] = {}
         self.pointwise: dict[str, dict[str, Rate]] = {kind: {} for kind in POINTWISE_KINDS}
         self.attention: dict[str, dict[str, Rate]] = {"forward": {}, "backward": {}}
+        self.overlaps: dict[str, float] = {}
 
     def _timed(self, label: str, calls: list, repeats: int, group=None) -> list[float]:
         sw = self.sweep
@@ -271,11 +278,7 @@ class _Measure:
         (times that do not grow with size, or not positive), the back-to-back fit."""
         sw, out = self.sweep, {}
         m, k, n = sw.in_step_matmul
-        unit = matmul_call(m, k, n, "fp32", "nt", self.pool)
-
-        def compute() -> None:
-            for _ in range(sw.in_step_units):
-                unit()
+        compute = self._step_compute()
 
         def after_compute(call: Callable[[], object]) -> Callable[[], None]:
             def run() -> None:
@@ -297,6 +300,42 @@ class _Measure:
                 continue
             out[kind] = _collective_fit(kind, size, fit, sw.in_step_bytes, sw.comm_repeats,
                                         f"after {sw.in_step_units} matmuls {m}x{k}x{n}: ")
+        self.pool.release("fp32")
+        return out
+
+    def _step_compute(self) -> Callable[[], None]:
+        """``in_step_units`` fp32 "nt" matmuls of ``in_step_matmul``: about a layer's forward."""
+        m, k, n = self.sweep.in_step_matmul
+        unit = matmul_call(m, k, n, "fp32", "nt", self.pool)
+
+        def compute() -> None:
+            for _ in range(self.sweep.in_step_units):
+                unit()
+        return compute
+
+    def overlap(self, name: str, group) -> dict[str, float]:
+        """Per overlap kind (``costmodels.overlap``): its collective, at the largest in-step size,
+        timed alone, ``in_step_units`` matmuls timed alone, and the two issued together (the
+        collective started asynchronously, the matmuls run, then waited for): the part of the
+        shorter hidden (``overlap_from_times``). Gathers in forward and again in backward are
+        one measurement."""
+        sw, out = self.sweep, {}
+        compute = self._step_compute()
+        for collective in OVERLAP_COLLECTIVES:
+            start = collective_call(collective, group, sw.in_step_bytes[-1], self.device, async_op=True)
+
+            def alone() -> None:
+                start().wait()
+
+            def together() -> None:
+                work = start()
+                compute()
+                work.wait()
+
+            comm, work, both = self._timed(f"{name} {collective} beside compute", [alone, compute, together],
+                                           sw.repeats, group)
+            hidden = overlap_from_times(comm, work, both)
+            out |= {kind: hidden for kind, c in OVERLAP_COLLECTIVE.items() if c == collective}
         self.pool.release("fp32")
         return out
 
@@ -391,6 +430,7 @@ class _Measure:
             mesh_shape=shape,
             device=device_profile,
             axes=axes,
+            overlap=dict(self.overlaps),
             source=f"measured by autopar.costmodels.profiler on {dist.get_world_size()} ranks, "
             f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__}"
             + (f"; provisional: {', '.join(missing)} not yet measured, {first}'s rates stand in" if missing else ""),
@@ -420,6 +460,7 @@ def measure_profile(
     shape = tuple(mesh.shape)
     total = (
         sum(len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes)) for n in shape if n > 1)
+        + (3 * len(OVERLAP_COLLECTIVES) if max(shape) > 1 else 0)
         + len(MATMUL_LAYOUTS) * (len(sweep.matmul_shapes) + 2 * len(sweep.low_precision_shapes))
         + len(DTYPES) * len(sweep.pointwise_numel)
         + (len(POINTWISE_KINDS) - 1) * (len(sweep.kind_numel) + 2 * len(_ends(sweep.kind_numel)))
@@ -430,6 +471,9 @@ def measure_profile(
     bar = tqdm(total=total, desc="autopar profile", disable=not progress or dist.get_rank() != 0, leave=False)
     run = _Measure(device, sweep, bar, on_fit or (lambda what, key: None))
     axes = [run.axis(i, name, size, mesh.get_group(i)) for i, (name, size) in enumerate(zip(names, shape))]
+    if max(shape) > 1:  # on the largest axis: where data parallelism runs its gradient buckets
+        widest = shape.index(max(shape))
+        run.overlaps = run.overlap(names[widest], mesh.get_group(widest))
     run.compute(DTYPES[0])
     run.notify("fp32", (run.profile(shape, axes, provisional=True),))
     for dtype in DTYPES[1:]:

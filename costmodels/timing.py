@@ -86,24 +86,25 @@ def timed(calls: Sequence[Callable[[], object]], device: torch.device, repeats: 
 
 
 def collective_call(
-    kind: str, group: dist.ProcessGroup, nbytes: int, device: torch.device
+    kind: str, group: dist.ProcessGroup, nbytes: int, device: torch.device, async_op: bool = False
 ) -> Callable[[], object]:
     """A closure running one ``kind`` collective on ``group`` with an X = ``nbytes`` buffer
-    (X as in ``formulas.COLLECTIVE_BUFFER``), fp32 elements."""
+    (X as in ``formulas.COLLECTIVE_BUFFER``), fp32 elements; ``async_op`` (not send_recv):
+    it starts the collective and returns its work handle."""
     n = dist.get_world_size(group)
     numel = max(n, nbytes // 4 // n * n)
     if kind == "all_reduce":
         buf = torch.ones(numel, device=device)
-        return lambda: dist.all_reduce(buf, group=group)
+        return lambda: dist.all_reduce(buf, group=group, async_op=async_op)
     if kind == "all_gather":
         out, inp = torch.empty(numel, device=device), torch.ones(numel // n, device=device)
-        return lambda: dist.all_gather_single(out, inp, group=group)
+        return lambda: dist.all_gather_single(out, inp, group=group, async_op=async_op)
     if kind == "reduce_scatter":
         inp, out = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
-        return lambda: dist.reduce_scatter_single(out, inp, group=group)
+        return lambda: dist.reduce_scatter_single(out, inp, group=group, async_op=async_op)
     if kind == "all_to_all":
         inp, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
-        return lambda: dist.all_to_all_single(out, inp, group=group)
+        return lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op)
     if kind == "send_recv":
         ranks = dist.get_process_group_ranks(group)
         me = ranks.index(dist.get_rank())

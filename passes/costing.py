@@ -70,7 +70,7 @@ from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, out
 from autopar.passes.placements import local_shape
 from autopar.passes.read_copies import ReadGroup, extra_copy_bytes, read_groups
 from autopar.passes.rules.registry import OpWork, work_of
-from autopar.passes.solve import Follower, SolveProblem
+from autopar.passes.solve import Follower, Overlap, SolveProblem
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
 
@@ -405,10 +405,49 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
         edge_memory=pricer.once(("copies", grad_inputs), lambda: working_copy_memory(
             edge_inputs, edge_prices, pricer, readers)),
     )
+    problem.overlaps = overlaps(nodes, compute, forward, pricer.once(
+        ("beside", grad_inputs, masks), lambda: beside_tables(edge_prices, pricer, allowed)))
     groups = read_groups(saved.reads, index, read_memory, kept, scale)
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
                  groups, saved.reads, frozenset(kept))
+
+
+def beside_tables(edge_prices: list[EdgeInput], pricer: "Pricer",
+                  allowed: Mapping[fx.Node, np.ndarray] | None) -> dict[str, dict[int, tuple]]:
+    """Window -> edge index -> (seconds run beside its compute, seconds hidden) per pair of
+    strategies, for the parameters' edges whose collectives the runtime overlaps
+    (``EdgePricer.beside``); empty where the profile hides nothing."""
+    out: dict[str, dict[int, tuple]] = {}
+    if not any(costmodels.hidden_share(pricer.profile.overlap, kind) for kind in costmodels.WINDOW):
+        return out
+    for window in sorted(set(costmodels.WINDOW.values())):
+        for e, edge in enumerate(edge_prices):
+            if not edge.regather:
+                continue
+            rows = cols = None
+            if allowed is not None:
+                rows, cols = allowed[edge.producer.node], allowed[edge.consumer.node]
+            busy, hidden = pricer.beside(edge, window, rows, cols)
+            if np.any(hidden[np.isfinite(hidden)] > 0):
+                out.setdefault(window, {})[e] = (busy, hidden)
+    return out
+
+
+def overlaps(nodes: list[fx.Node], compute: list[np.ndarray], forward: list[np.ndarray],
+             tables: dict[str, dict[int, tuple]]) -> list[Overlap]:
+    """The problem's ``Overlap`` per window: the forward compute of the graph's nodes, or the
+    rest of their compute (backward, and a recomputed layer's forward again; not the ZeRO
+    nodes' optimizer step, which runs after backward)."""
+    out = []
+    for window, edges in sorted(tables.items()):
+        if window == "forward":
+            seconds = [forward[v] for v in range(len(nodes))]
+        else:
+            seconds = [compute[v] - forward[v] for v in range(len(nodes))]
+        out.append(Overlap(window=seconds, busy={e: b for e, (b, _) in edges.items()},
+                           hidden={e: h for e, (_, h) in edges.items()}))
+    return out
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,18 @@ class Shares:
 
     gather: float = 1.0
     all_reduce: float = 1.0
+    # the part of its collectives no compute is left to hide (``costmodels.overlap``): its
+    # share of the last gradient bucket, and of the first segment's gather
+    all_reduce_tail: float = 0.0
+    gather_tail: float = 0.0
 
     def of(self, collective: str) -> float:
         if collective in ("all_gather", "reduce_scatter"):
             return self.gather
         return self.all_reduce if collective == "all_reduce" else 1.0
+
+    def tail(self, collective: str) -> float:
+        return self.all_reduce_tail if collective == "all_reduce" else self.gather_tail
 
 
 UNPACKED = Shares()
@@ -93,19 +100,25 @@ UNPACKED = Shares()
 
 class Charge(NamedTuple):
     """One priced item of a resharding edge: a collective on a mesh axis, or (``copies``)
-    the copies that pack that collective's buffer into and out of its bucket."""
+    the copies that pack that collective's buffer into and out of its bucket. A collective
+    the runtime runs beside compute (``costmodels.overlap``) runs ``busy`` seconds beside its
+    ``window``'s compute and hides ``hidden`` of its ``seconds`` there."""
 
     collective: str
     axis: int
     seconds: float
     copies: bool = False
+    window: str = ""
+    busy: float = 0.0
+    hidden: float = 0.0
 
 
 @dataclass(frozen=True)
 class EdgePrice:
     """What moving one value to one consumer costs, itemised: ``seconds`` is the number the
-    solver's edge table holds, and ``charges`` (collectives, then their bucket copies) are
-    what it is made of, for ``explain()`` (``autopar.passes.planner.reasons``)."""
+    solver's edge table holds (what the step waits for: hidden time left out), and ``charges``
+    (collectives, then their bucket copies) are what it is made of, for ``explain()``
+    (``autopar.passes.planner.reasons``)."""
 
     charges: tuple[Charge, ...]
     seconds: float
@@ -113,8 +126,13 @@ class EdgePrice:
     @staticmethod
     def of(charges: tuple[Charge, ...]) -> "EdgePrice":
         # collectives first, then the copies: the sum in the order the tables were always built
-        return EdgePrice(charges, sum(c.seconds for c in charges if not c.copies)
+        return EdgePrice(charges, sum(c.seconds - c.hidden for c in charges if not c.copies)
                          + sum(c.seconds for c in charges if c.copies))
+
+    def beside(self, window: str) -> tuple[float, float]:
+        """(seconds run beside ``window``'s compute, seconds hidden there)."""
+        return (sum(c.busy for c in self.charges if c.window == window),
+                sum(c.hidden for c in self.charges if c.window == window))
 
     def __add__(self, other: "EdgePrice") -> "EdgePrice":
         return EdgePrice(self.charges + other.charges, self.seconds + other.seconds)
@@ -123,7 +141,8 @@ class EdgePrice:
         """The part one of ``consumers`` alike consumers pays of a move they share."""
         if consumers == 1:
             return self
-        return EdgePrice(tuple(c._replace(seconds=c.seconds / consumers) for c in self.charges),
+        return EdgePrice(tuple(c._replace(seconds=c.seconds / consumers, busy=c.busy / consumers,
+                                          hidden=c.hidden / consumers) for c in self.charges),
                          self.seconds / consumers)
 
 
@@ -166,7 +185,10 @@ def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict
     for p in params:
         per_segment[segment(p)] = per_segment.get(segment(p), 0.0) + size[p]
     buckets = costmodels.gradient_buckets(total)
-    return {p: Shares(gather=size[p] / per_segment[segment(p)], all_reduce=min(1.0, buckets * size[p] / total))
+    # the last gradient bucket, and the first segment's gather, have no compute left to hide
+    # behind: each parameter pays its share of them
+    return {p: Shares(gather=size[p] / per_segment[segment(p)], all_reduce=min(1.0, buckets * size[p] / total),
+                      all_reduce_tail=1.0 / buckets, gather_tail=1.0 / len(per_segment))
             for p in params if size[p] > 0}
 
 
@@ -184,22 +206,22 @@ class EdgePricer:
         self.sides: dict[tuple, bool] = {}  # per edge table: whether one end's strategy alone sets it
 
     def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
-             bucketed: bool = False) -> EdgePrice:
+             bucketed: bool = False, regather: bool = False) -> EdgePrice:
         """A value's forward reshard and its gradient's backward one, itemised; ``bucketed``
         (a parameter: ``autopar.passes.lowering.buckets`` gathers and reduce-scatters it packed in a flat
         buffer) adds the packing copies (``costmodels.bucket_copy_bytes``) at the measured
-        copy rate."""
-        key = (meta.shape, meta.dtype, src, dst, grad, shares, bucketed)
+        copy rate, and runs what the runtime overlaps beside compute (``_charge``);
+        ``regather``: the forward reshard is ZeRO-3's gather again in backward."""
+        key = (meta.shape, meta.dtype, src, dst, grad, shares, bucketed, regather)
         if key not in self.reshard:
             size = meta.dtype.itemsize
             steps = () if src == dst else costmodels.reshard_plan(meta.shape, size, src, dst, self.mesh)
+            forward = len(steps)
             if grad is not None:
                 grad_size = self.reduce_itemsize if bucketed and self.reduce_itemsize else size
                 steps += costmodels.backward_reshard_plan(meta.shape, grad_size, src, dst, self.mesh, grad)
-            # an activation's move waits right after compute; a parameter's travels bucketed
-            charges = tuple(Charge(s.collective, s.axis, costmodels.collective_time(
-                s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective), in_step=not bucketed))
-                for s in steps)
+            charges = tuple(self._charge(s, shares, bucketed, costmodels.kind_of(s.collective, i >= forward, regather))
+                            for i, s in enumerate(steps))
             if bucketed:
                 charges += tuple(
                     Charge(s.collective, s.axis, costmodels.compute_time(
@@ -207,6 +229,18 @@ class EdgePricer:
                     for s in steps if (copied := costmodels.bucket_copy_bytes(s.collective, s.bytes, self.mesh[s.axis])))
             self.reshard[key] = EdgePrice.of(charges)
         return self.reshard[key]
+
+    def _charge(self, s, shares: Shares, bucketed: bool, kind: str | None) -> Charge:
+        """One collective: an activation's waits right after compute; a parameter's travels
+        bucketed, and where the runtime runs it beside compute (``kind``), all but its tail
+        runs there and hides the profile's share of that (``costmodels.overlap``)."""
+        seconds = costmodels.collective_time(s.collective, s.bytes, s.axis, self.profile, shares.of(s.collective),
+                                             in_step=not bucketed)
+        share = costmodels.hidden_share(self.profile.overlap, kind) if bucketed else 0.0
+        if share == 0.0:
+            return Charge(s.collective, s.axis, seconds)
+        busy = seconds * (1.0 - shares.tail(s.collective))
+        return Charge(s.collective, s.axis, seconds, window=costmodels.WINDOW[kind], busy=busy, hidden=share * busy)
 
     def price(self, edge: EdgeInput, i: int, j: int) -> EdgePrice:
         """Moving the value from the producer's strategy ``i`` to what the consumer's strategy
@@ -224,7 +258,7 @@ class EdgePricer:
         copy) the gather again in backward; ``alike`` consumers share it."""
         price = self.move(edge.meta, have, need, grad, edge.shares, bucketed=edge.regather)
         if edge.regather and have != need:
-            price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True)
+            price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True, regather=True)
         return price.shared(edge.alike)
 
     def working_copy(self, edge: EdgeInput, mixed: MixedPrecision, readers: int) -> np.ndarray:
@@ -247,12 +281,24 @@ class EdgePricer:
         strategies that may be taken), for those pairs only, inf for the others (no choice). A
         table that depends on one end alone is priced whole all the same (a few moves): so it
         stays separable, and the solver's shrinking folds it as it folds the whole table."""
+        return self._table(edge, rows, cols, "seconds", lambda price: price.seconds)
+
+    def beside(self, edge: EdgeInput, window: str, rows: np.ndarray | None = None,
+               cols: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The edge's tables of seconds run beside ``window``'s compute, and hidden there
+        (``EdgePrice.beside``), shaped and masked as ``edge``'s."""
+        return tuple(self._table(edge, rows, cols, (window, part), lambda price: price.beside(window)[part])
+                     for part in (0, 1))
+
+    def _table(self, edge: EdgeInput, rows: np.ndarray | None, cols: np.ndarray | None, what,
+               value) -> np.ndarray:
+        """``value(price(edge, i, j))`` for every pair of strategies (``edge``'s masks)."""
         # strategy tuples are shared by identical calls (build_strategy_graph): key by identity
         whole = (edge.meta.shape, edge.meta.dtype, id(edge.producer.strategies), edge.output,
                  id(edge.consumer.strategies), edge.position, edge.grad, edge.regather, edge.shares, edge.alike)
         if rows is not None and self._one_sided(whole, edge):
             rows = cols = None
-        key = (*whole, None if rows is None else rows.tobytes(), None if cols is None else cols.tobytes())
+        key = (what, *whole, None if rows is None else rows.tobytes(), None if cols is None else cols.tobytes())
         if key not in self.tables:
             # price each distinct (placement held, placement read) pair once: many strategies
             # of a node make or read a value alike
@@ -265,7 +311,7 @@ class EdgePricer:
                 for b in np.unique(read if cols is None else read[cols]):
                     need, g = reads[b]
                     if need is not None:
-                        priced[a, b] = self._price(edge, have[a], need, g).seconds
+                        priced[a, b] = value(self._price(edge, have[a], need, g))
             table = priced[np.ix_(held, read)]
             if rows is not None:
                 table[~rows, :] = np.inf

@@ -184,14 +184,15 @@ def explain(plan) -> str:
         f"plan {plan.kind} for {plan.model} on mesh {plan.mesh_shape} (axes {', '.join(plan.axis_names)})",
         device_mesh_call(plan),
         f"predicted step {duration(p.step_time)} = compute {duration(p.compute)} + communication {duration(p.communication)}"
-        f" + bubble {duration(p.bubble)}",
+        f" + bubble {duration(p.bubble)}" + _hidden_text(p),
         "predicted memory per device: " + ", ".join(f"{k} {gib_text(p.memory[k])}" for k in _kinds(p.memory))
         + _total_text(plan),
     ]
     if plan.pipeline:
         pl = plan.pipeline
         lines.append(f"pipeline on axis {pl.axis}: {pl.stages} stages, {pl.micro_batches} micro-batches, "
-                     f"{pl.schedule}" + (f", {pl.chunks_per_rank} chunks per rank" if pl.chunks_per_rank > 1 else ""))
+                     f"{pl.schedule}" + (f", {pl.chunks_per_rank} chunks per rank" if pl.chunks_per_rank > 1 else "")
+                     + (f"; its bubble {p.bubble / p.step_time:.0%} of the step" if p.step_time > 0 else ""))
     if plan.mp_policy:
         lines.append(f"mixed precision: {plan.mp_policy['priced']}")
     if plan.recompute:
@@ -309,13 +310,27 @@ def _layers_text(recomputed: list[str]) -> str:
     return f"layers {ranges(numbers)}" if numbers else "no layer"
 
 
+def _hidden_text(p) -> str:
+    """The communication that ran beside compute and hid behind it, where any did."""
+    if not p.hidden_communication:
+        return ""
+    return (f" (communication exposed; {duration(p.hidden_communication)} more ran beside compute and hid "
+            "behind it)")
+
+
 def _solver_line(s: dict) -> str:
-    if s.get("status") is None:  # a layout priced as given: nothing was searched
-        return "solver: none (a manual layout, priced as given)"
-    status = {"optimal": "proven the fastest", "feasible": "fits, not proven the fastest"}.get(
-        s.get("status"), str(s.get("status")))
-    return (f"solver: {status}; found by {_found_by(str(s.get('method')))}; {_gap_words(s.get('gap', math.nan))}; "
-            f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+    """The intra-op solver's verdict and bound, and for a searched plan a second line: what the
+    search covered (``_searched_words``) and what the clock cut (``_clock_words``)."""
+    if s.get("status") is None:  # a layout priced as given: nothing was solved
+        head = "solver: none (a manual layout, priced as given)"
+    else:
+        status = {"optimal": "proven the fastest", "feasible": "fits, not proven the fastest"}.get(
+            s.get("status"), str(s.get("status")))
+        head = (f"solver: {status}; found by {_found_by(str(s.get('method')))}; {_gap_words(s.get('gap'))}; "
+                f"{s.get('decisions')} decisions, {s.get('seconds', 0):.2f} s")
+    if s.get("searched"):
+        return f"{head}\nsearched: {_searched_words(s['searched'])}; {_clock_words(s)}"
+    return head if s.get("status") is None else f"{head}; {_clock_words(s)}"
 
 
 def _found_by(method: str) -> str:
@@ -331,14 +346,74 @@ def _found_by(method: str) -> str:
     return method.replace("layout ", "the manual layout ", 1)
 
 
-def _gap_words(gap: float) -> str:
-    """The solver's gap, (time - bound) / time, as what it promises about the plan."""
+def _gap_words(gap: float | None) -> str:
+    """The intra-op solver's gap, (time - bound) / time, as what it promises: about the layouts
+    of this plan's pipeline (its depth; no pipeline: the whole mesh), not about other depths
+    (``_searched_words`` says which were tried)."""
     if gap == 0:
-        return "no plan is faster (bound reached)"
-    if not math.isfinite(gap):
-        return "no bound was proven, so how far the plan is from the fastest is unknown"
+        return "intra-op layout proven the best for this pipeline (bound reached)"
+    if gap is None or not math.isfinite(gap):
+        return "intra-op: no bound was proven, so how far the layout is from the best for this pipeline is unknown"
     bound = f"{gap:.1%}" if gap >= 0.0005 else "0.1%"
-    return f"at most {bound} slower than the fastest possible (the solver's proven bound)"
+    return f"intra-op layout within {bound} of the best layout for this pipeline (the solver's proven bound)"
+
+
+def _searched_words(searched: dict) -> str:
+    """What the planner's search covered (``Plan.solver["searched"]``: ``autopar.passes.planner.
+    searched``): the pipeline depths and schedules tried, those ruled out or skipped and why,
+    the interleaved schedules' chunks per rank, the micro-batch counts."""
+    parts = [_covered("pipeline depths", searched["pipeline_depths"])] if "pipeline_depths" in searched else []
+    schedules, chunks = searched.get("schedules") or {}, searched.get("chunks_per_rank") or {}
+    if schedules.get("tried") or schedules.get("skipped"):
+        def with_chunks(name: str) -> str:  # the chunks per rank of an interleaved schedule that ran
+            ran = name in chunks and name not in schedules.get("ruled_out", {})
+            return f"{name} with {_either(chunks[name])} chunks per rank" if ran else name
+
+        parts.append(_covered("schedules", schedules, with_chunks))
+    if searched.get("micro_batches"):
+        parts.append(f"micro-batches {_either(searched['micro_batches'])}")
+    return "; ".join(parts)
+
+
+def _covered(what: str, coverage: dict, name=str) -> str:
+    """'pipeline depths 1, 2 (2 ruled out: why, 4 and 8 skipped: why)': a ``searched.Coverage``
+    record, the options that share a reason named together."""
+    tried = [str(k) for k in coverage.get("tried", [])]
+
+    def order(item: tuple[str, str]) -> tuple:  # as tried, then by depth: a saved plan's JSON sorts its keys
+        key = item[0]
+        return tried.index(key) if key in tried else len(tried), int(key) if key.isdigit() else 0, key
+
+    told: dict[tuple[str, str], list[str]] = {}
+    for verb in ("ruled_out", "skipped"):
+        for key, why in sorted(coverage.get(verb, {}).items(), key=order):
+            told.setdefault((verb.replace("_", " "), _short(why)), []).append(key)
+    said = [f"{_either(keys, 'and')} {verb}: {why}" for (verb, why), keys in told.items()]
+    return f"{what} {', '.join(name(k) for k in tried) or 'none tried'}" + (f" ({', '.join(said)})" if said else "")
+
+
+def _either(items, word: str = "or") -> str:
+    """'1, 2 or 4'."""
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {word} {items[-1]}"
+
+
+def _short(why: str, limit: int = 100) -> str:
+    """A reason as one short clause: without the ``autopar:`` prefix, to its first ';' or line
+    end, at most ``limit`` characters."""
+    why = why.removeprefix("autopar: ").split("\n")[0].split("; ")[0]
+    return why if len(why) <= limit else why[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _clock_words(s: dict) -> str:
+    """Whether a safety net (the wall clock, CPU seconds) stopped any of the search, which
+    otherwise runs its deterministic budget (``Plan.solver["clock_cut"]``)."""
+    cuts = (s.get("searched") or {}).get("clock_cut") or []
+    if cuts:
+        return f"the clock cut {_either(cuts, 'and')} (a safety net, not the budget)"
+    if s.get("clock_cut"):
+        return "the clock cut the search short (a safety net, not the budget)"
+    return "the clock cut nothing"
 
 
 def _candidate_lines(plan) -> list[str]:

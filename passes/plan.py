@@ -80,7 +80,9 @@ class Prediction:
 
     step_time: float = 0.0  # seconds
     compute: float = 0.0
-    communication: float = 0.0
+    communication: float = 0.0  # exposed: what the step waits for
+    # run beside compute and hidden behind it (``autopar.costmodels.overlap``): not in step_time
+    hidden_communication: float = 0.0
     bubble: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by kind
     # e.g. {"parameters": .., "gradients": .., "optimizer": .., "activations": ..}

@@ -99,7 +99,7 @@ def predict(costs: Costs, picked: Chosen) -> Prediction:
     # (the difference of two float sums: clamp the rounding residue of a plan with no communication)
     communication = max(0.0, pc.total_time - compute)
     return Prediction(step_time=pc.total_time, compute=compute, communication=communication,
-                      bubble=0.0, memory=memory_breakdown(costs, picked))
+                      hidden_communication=pc.hidden, bubble=0.0, memory=memory_breakdown(costs, picked))
 
 
 def node_breakdown(costs: Costs, assignment: Sequence[int]) -> dict[str, dict[str, float]]:

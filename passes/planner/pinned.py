@@ -32,7 +32,7 @@ from autopar.passes.costing import Costs, build_costs
 from autopar.passes.planner.intra_op import PlanningError, complete, cost_layout
 from autopar.passes.planner.layout_rules import Hint
 from autopar.passes.planner.microbatch import batch_size, batch_split
-from autopar.passes.solve import plan_costs
+from autopar.passes.solve import PlanCosts, plan_costs
 from autopar.passes.planner.pipeline import LayerNumbers, layer_numbers, pipeline_profile, search
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
@@ -89,30 +89,36 @@ class PinnedCost:
     parts: dict[str, float] = field(default_factory=dict)
 
 
-BREAKDOWN_PARTS = ("compute", "recompute", "activation comm", "parameter comm", "optimizer", "p2p", "bubble")
+BREAKDOWN_PARTS = ("compute", "recompute", "activation comm", "parameter comm", "optimizer", "p2p", "bubble",
+                   "hidden comm")
 
 
 def breakdown(num: LayerNumbers, *, stages: int = 1, recomputed: int = 0, folded: bool = True,
-              pipeline_time: float | None = None, sends: float = 0.0) -> dict[str, float]:
+              pipeline_time: float | None = None, sends: float = 0.0, overlap: PlanCosts | None = None
+              ) -> dict[str, float]:
     """A step's seconds on one GPU by where they go, from the per-layer numbers of the whole
     batch on the intra-op mesh (``layer_numbers``): forward + backward compute, the forwards
     that recomputed layers run again, activation collectives (tensor parallel), parameter
-    collectives (gradient sync, ZeRO gathers; paid once per step), the optimizer step, and
-    for a pipeline (``pipeline_time``: the schedule's part of the step) the point-to-point
-    sends of one rank and the bubble, which is what the schedule's time leaves over the
-    rank's share of the work. Nothing overlaps in the cost model, so the parts sum to the step.
+    collectives (gradient sync, ZeRO gathers; paid once per step) as far as they are exposed,
+    the optimizer step, and for a pipeline (``pipeline_time``: the schedule's part of the step)
+    the point-to-point sends of one rank and the bubble, which is what the schedule's time
+    leaves over the rank's share of the work. Every part but the last sums to the step; the
+    last, "hidden comm", is what ran beside compute and hid behind it (``overlap``: the plan's
+    ``PlanCosts``, whose ``excess`` is exposed parameter communication the tables leave out).
     ``recomputed``: repeated layers recomputed, all stages together; ``folded``: their forward
     is in ``num.compute`` already (costs built with them recomputed, ``costing.build_costs``),
     rather than added by the stage search."""
     recompute = recomputed * float(num.forward.mean()) if len(num.forward) else 0.0
+    hidden, excess = (overlap.hidden, overlap.excess) if overlap is not None else (0.0, 0.0)
     parts = {
         "compute": (float(num.compute.sum()) - (recompute if folded else 0.0)) / stages,
         "recompute": recompute / stages,
         "activation comm": float((num.act_time - num.compute).sum()) / stages,
-        "parameter comm": float((num.param_time - num.optimizer).sum()) / stages,
+        "parameter comm": (float((num.param_time - num.optimizer).sum()) + excess) / stages,
         "optimizer": float(num.optimizer.sum()) / stages,
         "p2p": float(sends),
         "bubble": 0.0,
+        "hidden comm": hidden / stages,
     }
     if pipeline_time is not None:
         busy = parts["compute"] + parts["recompute"] + parts["activation comm"] + sends
@@ -161,16 +167,17 @@ def _intra_op(graph: StrategyGraph, profile, hint_of, pinned: Pinned, memory_lim
     layers = len(set(costs.layer_of.values()))
     if pinned.recompute == "fit":
         laid = cost_layout(costs, hint, memory_limit)
-        used, assignment, time, memory, fits = laid.costs, laid.assignment, laid.time, laid.memory, laid.fits
+        used, assignment, fits = laid.costs, laid.assignment, laid.fits
         notes = []
     else:
         used = _with_policy(costs, pinned)
-        assignment = used.assignment(hint.choice, hint.zero)
-        priced = plan_costs(used.problem, assignment)
-        time, memory, fits = priced.total_time, priced.memory, True
+        assignment, fits = used.assignment(hint.choice, hint.zero), True
+    priced = plan_costs(used.problem, assignment)
+    time, memory = priced.total_time, priced.memory
+    if pinned.recompute != "fit":
         notes = _over_limit(memory, memory_limit)
     recomputed = len(used.recompute)
-    parts = breakdown(layer_numbers(used, assignment), recomputed=recomputed) if fits else {}
+    parts = breakdown(layer_numbers(used, assignment), recomputed=recomputed, overlap=priced) if fits else {}
     return PinnedCost(step_time=time if fits else math.inf, memory=memory, recomputed=recomputed,
                       layers=layers, fits=fits, notes=notes, parts=parts)
 

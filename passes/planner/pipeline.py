@@ -52,6 +52,7 @@ from autopar.passes.planner.constraints import MeshRoles, micro_batch_roles, pin
 from autopar.passes.planner.intra_op import PlanningError, pinned_recompute, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
 from autopar.passes.planner.request import DoesNotFit, PlanRequest
+from autopar.passes.planner.searched import stage_search_record
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
 from autopar.passes.planner.stage_starts import layer_modules, layer_names, start_layers
 from autopar.passes.placements import local_shape
@@ -412,11 +413,14 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     ``schedules``: those the search may choose from; ``roles``: the pinned roles of ``intra``'s
     axes. Pins restrict the search itself: the intra-op problem (roles, ZeRO, and the batch kept
     whole where a pinned micro-batch count needs it: ``constraints.micro_batch_roles``), the
-    micro-batch counts, schedules and depths the stage search tries, and its recomputation."""
+    micro-batch counts, schedules and depths the stage search tries, and its recomputation. The
+    plan's ``solver["searched"]``: the schedules, chunks and micro-batch counts the stage search
+    covered, and why it left any out (``autopar.passes.planner.searched``)."""
 
     full = pipeline_profile(request, p, tuple(intra))
     memory_limit = request.memory_bytes
     names = ("pp",) + full.axis_names[1:]
+    # no overlap: a pipeline's stages sum their gradients after the schedule (``costmodels.overlap``)
     intra_profile = costmodels.HardwareProfile(
         machine=full.machine, backend=full.backend, mesh_shape=intra, device=full.device, axes=full.axes[1:],
         source=full.source)
@@ -448,9 +452,13 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     policy = pinned_recompute(request)  # pinned: in the costs already, the stage search adds none
     if costs.recompute and policy in (None, "none"):  # else what a stage recomputes is the stage search's
         costs = build_costs(graph, intra_profile, memory_limit=memory_limit * p, pricer=costs.pricer)
-    schedules, depths = pinned_schedules(pins, schedules)
+    offered = tuple(map(costmodels.Schedule.parse, schedules))
+    schedules, depths = pinned_schedules(pins, offered)
+    left_out = {s.display: "the pins leave it out" for s in offered if s not in schedules}  # for Plan.solver
     if policy not in (None, "none"):  # recomputation pinned: no split backward runs it (``_without_split_recompute``)
-        schedules = tuple(s for s in map(costmodels.Schedule.parse, schedules) if not s.split_backward)
+        left_out.update({s.display: "recomputation is pinned, which no split backward runs"
+                         for s in schedules if s.split_backward})
+        schedules = tuple(s for s in schedules if not s.split_backward)
     candidates = [("auto", solved.result.assignment)]
     hints = solved.hints
     candidates += [({"dp": "pp+dp", "tp+dp": "3d"}.get(h.name, "pp+" + h.name), costs.assignment(h.choice, h.zero))
@@ -485,6 +493,8 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     out = _to_plan(costs, assignment, num, r, p, intra, names, batching)
     out.candidates = {k: v[0][0].step_time for k, v in found.items() if k != "auto"}
     out.solver = dict(plan.solver)
+    out.solver["searched"] = stage_search_record((o for result, *_ in found.values() for o in result[1].options),
+                                                 schedules, left_out)
     out.reasons = [r for r in plan.reasons if r.startswith(("axes: ", "layer "))] + out.reasons
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")

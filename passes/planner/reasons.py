@@ -23,8 +23,9 @@ from autopar.passes.roles import AxisRole, label_axes
 
 def layer_collectives(costs: Costs, assignment: Sequence[int], layer: int) -> dict[str, float]:
     """'<collective> on <axis>' (and 'bucket copies on <axis>', a parameter's packing into its
-    bucket) -> seconds per step, over the edges into ``layer``'s nodes: the items of the very
-    prices the solver's edge tables hold (``Costs.edge_price``)."""
+    bucket) -> seconds per step the step waits for (what hides behind compute left out), over
+    the edges into ``layer``'s nodes: the items of the very prices the solver's edge tables
+    hold (``Costs.edge_price``)."""
     names = costs.profile.axis_names
     return {f"{what} on {names[axis]}": t for (what, axis), t in _layer_charges(costs, assignment, layer).items()}
 
@@ -37,7 +38,7 @@ def _layer_charges(costs: Costs, assignment: Sequence[int], layer: int) -> dict[
             continue
         for charge in costs.edge_price(edge, assignment).charges:
             key = ("bucket copies" if charge.copies else charge.collective, charge.axis)
-            out[key] = out.get(key, 0.0) + charge.seconds
+            out[key] = out.get(key, 0.0) + charge.seconds - charge.hidden  # what the step waits for
     return out
 
 

@@ -16,6 +16,8 @@ Steps (``plan_intra_op`` for one intra-op mesh, ``plan_captured`` for the whole 
    only one it prices), stage cuts, micro-batches and schedules; as many depths as
    ``factorisation_budget`` counts (work, not seconds), stopped sooner only by ``SafetyNet``
    (CPU seconds, and a runaway wall clock), which the plan reports (``solver["clock_cut"]``);
+   what it covered (depths, schedules, chunks, micro-batches: tried, ruled out, skipped, and
+   why) and what the clock cut go in ``solver["searched"]`` (``autopar.passes.planner.searched``);
 5. the Plan: placements, ZeRO levels, pipeline, and the predicted step time and memory
    broken down; per-node costs and the rejected alternatives feed ``Plan.explain()``.
 
@@ -46,6 +48,7 @@ from autopar.passes.planner.pin_price import broken_pins, price_record
 from autopar.passes.planner.pin_restrictions import check_outputs, check_patterns
 from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.planner.searched import Coverage, merged
 from autopar.passes.planner.stage_starts import start_layers
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
@@ -65,6 +68,18 @@ def pipeline_factorisations(request: PlanRequest, shape: tuple[int, ...] | None 
     if request.preset is not None:
         return factorisations(shape)
     return [(shape[0], tuple(shape[1:]) or (1,))] if shape[0] > 1 else []
+
+
+def depths_not_offered(request: PlanRequest, shape: tuple[int, ...]) -> dict[int, str]:
+    """The pipeline depths of ``shape``'s outermost axis (``factorisations``) the request does not
+    let the search plan (``pipeline_options``), and why."""
+    offered = {p for p, _ in pipeline_options(request, shape)}
+    priced = {p for p, _ in pipeline_factorisations(request, shape)}
+    return {p: ("no pipeline asked for" if not request.pipeline else
+                f"the layout {request.layout!r} is priced as given" if request.layout is not None else
+                "a measured profile prices only a pipeline over the whole outermost axis" if p not in priced else
+                "the plan keeps the mesh's shape (a pipeline over the whole outermost axis only)")
+            for p, _ in factorisations(shape) if p not in offered}
 
 
 def pipeline_options(request: PlanRequest, shape: tuple[int, ...] | None = None) -> list[tuple[int, tuple[int, ...]]]:
@@ -258,6 +273,23 @@ def _prefixed(progress, prefix: str):
     return lambda phase, done, total: None if phase == "done" else progress(prefix + phase, done, total)
 
 
+def _depth_coverage(tried: dict[str, str], depth_of: dict[str, int], fitted: set[int]) -> Coverage:
+    """The pipeline depths the search planned, ruled out (planned, nothing fits: not in
+    ``fitted``) and skipped, read off its notes (``tried``: where -> what came of it, or "not
+    tried: why"; ``depth_of``: where -> its depth)."""
+    coverage = Coverage()
+    for where, text in tried.items():
+        p = depth_of[where]
+        if text.startswith("not tried: "):
+            coverage.skipped[str(p)] = text.removeprefix("not tried: ")
+            continue
+        coverage.tried.append(p)
+        if p not in fitted:
+            coverage.ruled_out[str(p)] = text.removeprefix("autopar: ")
+    coverage.tried.sort()
+    return coverage
+
+
 def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     """``plan_captured``'s search; with pins, over the factorisations their roles can be laid on
     (``constraints.mesh_roles``), each planned under them."""
@@ -269,6 +301,7 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     where_of = lambda p, intra: f"pp{p}x{'x'.join(map(str, intra))}"  # noqa: E731
     tried = {"no pipeline": ""}
     options = pipeline_options(request)
+    depth_of = {"no pipeline": 1} | {where_of(p, intra): p for p, intra in options}  # where -> pipeline depth
     layers = repeated_layer_count(captured)
     too_deep = [(p, intra) for p, intra in options if p > max(layers, 1)]
     options = [(p, intra) for p, intra in options if p <= max(layers, 1)]
@@ -301,6 +334,10 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
             error, tried["no pipeline"] = exc, str(exc)
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
     outcome: dict[int, str] = {}
+    stage_searches: list[dict] = []  # what each planned depth's stage search covered
+    cut_solves: list[str] = []  # the intra-op solves the wall clock stopped
+    if best is not None and best.solver.get("clock_cut"):
+        cut_solves.append("the intra-op solve without a pipeline")
     clock_cut = ""
     while len(results) < budget and (i := next_factorisation(options, results)) is not None:
         p, intra = options[i]
@@ -312,6 +349,9 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
         results[i] = candidate.predicted.step_time if candidate is not None else math.inf
         if candidate is None:
             continue
+        stage_searches.append(candidate.solver["searched"])
+        if candidate.solver.get("clock_cut"):
+            cut_solves.append(f"the intra-op solve of the {p}-stage pipeline")
         candidates.update({f"{k_}[{where_of(p, intra)}]": t for k_, t in candidate.candidates.items()})
         if best is None or candidate.predicted.step_time < best.predicted.step_time:
             best = candidate
@@ -328,8 +368,15 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     if flat:
         best = _no_slower_than_layouts(best, candidates, graphs.on(shape), flat_request)
     best.notes.extend(f"{k}: {v}" for k, v in tried.items())
-    if clock_cut:
+    cuts = cut_solves + ([f"the pipeline search after {len(results)} of {budget} depths ({clock_cut})"]
+                         if clock_cut else [])
+    if cuts:
         best.solver["clock_cut"] = True  # a safety net, not the budget, left options out
+    fitted = {options[i][0] for i, t in results.items() if math.isfinite(t)}
+    fitted |= {1} if flat and error is None else set()
+    depths = _depth_coverage(tried, depth_of, fitted)
+    depths.skipped.update({str(p): why for p, why in depths_not_offered(request, shape).items()})
+    best.solver["searched"] = {"pipeline_depths": depths.record(), **merged(stage_searches), "clock_cut": cuts}
     best.candidates = candidates
     best.hardware = request.preset or request.profile.machine
     best.solver["planning_seconds"] = time.perf_counter() - started

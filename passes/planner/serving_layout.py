@@ -127,6 +127,8 @@ def plan_on_mesh(joint: Joint, programs: Programs, inference: Inference, request
     if result is not None:
         plan.solver = {"status": result.status, "method": result.method, "gap": result.gap,
                        "seconds": result.solve_seconds, "decisions": result.num_decision_nodes}
+        if result.clock_cut:  # the wall clock, a safety net, stopped the deterministic search
+            plan.solver["clock_cut"] = True
     plan.reasons.append(summary(plan))
     missing = [name for name in SERVING_LAYOUTS if name not in candidates]
     if missing and request.layout is None:

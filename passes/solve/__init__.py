@@ -26,6 +26,7 @@ Example (two nodes with two strategies each, 1 GB per device)::
 from autopar.passes.solve.intra_op import SolveOptions, solve
 from autopar.passes.solve.problem import (
     Follower,
+    Overlap,
     PlanCosts,
     SolveProblem,
     SolveResult,
@@ -39,6 +40,7 @@ from autopar.passes.solve.problem import (
 
 __all__ = [
     "Follower",
+    "Overlap",
     "PlanCosts",
     "SolveOptions",
     "SolveProblem",

@@ -28,6 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
+from autopar.costmodels.overlap import excess as stream_excess
+
 # Feasibility allows this relative slack so that summing the same floats in another
 # order (DP versus node order) never flips a verdict.
 MEMORY_RELATIVE_TOLERANCE = 1e-9
@@ -40,6 +42,18 @@ class Follower:
     node: int
     leader: int
     index_map: tuple[int, ...]
+
+
+@dataclass
+class Overlap:
+    """Communication run beside compute on a second stream (``autopar.costmodels.overlap``):
+    the edge tables leave ``hidden`` out, which holds while the stream's ``busy`` seconds fit
+    in the ``window`` of compute beside them; past it, hiding shrinks by window / busy
+    (``overlap_excess``). The solver's objective leaves that correction out: a lower bound."""
+
+    window: list[np.ndarray]  # per node: compute seconds of each strategy the stream runs beside
+    busy: dict[int, np.ndarray]  # edge index -> seconds run beside that compute, per pair of strategies
+    hidden: dict[int, np.ndarray]  # edge index -> seconds of them the edge's table leaves out
 
 
 @dataclass
@@ -56,6 +70,8 @@ class SolveProblem:
     node_names: list[str] | None = None
     # edge index (in ``edges``) -> bytes per device of each pair of its ends' strategies
     edge_memory: dict[int, np.ndarray] = field(default_factory=dict)
+    # communication hidden behind compute, one per window (forward, backward)
+    overlaps: list[Overlap] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.node_time = [np.asarray(t, dtype=np.float64).reshape(-1) for t in self.node_time]
@@ -131,10 +147,12 @@ class PlanCosts:
     node_memory: np.ndarray  # [num_nodes] bytes
     edge_time: np.ndarray  # [num_edges] resharding seconds, in ``problem.edges`` order
     edge_memory: np.ndarray  # [num_edges] bytes (0 where the edge holds none)
+    hidden: float = 0.0  # seconds of communication hidden behind compute (``Overlap``)
+    excess: float = 0.0  # seconds the edges leave out that no compute was left to hide
 
     @property
     def total_time(self) -> float:
-        return float(self.node_time.sum() + self.edge_time.sum())
+        return float(self.node_time.sum() + self.edge_time.sum()) + self.excess
 
     @property
     def memory(self) -> float:
@@ -148,12 +166,29 @@ def memory_of(node_memory: np.ndarray, edge_memory: Sequence[float]) -> float:
 
 
 def plan_costs(problem: SolveProblem, assignment: Sequence[int]) -> PlanCosts:
+    hidden, excess = overlap_excess(problem, assignment)
     return PlanCosts(
         node_time=np.array([problem.node_time[v][s] for v, s in enumerate(assignment)]),
         node_memory=np.array([problem.node_memory[v][s] for v, s in enumerate(assignment)]),
         edge_time=np.array([cost[assignment[u], assignment[v]] for u, v, cost in problem.edges]),
         edge_memory=edge_bytes(problem, assignment),
+        hidden=hidden - excess,
+        excess=excess,
     )
+
+
+def overlap_excess(problem: SolveProblem, assignment: Sequence[int]) -> tuple[float, float]:
+    """(seconds the edge tables leave out as hidden, seconds of them that come back because a
+    stream is busier than its window of compute: ``costmodels.overlap.excess``)."""
+    hidden = extra = 0.0
+    for o in problem.overlaps:
+        window = sum(float(o.window[v][s]) for v, s in enumerate(assignment) if v < len(o.window))
+        picked = [(problem.edges[e][0], problem.edges[e][1], e) for e in o.hidden]
+        busy = sum(float(o.busy[e][assignment[u], assignment[v]]) for u, v, e in picked)
+        h = sum(float(o.hidden[e][assignment[u], assignment[v]]) for u, v, e in picked)
+        hidden += h
+        extra += stream_excess(h, busy, window)
+    return hidden, extra
 
 
 def edge_bytes(problem: SolveProblem, assignment: Sequence[int]) -> np.ndarray:
@@ -170,7 +205,7 @@ def evaluate_time(problem: SolveProblem, assignment: Sequence[int]) -> float:
     total = sum(float(problem.node_time[v][s]) for v, s in enumerate(assignment))
     for u, v, cost in problem.edges:
         total += float(cost[assignment[u], assignment[v]])
-    return total
+    return total + overlap_excess(problem, assignment)[1]
 
 
 def evaluate_memory(problem: SolveProblem, assignment: Sequence[int]) -> float:
