@@ -21,6 +21,7 @@ to ``benchmarks/results/solve_scale_cpu_<yyyymmdd>.md`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import numpy as np
@@ -97,11 +98,16 @@ def run(name: str, problem: SolveProblem, options: SolveOptions) -> str:
     wall = time.perf_counter() - started
     print(
         f"{name:<28} {problem.num_nodes:>6} -> {result.num_decision_nodes:>5}  {result.method:<10} "
-        f"{wall:8.2f} s  {result.status:<10} gap {result.gap:.2%}  objective {result.objective:.4f}",
+        f"{wall:8.2f} s  {result.status:<10} gap {_gap(result.gap)}  objective {result.objective:.4f}",
         flush=True,
     )
     return (f"| {name} | {problem.num_nodes} | {result.num_decision_nodes} | {result.method} | {wall:.2f} | "
-            f"{result.status} | {result.gap:.2%} | {result.objective:.4f} |")
+            f"{result.status} | {_gap(result.gap)} | {result.objective:.4f} |")
+
+
+def _gap(gap: float) -> str:
+    """The solver's gap, or "no bound" where it proved none (never "inf%")."""
+    return f"{gap:.2%}" if math.isfinite(gap) else "no bound"
 
 
 def main() -> None:
