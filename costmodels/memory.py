@@ -6,7 +6,8 @@ schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_z
 ``Schedule`` methods (``autopar.costmodels.schedules``), which hold that mathematics; the
 order torch's schedules run their actions in (``schedule_actions``, ``schedule_order``).
 What a ZeRO-3 bucket's gather and reduce-scatter hold while they run
-(``gather_working_bytes``, ``scatter_working_bytes``).
+(``gather_working_bytes``, ``scatter_working_bytes``), and while they run beside compute
+(``gather_ahead_bytes``, ``scatter_in_flight_bytes``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,21 @@ def scatter_working_bytes(shard: float, whole: float, compute: torch.dtype, redu
     buffer sent, and this rank's reduced shard (elements as ``gather_working_bytes``)."""
     cast = whole * reduce.itemsize if reduce != compute else 0.0
     return whole * compute.itemsize + cast + (whole + shard) * reduce.itemsize
+
+
+def gather_ahead_bytes(shard: float, whole: float, master: torch.dtype, compute: torch.dtype) -> float:
+    """Bytes a ZeRO-3 bucket's all-gather holds while it runs ahead of its use (prefetched, as
+    FSDP2 does): this rank's shards cast to the compute dtype, their flat copy, and the
+    gathered flat buffer (elements as ``gather_working_bytes``; the wholes copied out of it
+    come only when it is waited for)."""
+    cast = shard if compute != master else 0.0
+    return (cast + shard + whole) * compute.itemsize
+
+
+def scatter_in_flight_bytes(shard: float, whole: float, reduce: torch.dtype) -> float:
+    """Bytes a ZeRO-3 bucket's gradient reduce-scatter holds while it runs beside backward: the
+    flat buffer sent and this rank's reduced shard (the whole gradients are freed once packed)."""
+    return (whole + shard) * reduce.itemsize
 
 
 def bubble_fraction(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1) -> float:

@@ -44,21 +44,28 @@ KINDS = tuple(WINDOW)
 COLLECTIVE = {"gradient_all_reduce": "all_reduce", "gradient_reduce_scatter": "reduce_scatter",
               "parameter_gather": "all_gather", "parameter_regather": "all_gather"}
 
-# What ``autopar.runtime`` issues asynchronously beside compute, outside pipelines
-# (``autopar.runtime.gradsync``: DDP-style buckets launched by post-accumulate-grad hooks).
-# A pipeline's stages sum their gradients after the schedule (``autopar.runtime.pipeline``):
-# nothing of theirs overlaps (``passes.planner.pipeline``'s profile has no overlap).
-RUNTIME_OVERLAPS = frozenset({"gradient_all_reduce"})
+# What ``autopar.runtime`` issues asynchronously beside compute, outside pipelines:
+# data-parallel gradient buckets (``autopar.runtime.gradsync``: DDP-style, launched by
+# post-accumulate-grad hooks) and ZeRO-3 buckets (``autopar.passes.lowering.buckets.Overlap``,
+# as FSDP2: the next bucket's gather prefetched in forward and again in backward, gradient
+# reduce-scatters one in flight; a gradient also summed over a data-parallel axis, HSDP, is
+# reduce-scattered on the spot: ``kind_of``'s ``summed``). A pipeline's stages sum their
+# gradients after the schedule (``autopar.runtime.pipeline``): nothing of theirs is priced as
+# overlapping (``passes.planner.pipeline``'s profile has no overlap).
+RUNTIME_OVERLAPS = frozenset(KINDS)
 
 
-def kind_of(collective: str, backward: bool, regather: bool = False) -> str | None:
+def kind_of(collective: str, backward: bool, regather: bool = False, summed: bool = False) -> str | None:
     """The overlap kind of one of a parameter's bucketed collectives: a gather in forward,
-    again in backward (``regather``), or its gradient's sum in backward; None for others."""
+    again in backward (``regather``), or its gradient's sum in backward; None for others and
+    for a reduce-scatter whose gradient is ``summed`` by an all-reduce too (HSDP)."""
     if regather:
         return "parameter_regather" if collective == "all_gather" else None
     if not backward:
         return "parameter_gather" if collective == "all_gather" else None
-    return {"all_reduce": "gradient_all_reduce", "reduce_scatter": "gradient_reduce_scatter"}.get(collective)
+    if collective == "reduce_scatter":
+        return None if summed else "gradient_reduce_scatter"
+    return "gradient_all_reduce" if collective == "all_reduce" else None
 
 
 def hidden_share(overlap: Mapping[str, float], kind: str | None) -> float:

@@ -220,7 +220,9 @@ class EdgePricer:
             if grad is not None:
                 grad_size = self.reduce_itemsize if bucketed and self.reduce_itemsize else size
                 steps += costmodels.backward_reshard_plan(meta.shape, grad_size, src, dst, self.mesh, grad)
-            charges = tuple(self._charge(s, shares, bucketed, costmodels.kind_of(s.collective, i >= forward, regather))
+            summed = any(s.collective == "all_reduce" for s in steps[forward:])  # HSDP: reduced on the spot
+            charges = tuple(self._charge(s, shares, bucketed, costmodels.kind_of(s.collective, i >= forward, regather,
+                                                                                 summed))
                             for i, s in enumerate(steps))
             if bucketed:
                 charges += tuple(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar import costmodels
@@ -54,6 +55,10 @@ def test_only_what_the_runtime_overlaps_is_hidden():
     assert overlap.kind_of("all_gather", backward=False) == "parameter_gather"
     assert overlap.kind_of("all_gather", backward=False, regather=True) == "parameter_regather"
     assert overlap.kind_of("all_to_all", backward=True) is None
+    assert overlap.kind_of("reduce_scatter", backward=True) == "gradient_reduce_scatter"
+    # HSDP: a gradient reduce-scattered and all-reduced is reduce-scattered on the spot
+    assert overlap.kind_of("reduce_scatter", backward=True, summed=True) is None
+    assert overlap.kind_of("all_reduce", backward=True, summed=True) == "gradient_all_reduce"
 
 
 def test_a_stream_busier_than_its_window_hides_only_the_window():
@@ -124,16 +129,56 @@ def test_a_short_backward_hides_only_its_own_length():
     assert without.predicted.step_time - p.step_time == pytest.approx(p.hidden_communication, rel=1e-9)
 
 
-def test_what_the_runtime_runs_on_the_spot_stays_exposed():
-    """ZeRO-3 gathers (FSDP) and a pipeline's gradient sums (after the schedule) are not run
-    beside compute by the runtime: nothing of theirs is hidden, whatever the profile says."""
+def _fsdp_by_hand(model: nn.Module, plan, profile: HardwareProfile) -> float:
+    """Seconds of FSDP's collectives hidden, as the module docstring of ``costmodels.overlap``
+    says: each parameter's gather in forward, its gather again in backward and its gradient's
+    reduce-scatter, packed per layer (a parameter pays its share of one call's latency) and each
+    hiding the profile's share of all but the first layer's (the tail: one of four layers)."""
+    by_layer: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        by_layer[name.split(".")[1]] = by_layer.get(name.split(".")[1], 0.0) + p.numel() * p.element_size()
+    hidden = 0.0
+    for name, p in model.named_parameters():
+        spec = (Shard(int(plan.params[name][2])),)  # "S(d)"
+        share = p.numel() * p.element_size() / by_layer[name.split(".")[1]]
+        gather = costmodels.reshard_plan(tuple(p.shape), 4, spec, (Replicate(),), profile.mesh_shape)
+        scatter = costmodels.backward_reshard_plan(tuple(p.shape), 4, spec, (Replicate(),), profile.mesh_shape,
+                                                   (Partial(),))
+        assert [s.collective for s in gather] == ["all_gather"] and [s.collective for s in scatter] == ["reduce_scatter"]
+        for step, kind in ((gather[0], "parameter_gather"), (gather[0], "parameter_regather"),
+                           (scatter[0], "gradient_reduce_scatter")):
+            seconds = costmodels.collective_time(step.collective, step.bytes, 0, profile, share)
+            hidden += profile.overlap[kind] * (1 - 1 / len(by_layer)) * seconds
+    return hidden
+
+
+def test_fsdp_gathers_and_reduce_scatters_hide_as_computed_by_hand():
+    """The runtime prefetches ZeRO-3 gathers and runs gradient reduce-scatters beside backward
+    (``autopar.passes.lowering.buckets.Overlap``); forward and backward are long enough here to
+    hide the profile's share of all but the first layer's."""
     model, x = Blocks(), torch.randn(64, 128, 256)
     h100 = costmodels.h100((4,))
     fsdp = autopar.plan(model, h100.mesh_shape, (x,), hardware=h100, pipeline=False, layout="fsdp")
     plain = autopar.plan(model, h100.mesh_shape, (x,), hardware=_without_overlap(h100), pipeline=False,
                          layout="fsdp")
-    assert fsdp.predicted.hidden_communication == 0.0
-    assert fsdp.predicted.step_time == pytest.approx(plain.predicted.step_time, rel=1e-12)
+    hidden = _fsdp_by_hand(model, fsdp, h100)
+    p, q = fsdp.predicted, plain.predicted
+    assert set(fsdp.zero.values()) == {3}
+    assert p.hidden_communication == pytest.approx(hidden, rel=1e-9)
+    assert q.step_time - p.step_time == pytest.approx(hidden, rel=1e-9)
+    assert q.communication - p.communication == pytest.approx(hidden, rel=1e-9)
+
+
+def test_what_the_runtime_runs_on_the_spot_stays_exposed():
+    """Tensor-parallel collectives wait on the spot, and a pipeline's gradient sums run after
+    its schedule: nothing of theirs is hidden, whatever the profile says."""
+    model, x = Blocks(), torch.randn(64, 128, 256)
+    h100 = costmodels.h100((4,))
+    tp = autopar.plan(model, h100.mesh_shape, (x,), hardware=h100, pipeline=False, layout="tp")
+    plain = autopar.plan(model, h100.mesh_shape, (x,), hardware=_without_overlap(h100), pipeline=False,
+                         layout="tp")
+    assert tp.predicted.communication > 0 and tp.predicted.hidden_communication == 0.0
+    assert tp.predicted.step_time == pytest.approx(plain.predicted.step_time, rel=1e-12)
     piped = autopar.plan(model, (2, 2), (x,), hardware="h100",
                          constraints=autopar.Constraints(pp=2))
     assert piped.pipeline is not None and piped.predicted.hidden_communication == 0.0

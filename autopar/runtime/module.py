@@ -376,7 +376,7 @@ class ParallelModule(TrainingModule):
     def _run_model(self, inputs: tuple, local: bool, observe: Callable | None = None) -> list[torch.Tensor]:
         values = {**self.local, **self._variant.constants}
         values.update(self._local_inputs(inputs, local))
-        with self.program.saving(observe):
+        with self.program.saving(observe, overlap_backward=True):  # its backward is a backward(): .grad
             outs = self.gm(*[values[n] for n in self.captured.placeholders])
         return pytree.tree_leaves(outs)
 

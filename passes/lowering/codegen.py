@@ -27,7 +27,7 @@ import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
@@ -160,14 +160,25 @@ class RankProgram:
     # this device's share, to be summed once per step for all parameters together
     grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
     regathers: bool = False  # ZeRO-3 buckets freed after use: run the program inside ``saving()``
+    gathers: bool = False  # any bucket: its gathers and reduce-scatters overlap compute inside ``saving()``
+    overlap: buckets.Overlap = field(default_factory=buckets.Overlap, repr=False, compare=False)
 
-    def saving(self, observe: Callable[[torch.Tensor, bool], None] | None = None) -> ContextManager:
+    @contextlib.contextmanager
+    def saving(self, observe: Callable[[torch.Tensor, bool], None] | None = None,
+               overlap_backward: bool = False) -> Iterator[None]:
         """The context to run the program (forward) in: gathered weights that it frees are
-        saved for backward as references and gathered again (``autopar.passes.lowering.buckets``);
-        ``observe(tensor, is_weight)`` sees every tensor kept for backward."""
-        if self.regathers or observe is not None:
-            return buckets.saving(observe)
-        return contextlib.nullcontext()
+        saved for backward as references and gathered again, buckets are gathered one
+        ahead (``autopar.passes.lowering.buckets``); ``observe(tensor, is_weight)`` sees
+        every tensor kept for backward. ``overlap_backward``: for a ``backward()`` (not
+        ``autograd.grad``) that can hold one bucket more: re-gathers are prefetched too, and
+        buckets' gradients reduce-scattered while backward runs land in ``.grad`` when the
+        next bucket's starts or backward ends."""
+        with contextlib.ExitStack() as stack:
+            if self.gathers:
+                stack.enter_context(self.overlap.forward(overlap_backward, self.grad_sync))
+            if self.regathers or observe is not None:
+                stack.enter_context(buckets.saving(observe))
+            yield
 
 
 @dataclass
@@ -351,7 +362,7 @@ def lower(
     input_specs = {n.name: flow.spec[n] for n in flow.order if n in flow.received and n in flow.spec}
     regathers = any(not b.keep for b in bucket_of.values())
     agree_before_first_run(gm, grad_sync, mesh)
-    return RankProgram(gm, input_specs, output_specs, grad_sync, regathers)
+    return RankProgram(gm, input_specs, output_specs, grad_sync, regathers, gathers=bool(bucket_of))
 
 
 def check_write_reaches(node: fx.Node, moved_input: set[fx.Node], order: list[fx.Node]) -> None:

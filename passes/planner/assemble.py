@@ -19,6 +19,7 @@ from autopar.passes.plan import Plan, Prediction, plan_from_choice
 from autopar.passes.planner.reasons import planning_reasons
 from autopar.passes.solve import SolveResult, edge_bytes, plan_costs
 from autopar.passes.strategy_graph import tensor_inputs
+from autopar.passes.zero3_memory import in_flight_bytes, plan_buckets
 
 
 @dataclass
@@ -50,7 +51,8 @@ def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
     """Bytes per device by kind: parameters, gradients, optimizer, activations (buffers as
     parameters; the working copies of parameters that edges hold under a policy,
     ``SolveProblem.edge_memory``, and a saved value's copies in more placements than one,
-    ``Costs.read_copy_bytes``, as activations), temporary (alive only while backward runs);
+    ``Costs.read_copy_bytes``, as activations), temporary (alive only while backward runs, and
+    the ZeRO-3 collectives in flight beside compute, ``zero3_in_flight``);
     each kind at its most, as the solver's memory constraint adds them (``state_costs.at_peak``:
     at the step's peak)."""
     mesh = costs.graph.mesh_shape
@@ -70,7 +72,16 @@ def memory_breakdown(costs: Costs, picked: Chosen) -> dict[str, float]:
             out["parameters"] += float(costs.state_memory[v][s])  # buffers; parameters sit on ZeRO nodes
     out["activations"] += float(edge_bytes(costs.problem, picked.assignment).sum())
     out["activations"] += sum(costs.read_copy_bytes(choice).values())  # a value saved in two placements
+    out["temporary"] += zero3_in_flight(costs, picked, out["temporary"])
     return out
+
+
+def zero3_in_flight(costs: Costs, picked: Chosen, temporary: float) -> float:
+    """Bytes per device that a one-stage plan's ZeRO-3 collectives running beside backward (a
+    bucket gathered ahead, one reduce-scattering: ``zero3_memory.in_flight_bytes``) add to its
+    ``temporary`` bytes (the loss's): they run while the layers' backward does, the loss's
+    temporaries before it, so the larger of the two is held."""
+    return max(0.0, in_flight_bytes(plan_buckets(costs, picked.choice), costs.precision) - temporary)
 
 
 def zero_levels(costs: Costs, picked: Chosen) -> dict[str, int]:

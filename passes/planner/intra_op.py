@@ -28,7 +28,7 @@ from autopar.costmodels.units import GIB
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.explain import ranges
 from autopar.passes.plan import Plan
-from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute
+from autopar.passes.planner.assemble import Solved, build_plan, chosen, memory_breakdown, record_recompute, zero3_in_flight
 from autopar.passes.planner.constraints import check_recompute
 from autopar.passes.planner.layout_rules import Hint, computing_rules
 from autopar.passes.planner.pin_restrictions import PinMasks, broken, pin_masks, restricted
@@ -212,21 +212,25 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
             raise unknown_layout(request.layout, by_name)
         costs = pinned(layout_costs(graph, request.profile, by_name[request.layout], limit), masks)
         return plan_layout(costs, by_name, request.layout, limit, names)
-    # A saved value read in two placements keeps two copies, which the solve cannot see
-    # (``Costs.read_copy_bytes``): a plan they put over the limit is solved again with the limit
-    # less twice as much each round (the new plan may read in other placements). A pipeline's
+    # A saved value read in two placements keeps two copies, and ZeRO-3 runs a gather and a
+    # reduce-scatter beside compute, which the solve cannot see (``Costs.read_copy_bytes``,
+    # ``assemble.zero3_in_flight``): a plan they put over the limit is solved again with the limit
+    # below what that plan's solve saw, less twice as much each round (the new plan may read in
+    # other placements, gather other buckets). A pipeline's
     # intra-op part is not held to its loose limit: the stage search fits every rank with them.
     budget = limit
     for attempt in range(4 if copies_fit else 1):
-        solved = _solve_within(graph, request, hints, budget, solver_time_s, masks)
-        over = _with_copies(solved) - (limit or math.inf)
+        solved = _solve_within(graph, request, hints, budget, solver_time_s, masks, layouts_within=limit)
+        seen = _assignment_memory(solved.costs.problem, solved.result.assignment)
+        over = seen + _unseen(solved.costs, solved.result.assignment) - (limit or math.inf)
         if over <= 0 or budget is None or not copies_fit:
             break
-        budget -= over * 2 ** attempt
+        budget = min(budget, seen) - over * 2 ** attempt  # below what this plan's solve saw
     else:
         raise PlanningError(
             f"autopar: the fastest plan found keeps {over / GIB:.3g} GiB over the {limit / GIB:.3g} GiB limit per device "
-            "in copies of saved values read in two placements after four solves with a lower limit; expected a "
+            "in copies of saved values read in two placements and ZeRO-3 collectives in flight after four solves "
+            "with a lower limit; expected a "
             "plan within the limit. Give more memory per device or more devices, or plan with a layout (layout=).")
     if bad := pins_broken(solved.costs, solved.result.assignment, masks):
         raise PlanningError(f"autopar: pin {' and '.join(bad)} cannot hold on mesh {graph.mesh_shape}"
@@ -237,7 +241,8 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     record_recompute(plan, solved.costs)
     if budget != limit:
         plan.reasons.append(f"solved within {budget / GIB:.3g} GiB of the {limit / GIB:.3g} GiB limit: the chosen placements "
-                            "keep a second copy of a value saved in two placements, which the solve cannot price")
+                            "keep a second copy of a value saved in two placements, or a ZeRO-3 gather and reduce-scatter "
+                            "in flight beside compute, which the solve cannot price")
     if solved.result.method.startswith("layout "):
         plan.reasons.append(f"the manual {solved.result.method} costed with its fewest recomputed layers was the "
                             "fastest plan that fits; the solver found none faster")
@@ -266,13 +271,22 @@ def recompute_arg(policy: str | tuple[int, ...] | None) -> bool | list[int]:
 
 
 def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: float | None,
-                  solver_time_s: float, masks: PinMasks | None = None) -> Solved:
+                  solver_time_s: float, masks: PinMasks | None = None,
+                  layouts_within: float | None = None) -> Solved:
     """The fastest of the solve within ``limit`` (every repeated layer recomputed, then the
-    fewest, where nothing fits without) and the manual layouts that fit; with recomputation
-    pinned, that recomputation only."""
+    fewest, where nothing fits without) and the manual layouts that fit ``layouts_within``
+    (default ``limit``) with what the solve cannot see of each (``_unseen``); with
+    recomputation pinned, that recomputation only."""
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
     policy = pinned_recompute(request)
+    layouts_within = limit if layouts_within is None else layouts_within
+
+    def room(hint: Hint) -> float | None:  # the limit a manual layout's visible bytes must meet
+        if layouts_within is None:
+            return None
+        return layouts_within - _unseen(solved.costs, solved.costs.assignment(hint.choice, hint.zero))
+
     solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s,
                          recompute=recompute_arg(policy), masks=masks)
     if policy is not None:
@@ -280,9 +294,9 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
         if not solved.result.feasible:
             raise infeasible_error(solved, math.prod(graph.mesh_shape),
                                    f" with the pin {request.constraints.pin('recompute')}")
-        return fastest_of(solved, [as_laid(solved.costs, h, limit) for h in solved.hints])
+        return fastest_of(solved, [as_laid(solved.costs, h, room(h)) for h in solved.hints])
     built: dict[int, Costs] = {}  # costs by number of recomputed layers, shared by the layouts
-    manual = [cost_layout(solved.costs, h, limit, built) for h in solved.hints]
+    manual = [cost_layout(solved.costs, h, room(h), built) for h in solved.hints]
     if not solved.result.feasible:  # activation checkpointing of every repeated layer, if that fits
         # the layouts completed for the first solve keep their choices; the others are tried again
         done = {h.name: h for h in solved.hints}
@@ -295,11 +309,12 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
     return fastest_of(solved, manual)
 
 
-def _with_copies(solved: Solved) -> float:
-    """Bytes per device of the solved assignment, with the copies the solve cannot see."""
-    costs, assignment = solved.costs, solved.result.assignment
-    extra = costs.read_copy_bytes(chosen(costs, assignment).choice)
-    return _assignment_memory(costs.problem, assignment) + sum(extra.values())
+def _unseen(costs: Costs, assignment: Sequence[int]) -> float:
+    """Bytes per device of ``assignment`` that the solve cannot see: the copies of values saved
+    in two placements and the ZeRO-3 collectives in flight beside backward."""
+    picked = chosen(costs, assignment)
+    temporary = sum(float(costs.temporary_memory[v][s]) for v, s in enumerate(assignment))
+    return sum(costs.read_copy_bytes(picked.choice).values()) + zero3_in_flight(costs, picked, temporary)
 
 
 def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: float | None,

@@ -34,14 +34,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
-from torch import fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from autopar import costmodels
 from autopar.costmodels.profile import default_axis_names
-from autopar.costmodels.memory import gather_working_bytes, scatter_working_bytes
-from autopar.costmodels.precision import MixedPrecision
 from autopar.passes.costing import Costs, build_costs
 from autopar.passes.state_costs import state_breakdown
 from autopar.passes.layers import layer_path
@@ -60,7 +56,8 @@ from autopar.passes.solve.pipeline_search import (PipelineSearchResult, _fastest
                                                   search_pipeline, useful_depths)
 from autopar.passes.solve.stages import LayerCosts
 from autopar.passes.explain import duration
-from autopar.passes.strategy_graph import build_strategy_graph, tensor_inputs
+from autopar.passes.strategy_graph import build_strategy_graph
+from autopar.passes.zero3_memory import ZeroThreeBucket, forward_gather_memory, gathered_over
 
 
 @dataclass
@@ -84,8 +81,9 @@ class LayerNumbers:
     # bytes: the largest gradient of a layer, made whole before a backward adds it to the
     # accumulated one; None: none
     largest_gradient: np.ndarray | None = None
-    # bytes: what the layer's ZeRO-3 gather, and its gradients' reduce-scatter, hold while they
-    # run (``ZeroThreeBucket``); None: none
+    # bytes: what the layer's ZeRO-3 gathers (the next one's in flight beside its own,
+    # ``zero3_memory.forward_gather_memory``), and its gradients' reduce-scatter, hold while
+    # they run; None: none
     gather: np.ndarray | None = None
     scatter: np.ndarray | None = None
     # what the stages receive and send (``stage_io.StageIO``: per stage of layers [a, b), what
@@ -193,7 +191,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
             row[2] += held["optimizer"]
             largest[layer] = max(largest[layer], held["gradients"])
             bucket = gathered[layer]["layer" if node in repeated else "between"]
-            bucket.add(numel, _gathered_over(graph, node, spec, choice, mesh), node.meta["val"].dtype)
+            bucket.add(numel, gathered_over(graph, node, spec, choice, mesh), node.meta["val"].dtype)
             continue
         act[layer] += float(node_time[v][s])
         compute[layer] += float(costs_compute[v][s])
@@ -229,51 +227,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     return LayerNumbers(array(act), array(compute), array(param), array(optimizer), array(static), array(kinds),
                         array(activation), io.crossing, where, array(forward),
                         array(recomputable), array(inputs), array(temporary), array(largest),
-                        *(array([max(b.working(costs.precision)[i] for b in g.values()) for g in gathered])
-                          for i in (0, 1)), io=io)
-
-
-@dataclass
-class ZeroThreeBucket:
-    """A layer's parameters stored split where their ops use them whole (ZeRO-3), in elements
-    on one device: gathered at each use as one bucket (``autopar.passes.lowering.buckets``)."""
-
-    shard: float = 0.0
-    whole: float = 0.0
-    largest: float = 0.0
-    dtype: torch.dtype | None = None  # the parameters' own dtype (the master's under a policy)
-
-    def add(self, numel: float, gathered_over: int, dtype: torch.dtype) -> None:
-        if gathered_over > 1:
-            self.shard += numel
-            self.whole += numel * gathered_over
-            self.largest = max(self.largest, numel * gathered_over)
-            self.dtype = dtype
-
-    def working(self, precision: str | MixedPrecision) -> tuple[float, float]:
-        """Bytes the bucket's gather, and its gradients' reduce-scatter, hold while they run."""
-        if self.dtype is None:
-            return 0.0, 0.0
-        mixed = isinstance(precision, MixedPrecision)
-        master, compute = (precision.master, precision.compute) if mixed else (self.dtype, self.dtype)
-        reduce = precision.reduce if mixed else self.dtype
-        return (gather_working_bytes(self.shard, self.whole, self.largest, master, compute),
-                scatter_working_bytes(self.shard, self.whole, compute, reduce))
-
-
-def _gathered_over(graph, param: fx.Node, spec, choice, mesh) -> int:
-    """How many devices a parameter stored as ``spec`` is gathered from for its readers: the mesh
-    axes it is split over where one of them needs it whole (ZeRO-3; 1: used as it lies)."""
-    axes: set[int] = set()
-    for user in param.users:
-        ns = graph.nodes.get(user)
-        if ns is None or ns.follows is not None:
-            continue
-        strategy = ns.strategies[choice[user]]
-        for src, need in zip(tensor_inputs(user), strategy.inputs):
-            if src is param and need is not None:
-                axes |= {a for a, (p, q) in enumerate(zip(spec, need)) if isinstance(p, Shard) and isinstance(q, Replicate)}
-    return math.prod(mesh[a] for a in axes)
+                        forward_gather_memory([g.values() for g in gathered], costs.precision),
+                        array([max(b.working(costs.precision)[1] for b in g.values()) for g in gathered]), io=io)
 
 
 def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:

@@ -1,0 +1,79 @@
+"""What ZeRO-3 buckets hold while their collectives run beside compute
+(``autopar.passes.zero3_memory``), by hand and against the dry run of the runtime that
+prefetches one bucket ahead and keeps one gradient reduce-scatter in flight."""
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import GPT, GPTConfig
+from autopar.passes.zero3_memory import ZeroThreeBucket, forward_gather_memory, in_flight_bytes
+
+F32 = torch.float32
+
+
+def bucket(shard: float, over: int) -> ZeroThreeBucket:
+    b = ZeroThreeBucket()
+    b.add(shard, over, F32)
+    return b
+
+
+def test_a_bucket_in_flight_holds_its_buffers_not_its_wholes_copied_out():
+    b = bucket(100, 4)  # 100 elements here, 400 gathered
+    gather, scatter = b.in_flight("fp32")
+    assert gather == (100 + 400) * 4  # the flat copy sent and the gathered flat buffer
+    assert scatter == (400 + 100) * 4  # the flat gradients sent and this rank's reduced shard
+    assert b.working("fp32")[0] == (100 + 2 * 400 + 400) * 4  # on the spot: the wholes copied out too
+
+
+def test_a_forward_holds_a_layers_wholes_beside_the_next_gather():
+    """Alike layers: the next gather in flight beside this layer's wholes holds less than a
+    gather copying out (no change); a small layer before a large one holds the large one's."""
+    alike = forward_gather_memory([[bucket(100, 4)], [bucket(100, 4)]], "fp32")
+    assert list(alike) == [bucket(100, 4).working("fp32")[0]] * 2
+    small, large = bucket(10, 4), bucket(1000, 4)
+    grows = forward_gather_memory([[small], [large]], "fp32")
+    assert grows[0] == 40 * 4 + large.in_flight("fp32")[0]  # its wholes and the large gather ahead
+    assert grows[1] == large.working("fp32")[0]  # the last layer: nothing ahead
+
+
+def test_a_backward_holds_the_gather_before_and_the_reduce_scatter_after_the_bucket_it_runs():
+    small, large, other = bucket(10, 2), bucket(1000, 2), bucket(100, 2)
+    (g_small, s_small), (g_large, s_large), (g_other, s_other) = (b.in_flight("fp32") for b in (small, large, other))
+    # backward of `other`: `large` gathered ahead, nothing after it; of `large`: `small` ahead,
+    # `other` reduce-scattering; of `small`: `large` reduce-scattering
+    assert in_flight_bytes([small, large, other], "fp32") == max(g_large, g_small + s_other, s_large)
+    assert in_flight_bytes([small, large, other], "fp32") == s_large == (2000 + 1000) * 4
+    assert in_flight_bytes([large], "fp32") == 0.0  # a lone bucket overlaps nothing
+    assert in_flight_bytes([], "fp32") == 0.0
+
+
+@pytest.fixture(scope="module")
+def fsdp_dry_run():
+    """A bf16 GPT whose layers outweigh its activations, FSDP on 4 devices, dry-run."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, max_seq_len=256, dim=1024, n_heads=8, n_layers=4)).to(torch.bfloat16)
+    inputs = (torch.zeros(2, 256, dtype=torch.long, device="meta"),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (4,), inputs, hardware="h100", time_limit_s=2, pipeline=False, layout="fsdp")
+        result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    return plan, result
+
+
+def test_fsdp_with_its_collectives_in_flight_is_predicted_within_ten_percent(fsdp_dry_run):
+    """Unpriced, the gather ahead and the reduce-scatter in flight put the peak 30% over the
+    prediction here (a reduce-scatter that kept its whole gradients alive: 40%)."""
+    plan, result = fsdp_dry_run
+    assert 3 in plan.zero.values()
+    assert result.ratio == pytest.approx(1.0, abs=0.10), result.table()
+
+
+def test_gradients_reduced_beside_backward_land_as_gradients(fsdp_dry_run):
+    """They reach ``.grad`` outside autograd's accumulation; its post-accumulate-grad hooks
+    (the dry run's tracker's among them) still see them."""
+    _, result = fsdp_dry_run
+    assert all(r.memory["gradients"] > 0 for r in result.ranks), result.table()
