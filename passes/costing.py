@@ -357,7 +357,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     # them, and what a checkpointed layer holds to run again: its inputs
     saved = graph.once(("saved", grad_inputs), lambda: saved_values(graph.captured.graph.nodes, grad_nodes))
     kept = keep_bases(graph.captured.graph.nodes, set(saved.held) | checkpoint_inputs(nodes, layer_of, recomputed))
-    shares = pricer.once(("shares",), lambda: parameter_shares(graph, layer_of))
+    shares = pricer.once(("shares",), lambda: parameter_shares(graph))
     # under a policy: which reads of a parameter keep its working copy
     readers = pricer.once(("copy readers", grad_inputs), lambda: copy_readers(graph, grad_nodes))
     # what each node costs whatever is recomputed: priced once per graph, every rebuild gets copies

@@ -56,6 +56,7 @@ from torch import fx
 
 from autopar import costmodels
 from autopar.costmodels.precision import META_KEY, MixedPrecision
+from autopar.passes.layers import first_segments
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.placements import Spec, gradient_spec, local_shape
 from autopar.passes.saved import saved_roles
@@ -166,31 +167,25 @@ class EdgeInput:
     alike: int = 1  # consumers alike that share the move
 
 
-def parameter_shares(graph: StrategyGraph, layer_of: dict[fx.Node, int]) -> dict[fx.Node, Shares]:
+def parameter_shares(graph: StrategyGraph) -> dict[fx.Node, Shares]:
     """Each parameter's ``Shares``, from whole sizes (an upper bound on the calls: local
-    shards fill buckets more slowly only where they are split)."""
-    params = [n for n in graph.nodes if n.name in graph.captured.params]
+    shards fill buckets more slowly only where they are split), gathered with the others of
+    its first reader's segment (a repeated layer, or a stretch between layers) as codegen
+    buckets them."""
+    captured = graph.captured
+    params = [n for n in graph.nodes if n.name in captured.params]
     size = {n: float(n.meta["val"].numel() * n.meta["val"].element_size()) for n in params}
     total = sum(size.values())
-    order = {n: i for i, n in enumerate(graph.captured.graph.nodes)}
-    first_layered = min((order[n] for n in layer_of if n.op != "placeholder"), default=len(order))
-
-    def segment(p: fx.Node):  # a layer, or the stretch before the layers, or after them
-        if p in layer_of:
-            return layer_of[p]
-        first_use = min((order[u] for u in p.users), default=0)
-        return "before" if first_use < first_layered else "after"
-
-    per_segment: dict[object, float] = {}
+    segment = graph.once(("first segments",), lambda: first_segments(captured.gm.graph.nodes, captured.params))
+    per_segment: dict[int | None, float] = {}
     for p in params:
-        per_segment[segment(p)] = per_segment.get(segment(p), 0.0) + size[p]
+        per_segment[segment.get(p)] = per_segment.get(segment.get(p), 0.0) + size[p]
     buckets = costmodels.gradient_buckets(total)
     # the last gradient bucket, and the first segment's gather, have no compute left to hide
     # behind: each parameter pays its share of them
-    return {p: Shares(gather=size[p] / per_segment[segment(p)], all_reduce=min(1.0, buckets * size[p] / total),
+    return {p: Shares(gather=size[p] / per_segment[segment.get(p)], all_reduce=min(1.0, buckets * size[p] / total),
                       all_reduce_tail=1.0 / buckets, gather_tail=1.0 / len(per_segment))
             for p in params if size[p] > 0}
-
 
 
 class EdgePricer:

@@ -10,6 +10,7 @@ shapes) are tied: the solver gives them one set of variables.
 from __future__ import annotations
 
 import re
+from typing import Iterable, Mapping
 
 from torch import fx
 
@@ -29,6 +30,42 @@ def layer_path(node: fx.Node, params: dict[str, str]) -> tuple[str, int] | None:
         if match:
             return match.group(1), int(match.group(2))
     return None
+
+
+def segments(nodes: Iterable[fx.Node], params: Mapping[str, str]) -> dict[fx.Node, tuple]:
+    """Op -> its segment, in the order of ``nodes``: ``("layer", container, index)`` inside a
+    repeated layer, ``("between", k)`` in the k-th stretch between layers (0: before the
+    first). ZeRO buckets gather and reduce a segment at a time
+    (``autopar.passes.lowering.codegen.plan_buckets``)."""
+    out, current, between = {}, ("between", 0), 0
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        where = layer_path(node, params)
+        if where is not None:
+            current = ("layer", *where)
+        elif current[0] == "layer":
+            between += 1
+            current = ("between", between)
+        out[node] = current
+    return out
+
+
+def first_segments(nodes: Iterable[fx.Node], params: Mapping[str, str]) -> dict[fx.Node, int]:
+    """Parameter placeholder -> the number, in graph order, of the segment its first reader is
+    in: the bucket forward gathers it with (a parameter no op reads: absent)."""
+    nodes = list(nodes)
+    segment = segments(nodes, params)
+    number: dict[tuple, int] = {}
+    for key in segment.values():
+        number.setdefault(key, len(number))
+    out = {}
+    for node in nodes:
+        if node.op == "placeholder" and node.name in params:
+            read = [number[segment[u]] for u in node.users if u in segment]
+            if read:
+                out[node] = min(read)  # segments are numbered in graph order
+    return out
 
 
 def find_layers(graph: StrategyGraph, index: dict[fx.Node, int], zero_node: dict[fx.Node, int]):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.costmodels.memory import (gather_ahead_bytes, gather_working_bytes, scatter_in_flight_bytes,
                                        scatter_working_bytes)
 from autopar.costmodels.precision import MixedPrecision
+from autopar.passes.layers import first_segments
 from autopar.passes.placements import local_shape
 from autopar.passes.strategy_graph import tensor_inputs
 
@@ -118,27 +119,12 @@ def plan_buckets(costs, choice) -> list[ZeroThreeBucket]:
     the order forward gathers them, grouped as codegen groups them: by the segment of the graph
     their first reader is in (a repeated layer, or the stretch between two)."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
-    segment = _segments(costs.graph.captured.gm.graph.nodes, costs.layer_of)
+    captured = graph.captured
+    segment = graph.once(("first segments",), lambda: first_segments(captured.gm.graph.nodes, captured.params))
     buckets: dict[int, ZeroThreeBucket] = {}
     for ph in costs.zero_node:
         spec = graph.nodes[ph].strategies[choice[ph]].output
-        key = min((segment[u] for u in ph.users if u in segment), default=math.inf)
         numel = math.prod(local_shape(tuple(ph.meta["val"].shape), spec, mesh))
-        buckets.setdefault(key, ZeroThreeBucket()).add(numel, gathered_over(graph, ph, spec, choice, mesh),
-                                                       ph.meta["val"].dtype)
+        buckets.setdefault(segment.get(ph, math.inf), ZeroThreeBucket()).add(
+            numel, gathered_over(graph, ph, spec, choice, mesh), ph.meta["val"].dtype)
     return [buckets[k] for k in sorted(buckets) if buckets[k].dtype is not None]
-
-
-def _segments(nodes: Iterable[fx.Node], layer_of: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """Op -> the index of its segment in graph order: each repeated layer one, and each
-    stretch between layers one (``autopar.passes.lowering.codegen.segments``)."""
-    out, index, current = {}, 0, None
-    for node in nodes:
-        if node.op != "call_function":
-            continue
-        here = layer_of.get(node, "between")
-        if here != current:
-            index += current is not None
-            current = here
-        out[node] = index
-    return out

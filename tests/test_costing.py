@@ -81,7 +81,7 @@ def test_bucketed_parameters_pay_each_call_latency_once(gpt_costs):
     """Over all parameters the latency shares add up to one alpha per bucket: per
     gradient bucket for all-reduces, per layer (or stretch between layers) for gathers."""
 
-    shares = parameter_shares(gpt_costs.graph, gpt_costs.layer_of)
+    shares = parameter_shares(gpt_costs.graph)
     params = [n for n in gpt_costs.graph.nodes if n.name in gpt_costs.graph.captured.params]
     total = sum(math.prod(p.meta["val"].shape) * 4 for p in params)
     assert sum(s.all_reduce for s in shares.values()) == pytest.approx(costmodels.gradient_buckets(total))

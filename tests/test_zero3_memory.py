@@ -77,3 +77,23 @@ def test_gradients_reduced_beside_backward_land_as_gradients(fsdp_dry_run):
     (the dry run's tracker's among them) still see them."""
     _, result = fsdp_dry_run
     assert all(r.memory["gradients"] > 0 for r in result.ranks), result.table()
+
+
+def test_parameters_are_bucketed_by_the_segment_of_their_first_reader():
+    """The embedding is gathered before the layers, each layer's parameters with their layer,
+    the final norm and head after them: the segments codegen buckets by
+    (``autopar.passes.layers.segments``)."""
+    from autopar.passes.capture import capture
+    from autopar.passes.layers import first_segments
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=16, dim=32, n_heads=2, n_layers=3))
+    captured = capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    segment = first_segments(captured.gm.graph.nodes, captured.params)
+    by_name = {captured.params[ph.name]: s for ph, s in segment.items()}
+    assert set(by_name) == {name for name, _ in model.named_parameters()}
+    assert by_name["tok.weight"] == by_name["pos.weight"] == 0  # read before the first layer
+    for name, s in by_name.items():
+        if name.startswith("blocks."):
+            assert s == 1 + int(name.split(".")[1]), name
+    assert by_name["ln_f.weight"] == by_name["head.weight"] == 4  # the stretch after the last

@@ -143,6 +143,25 @@ def test_the_dry_run_replays_the_split_backward(gpt):
     assert [(r.rank, r.peak, r.memory) for r in fewest.ranks] == [(r.rank, r.peak, r.memory) for r in every.ranks]
 
 
+def test_the_dry_run_makes_weight_gradients_past_a_norm_kept_whole():
+    """A layer's matmul weights gathered in one ZeRO-3 bucket, its norms kept whole (ZeRO 0,
+    as an auto plan may keep them): torch's weight groups then share the norm's backward, and
+    one pass per group found it freed (``autopar.runtime.stages.one_weight_group``)."""
+    from tests.distributed.plans import pipeline_plan as plan_by_hand
+
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=4))
+    tokens = torch.randint(0, 64, (16, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_by_hand(model, tokens, (2, 2), "ZBVZeroBubble", 4, 2, "fsdp")
+        for name in plan.params:
+            if ".ln" in name or name.startswith("ln"):
+                plan.params[name], plan.zero[name] = "R", 0
+        result = autopar.dry_run(autopar.Plan.from_json(plan.to_json()), model, (tokens,), workers=1)
+    assert sorted(set(plan.zero.values())) == [0, 3]
+    assert result.ok, result.table()
+
+
 def test_every_rank_is_predicted_within_ten_percent_of_its_dry_run():
     """The planner's zero-bubble plan over (2, 4): each pipeline rank's predicted peak (P micro-
     batches held from forward to weight gradient on every rank) against the dry run's replay of
@@ -165,7 +184,7 @@ LAUNCHES = {
     4: ["zb:2x2:gpt:2:1:fsdp", "zb:2x2:gpt:4:2:zero2", "zb:2x2:mlp:4:2:zero1", "zb:2x2:gpt:2:1:tp", "zb:4:gpt:8:2",
         "zb:2x2:gpt:2:1:tp:recompute", "zb:2x2:gpt:4:2:fsdp:recompute", "accum:2x2:gpt:pp:InterleavedZeroBubble:2:1:zero2",
         "clip-loop:pp:2x2:mlp:InterleavedZeroBubble:2:1", "zbv:4:gpt:8:2", "zbv:2x2:gpt:4:2:fsdp:recompute",
-        "dpv:4:gpt:8:2", "dpv:2x2:gpt:4:2:zero2", "dpv:2x2:gpt:4:2:tp:recompute"],
+        "dpv:4:gpt:8:2", "dpv:2x2:gpt:4:2:zero2", "dpv:2x2:gpt:4:2:tp:recompute", "zbv:2x2:gpt:4:2:fsdp:norms-whole"],
     8: ["zb:8:gpt:8:1", "zb:2x4:gpt:2:1:fsdp", "zbv:4x2:gpt:8:2:tp", "dpv:2x4:gpt:4:2:tp"],
 }
 TORCH_CLASS = {"zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dpv": "ScheduleDualPipeV"}
@@ -201,6 +220,9 @@ def test_zero_bubble_trains_like_one_process(nproc):
         if case.endswith(":recompute"):  # every layer rebuilt inside its stage, for each part of the backward
             assert r["recompute"] and r["recomputed_here"], r
             case = case.removesuffix(":recompute")
-        if case.endswith(("fsdp", "zero1", "zero2")):
+        if case.endswith(":norms-whole"):  # the norms kept whole beside the layout's ZeRO-3 buckets
+            assert r["zero_levels"] == [0, 3], r
+            case = case.removesuffix(":norms-whole")
+        elif case.endswith(("fsdp", "zero1", "zero2")):
             assert r["zero_levels"] == [{"fsdp": 3, "zero1": 1, "zero2": 2}[case.split(":")[-1]]], r
         assert r["loss_err"] <= 1e-9 and r["param_err"] <= 1e-9, f"{case}: {r}"

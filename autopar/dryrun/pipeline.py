@@ -28,6 +28,7 @@ from autopar.dryrun.results import RankResult
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.placements import local_shape
 from autopar.runtime.pipeline import PipelineModule
+from autopar.runtime.stages import one_weight_group
 
 
 def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
@@ -37,7 +38,8 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     sums and the optimizer step, as ``PipelineModule.train_step`` does after its schedule.
     A split backward (zero bubble) runs as torch's ``PipelineStage`` runs it: its input
     gradients by ``stage_backward_input`` (stage 0: none), its weight gradients later by
-    ``stage_backward_weight`` from what that kept (stage 0: its whole backward then).
+    ``stage_backward_weight`` from what that kept, in one pass (``stages.one_weight_group``;
+    stage 0: its whole backward then).
     ``micro_batches``: how many of the plan's micro-batches to replay (the schedule made for
     that many, each of the plan's size; default all, see ``replayed_micro_batches``)."""
     pp = pm.plan.pipeline
@@ -83,7 +85,8 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
         elif index == 0:
             awaiting_weights[index, mb] = (needs, grads)
         else:
-            awaiting_weights[index, mb] = stage_backward_input(needs, grads, received, stage.submod.parameters())[1]
+            groups = stage_backward_input(needs, grads, received, stage.submod.parameters())[1]
+            awaiting_weights[index, mb] = one_weight_group(groups)
     pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
     pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
 

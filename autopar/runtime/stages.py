@@ -11,6 +11,9 @@ Each stage is built with what it receives and sends (``stage_io``: shapes, dtype
 carry a gradient), known from the capture, so that torch infers nothing: its inference runs
 a stage on uninitialised tensors, where a received index (int64 positions read by
 ``gather``) points anywhere, and a stage that fails there leaves its peers waiting.
+
+A split backward (zero bubble) makes a stage's weight gradients in one pass
+(``SplitBackwardStage``, ``one_weight_group``), not one per group of weights as torch does.
 """
 
 from __future__ import annotations
@@ -36,6 +39,32 @@ from autopar.passes.planner.relayout import relayout_stages
 from autopar.passes.strategy_graph import StrategyGraph
 from autopar.runtime.draws import Draws
 from autopar.runtime.precision import Precision, apply_precision
+
+
+def one_weight_group(groups: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The weight-gradient groups of a split backward (``stage_backward_input``'s) as one.
+
+    torch makes a stage's weight gradients one ``autograd.grad`` per group, each freeing what
+    it ran through. The groups share nodes where a ZeRO-3 bucket, gathered in one call, ties
+    the weights of a layer's matmuls and a weight outside it (a norm's, kept whole) lies
+    between them: the bucket's pass runs through the norm's backward on its way to an earlier
+    matmul, and the norm's own pass finds it freed. One pass runs every node once; torch's
+    clamps on its intermediates (each gets the gradient the input pass recorded) count each
+    gradient once, as within a group."""
+    if not groups or len(groups) == 1:
+        return groups
+    return [{"params": set().union(*(g["params"] for g in groups)),
+             "intermediates": [i for g in groups for i in g["intermediates"]],
+             "grads": [grad for g in groups for grad in g["grads"]]}]
+
+
+class SplitBackwardStage(PipelineStage):
+    """torch's ``PipelineStage`` whose split backward makes the weight gradients in one pass
+    (``one_weight_group``)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        grads, groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return grads, one_weight_group(groups) if backward_type == "input" else groups
 
 
 @dataclass
@@ -215,6 +244,6 @@ def lower_stages(captured: Captured, graph: StrategyGraph, choice: dict, plan: P
         received = [n for n in part.inputs if n.name not in state_names]
         inputs, outputs = stage_io(part, program, received, graded, intra_shape)
         module = _Stage(program, list(named.values()), own, tuple(t.requires_grad for t in outputs))
-        variant.stages.append(PipelineStage(module, index, n_stages, place.device, input_args=inputs,
-                                            output_args=outputs, group=place.pp_group))
+        variant.stages.append(SplitBackwardStage(module, index, n_stages, place.device, input_args=inputs,
+                                                 output_args=outputs, group=place.pp_group))
     return variant

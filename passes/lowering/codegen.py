@@ -44,7 +44,7 @@ from autopar.passes.lowering import buckets
 from autopar.passes.lowering.agreement import agree_before_first_run
 from autopar.passes.lowering.buckets import Gather, GatherBucket
 from autopar.passes.lowering.collectives import Axis, AxisMove, grad_side
-from autopar.passes.layers import layer_path
+from autopar.passes.layers import segments
 from autopar.passes.placements import Spec, gradient_spec, spec_str
 from autopar.passes.strategy_graph import StrategyGraph, read_after, tensor_inputs, write_path
 from autopar.passes.op_strategies import OpInfo, ShardingStrategy
@@ -563,7 +563,7 @@ def plan_buckets(flow: Flow, shared: set[tuple[fx.Node, int]], per_use: frozense
     for backward, ZeRO-3 ones freed and gathered again.
     """
     params = flow.graph.captured.params
-    segment = segments(flow)
+    segment = segments(flow.order, params)
     buckets: dict[tuple, Bucket] = {}
     chosen: dict[tuple[fx.Node, fx.Node], Bucket] = {}
     for v in flow.order:
@@ -604,20 +604,3 @@ def gathered_axes(have: Spec, need: Spec, grad: Spec) -> tuple[int, ...] | None:
         else:
             return None
     return tuple(axes) or None
-
-
-def segments(flow: Flow) -> dict[fx.Node, tuple]:
-    """Op -> its segment: the repeated layer it is in, or the stretch between layers."""
-    params = flow.graph.captured.params
-    out, current, between = {}, ("between", 0), 0
-    for node in flow.order:
-        if node.op != "call_function":
-            continue
-        where = layer_path(node, params)
-        if where is not None:
-            current = ("layer", *where)
-        elif current[0] == "layer":
-            between += 1
-            current = ("between", between)
-        out[node] = current
-    return out

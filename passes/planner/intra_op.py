@@ -220,9 +220,10 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     # intra-op part is not held to its loose limit: the stage search fits every rank with them.
     budget = limit
     for attempt in range(4 if copies_fit else 1):
-        solved = _solve_within(graph, request, hints, budget, solver_time_s, masks, layouts_within=limit)
+        solved = _solve_within(graph, request, hints, budget, solver_time_s, masks, layouts_within=limit,
+                               one_stage=copies_fit)
         seen = _assignment_memory(solved.costs.problem, solved.result.assignment)
-        over = seen + _unseen(solved.costs, solved.result.assignment) - (limit or math.inf)
+        over = seen + _unseen(solved.costs, solved.result.assignment, copies_fit) - (limit or math.inf)
         if over <= 0 or budget is None or not copies_fit:
             break
         budget = min(budget, seen) - over * 2 ** attempt  # below what this plan's solve saw
@@ -272,11 +273,12 @@ def recompute_arg(policy: str | tuple[int, ...] | None) -> bool | list[int]:
 
 def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: float | None,
                   solver_time_s: float, masks: PinMasks | None = None,
-                  layouts_within: float | None = None) -> Solved:
+                  layouts_within: float | None = None, one_stage: bool = True) -> Solved:
     """The fastest of the solve within ``limit`` (every repeated layer recomputed, then the
     fewest, where nothing fits without) and the manual layouts that fit ``layouts_within``
-    (default ``limit``) with what the solve cannot see of each (``_unseen``); with
-    recomputation pinned, that recomputation only."""
+    (default ``limit``) with what the solve cannot see of each (``_unseen``; a pipeline
+    stage's, ``one_stage`` False: its copies alone, the stage search prices its gathers);
+    with recomputation pinned, that recomputation only."""
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
     policy = pinned_recompute(request)
@@ -285,7 +287,7 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
     def room(hint: Hint) -> float | None:  # the limit a manual layout's visible bytes must meet
         if layouts_within is None:
             return None
-        return layouts_within - _unseen(solved.costs, solved.costs.assignment(hint.choice, hint.zero))
+        return layouts_within - _unseen(solved.costs, solved.costs.assignment(hint.choice, hint.zero), one_stage)
 
     solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s,
                          recompute=recompute_arg(policy), masks=masks)
@@ -309,12 +311,16 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
     return fastest_of(solved, manual)
 
 
-def _unseen(costs: Costs, assignment: Sequence[int]) -> float:
+def _unseen(costs: Costs, assignment: Sequence[int], one_stage: bool = True) -> float:
     """Bytes per device of ``assignment`` that the solve cannot see: the copies of values saved
-    in two placements and the ZeRO-3 collectives in flight beside backward."""
+    in two placements and, in a one-stage plan, the ZeRO-3 collectives in flight beside
+    backward (a pipeline stage's are the stage search's: ``zero3_memory.forward_gather_memory``)."""
     picked = chosen(costs, assignment)
+    copies = sum(costs.read_copy_bytes(picked.choice).values())
+    if not one_stage:
+        return copies
     temporary = sum(float(costs.temporary_memory[v][s]) for v, s in enumerate(assignment))
-    return sum(costs.read_copy_bytes(picked.choice).values()) + zero3_in_flight(costs, picked, temporary)
+    return copies + zero3_in_flight(costs, picked, temporary)
 
 
 def plan_layout(costs: Costs, hints: dict[str, Hint], name: str, memory_limit: float | None,

@@ -5,10 +5,12 @@ per case on rank 0, as ``tests/distributed/train_check.py`` (whose helpers it ru
 
     torchrun --standalone --nproc_per_node 4 -m tests.distributed.zero_bubble_check zb:2x2:gpt:4:1:fsdp ...
 
-A case is ``zb:<mesh>:<model>:<micro-batches>:<chunks per rank>[:<intra-op layout>][:recompute]``
+A case is ``zb:<mesh>:<model>:<micro-batches>:<chunks per rank>[:<intra-op layout>][:norms-whole][:recompute]``
 (``zbv:`` and ``dpv:`` the same under torch's V-shaped ``ScheduleZBVZeroBubble`` and
 ``ScheduleDualPipeV``, 2 chunks per rank, rank r holding stages r and 2P - 1 - r): the pipeline over mesh axis 0, on the other axes data parallel or the layout
-``autopar.layouts`` builds (``fsdp``: ZeRO-3, ``zero1``, ``zero2``, ``tp``...); ``recompute``:
+``autopar.layouts`` builds (``fsdp``: ZeRO-3, ``zero1``, ``zero2``, ``tp``...); ``norms-whole``:
+the norms' parameters kept whole on every rank (ZeRO 0) beside the layout's (ZeRO-3 buckets of
+the other weights then tie a layer's matmuls across its norm, as an auto plan may); ``recompute``:
 every layer recomputed in backward inside its stage (rebuilt for each part of the split backward).
 Any other case is train_check's (``accum:...:pp:InterleavedZeroBubble:...``), run by its loop.
 """
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.passes.lowering.recompute import Recomputed, plan_layers
+from autopar.passes.plan import Plan
 from tests.distributed import train_check
 from tests.distributed.plans import pipeline_plan
 
@@ -32,14 +35,19 @@ SCHEDULES = {"zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dpv": "Dual
 
 def zero_bubble_case(spec: str) -> dict:
     prefix, mesh_text, model_name, m, v, *rest = spec.split(":")
-    recompute = rest[-1:] == ["recompute"]
-    intra_layout = rest[:-1] if recompute else rest
+    recompute, norms_whole = "recompute" in rest, "norms-whole" in rest
+    intra_layout = [x for x in rest if x not in ("recompute", "norms-whole")]
     mesh_shape = tuple(int(x) for x in mesh_text.split("x"))
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"a{i}" for i in range(len(mesh_shape))))
     model, loss_fn, batches = train_check.MODELS[model_name]()
     reference = copy.deepcopy(model)
     plan = copy.deepcopy(pipeline_plan(model, batches[0][0], mesh_shape, SCHEDULES[prefix], int(m), int(v),
                                        *intra_layout))
+    if norms_whole:
+        for name in plan.params:
+            if ".ln" in name or name.startswith("ln"):
+                plan.params[name], plan.zero[name] = "R" * (len(mesh_shape) - 1), 0
+        plan = Plan.from_json(plan.to_json())
     if recompute:
         plan.recompute = [f"layer {layer}" for layer in sorted(set(plan_layers(plan).values()))]
     pm = autopar.compile(model, mesh, (batches[0][0],), loss_fn=loss_fn, optimizer=train_check.adamw, plan=plan)
