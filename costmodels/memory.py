@@ -79,6 +79,27 @@ def in_flight_with_gradients(schedule: str | Schedule, stages: int, micro_batche
     return [n if micro_batches > n else n - 1 for n in peak]
 
 
+def awaiting_weights(schedule: str | Schedule, stages: int, micro_batches: int, chunks: int = 1) -> list[float]:
+    """Per (virtual) stage, the most micro-batches whose split backward has run its
+    input-gradient part and not yet its weight-gradient part (``schedule_actions``' I and W):
+    each keeps the gradients its weight gradients start from. None without a split backward,
+    and none on stage 0, whose input-gradient part torch skips (it runs the whole backward at
+    its W)."""
+    schedule = Schedule.parse(schedule)
+    v = schedule.chunks(chunks)
+    most = [0] * (stages * v)
+    if not schedule.split_backward:
+        return [0.0] * (stages * v)
+    for order in schedule_actions(schedule, stages, micro_batches, v):
+        waiting: dict[int, int] = {}
+        for kind, stage in order:
+            if stage == 0 or kind not in ("I", "W"):
+                continue
+            waiting[stage] = waiting.get(stage, 0) + (1 if kind == "I" else -1)
+            most[stage] = max(most[stage], waiting[stage])
+    return [float(n) for n in most]
+
+
 def _held_with_gradients(order: tuple[tuple[bool, int], ...]) -> int:
     """The most chunk micro-batches a rank's ``order`` holds after its first backward."""
     held, most, backward = 0, 0, False

@@ -234,3 +234,25 @@ def keep_bases(graph_nodes, kept: set[fx.Node]) -> set[fx.Node]:
         if node in kept and is_view(node):
             kept.add(node.args[0])
     return kept
+
+
+def weight_gradient_starts(graph_nodes, trainable: Iterable[fx.Node], state: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """The ops where a split backward's weight gradients start: each reads a value made from
+    ``trainable`` parameters alone (the parameter, or its cast or view) beside one made from
+    the inputs. torch's input-gradient part (``stage_backward_input``) keeps the gradient of
+    each one's output until the weight-gradient part starts from it. ``state``: placeholders
+    that are neither (buffers, constants)."""
+    from_weights, neutral = set(trainable), set(state)
+    out = set()
+    for node in graph_nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        weights = [i for i in inputs if i in from_weights]
+        if not weights:
+            continue
+        if all(i in from_weights or i in neutral for i in inputs):
+            from_weights.add(node)
+        else:
+            out.add(node)
+    return out

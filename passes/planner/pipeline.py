@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar import costmodels
 from autopar.costmodels.profile import default_axis_names
-from autopar.passes.costing import Costs, build_costs
+from autopar.passes.costing import Costs, build_costs, carrying_gradient
 from autopar.passes.state_costs import state_breakdown
 from autopar.passes.layers import layer_path
 from autopar.passes.node_keys import node_keys
@@ -52,6 +52,7 @@ from autopar.passes.planner.searched import stage_search_record
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
 from autopar.passes.planner.stage_starts import layer_modules, layer_names, start_layers
 from autopar.passes.placements import local_shape
+from autopar.passes.saved import weight_gradient_starts
 from autopar.passes.solve.pipeline_search import (PipelineSearchResult, _fastest_first, deeper_while_faster,
                                                   search_pipeline, useful_depths)
 from autopar.passes.solve.stages import LayerCosts
@@ -89,9 +90,13 @@ class LayerNumbers:
     # what the stages receive and send (``stage_io.StageIO``: per stage of layers [a, b), what
     # it holds per micro-batch beyond its layers' activations); None: nothing
     io: StageIO | None = None
+    # bytes, whole batch: the gradients a split backward keeps from its input-gradient part
+    # until its weight-gradient part starts from them (``saved.weight_gradient_starts``' outputs);
+    # None: none
+    weight_grads: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temporary", "largest_gradient", "gather", "scatter"):
+        for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
         if self.io is None:
@@ -168,6 +173,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     gathered = [{"layer": ZeroThreeBucket(), "between": ZeroThreeBucket()} for _ in range(count)]
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
+    weight_grads = [0.0] * count
+    starts = weight_gradient_starts_of(graph)
     choice, zero = costs.choice(assignment)
     saved_twice = costs.read_copy_bytes(choice)  # a value its readers save in two placements
     leads = {zi: ph for ph, zi in costs.zero_node.items()}
@@ -201,6 +208,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         kept = float(activation_memory[v][s]) + saved_twice.get(v, 0.0)
         activation[layer] += kept
         temporary[layer] += float(costs.temporary_memory[v][s])
+        if node in starts:
+            weight_grads[layer] += output_bytes(costs, node, choice)
         if node in repeated and node.op != "placeholder":  # what recomputing the repeated layer reruns
             forward[layer] += float(costs.forward[v][s])
             recomputable[layer] += kept
@@ -228,7 +237,19 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                         array(activation), io.crossing, where, array(forward),
                         array(recomputable), array(inputs), array(temporary), array(largest),
                         forward_gather_memory([g.values() for g in gathered], costs.precision),
-                        array([max(b.working(costs.precision)[1] for b in g.values()) for g in gathered]), io=io)
+                        array([max(b.working(costs.precision)[1] for b in g.values()) for g in gathered]), io=io,
+                        weight_grads=array(weight_grads))
+
+
+def weight_gradient_starts_of(graph) -> set:
+    """``saved.weight_gradient_starts`` of ``graph``'s capture, once per capture."""
+    captured = graph.captured
+
+    def find() -> set:
+        trainable = carrying_gradient(captured) & set(captured.nodes("placeholder"))
+        state = [n for n in captured.nodes("placeholder") if n.name not in captured.user_inputs and n not in trainable]
+        return weight_gradient_starts(captured.graph.nodes, trainable, state)
+    return graph.once(("weight gradient starts",), find)
 
 
 def stage_state(numel: float, level: int, shards: int, precision: str) -> dict[str, float]:
@@ -269,7 +290,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
-            io_credit=num.io.credit / m,
+            io_credit=num.io.credit / m, weight_grad_memory=num.weight_grads / m,
         )
 
     def run(schedules, depths) -> PipelineSearchResult:

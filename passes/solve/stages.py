@@ -10,7 +10,8 @@ Inputs
     adds again), ``accumulating[l]`` (the largest gradient a backward makes before adding it to
     the accumulated one), ``gather_memory[l]`` and ``scatter_memory[l]`` (what its ZeRO-3 gather,
     and its gradients' reduce-scatter, hold while they run:
-    ``costmodels.memory.gather_working_bytes``, ``scatter_working_bytes``); per stage of layers
+    ``costmodels.memory.gather_working_bytes``, ``scatter_working_bytes``), ``weight_grad_memory[l]``
+    (the gradients a split backward keeps for its weight-gradient part); per stage of layers
     ``[a, b)``, ``stage_io[a, b]`` (bytes per micro-batch of the values it receives and sends,
     which torch's ``PipelineStage`` keeps until that micro-batch's backward, beyond its layers'
     activations) and ``io_credit[a, b]`` (of them, what its recomputed layers' kept inputs
@@ -31,15 +32,17 @@ Objective (``cut_stages``)
 
 Constraints (``stage_peak``: every stage, on its sums over its layers ``StageSums``)
     memory(s, k[s]) <= memory_limit, the larger of two instants:
-      before any gradient:  static - G + R + peak[s] * (A - k * X / n) + (k > 0) * Y
-      with the gradients:   static + R + with_gradients[s] * (A - k * X / n) + T + (k > 0) * Y
+      before any gradient:  static - G + R + peak[s] * (A - k * X / n) + (k > 0) * Y + awaiting[s] * K
+      with the gradients:   static + R + with_gradients[s] * (A - k * X / n) + T + (k > 0) * Y + awaiting[s] * K
     where ``static`` is static_memory summed (temporary_memory included, held throughout here;
     ``rank_peaks`` tells it apart), ``G`` gradient_memory summed, ``A``
     activation_memory summed + stage_io, ``X`` recompute_saving summed + io_credit, ``Y`` the
     largest recompute_saving (backward rebuilds one recomputed layer of one micro-batch at a
     time), ``T`` the largest accumulating (each backward after the first makes a gradient
     before adding it to the accumulated one) and ``R`` the largest gather_memory or
-    scatter_memory (one runs at a time; held throughout, as ``T``); ``k[s]`` is the fewest that
+    scatter_memory (one runs at a time; held throughout, as ``T``), ``K`` weight_grad_memory summed
+    (a split backward's micro-batch keeps it from its input-gradient part to its weight-gradient
+    part; ``awaiting[s]`` of them at most, ``InFlight.of``); ``k[s]`` is the fewest that
     fit (``fewest_recomputed``). GPipe's peak is its first backward's start, M in flight and no
     gradient made yet, and each backward frees one micro-batch as the gradients appear
     (``costmodels.memory.in_flight_with_gradients``); without ``with_gradients`` the gradients
@@ -92,11 +95,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from autopar.costmodels import Schedule
-from autopar.costmodels.memory import in_flight_with_gradients, schedule_order
+from autopar.costmodels.memory import awaiting_weights, in_flight_with_gradients, schedule_actions
 
 # LayerCosts' fields with one number per layer (None: zeros), and per stage of layers [a, b)
 _PER_LAYER = ("static_memory", "activation_memory", "recompute_saving", "recompute_time", "gradient_memory",
-              "accumulating", "temporary_memory", "gather_memory", "scatter_memory")
+              "accumulating", "temporary_memory", "gather_memory", "scatter_memory", "weight_grad_memory")
 _PER_SPAN = ("stage_io", "io_credit")
 
 
@@ -119,6 +122,9 @@ class LayerCosts:
     temporary_memory: Sequence[float] | None = None  # the part of static_memory alive only in a backward
     gather_memory: Sequence[float] | None = None  # what its ZeRO-3 gather holds while it runs
     scatter_memory: Sequence[float] | None = None  # ... and its gradients' reduce-scatter
+    # per micro-batch: the gradients a split backward keeps from its input-gradient part until
+    # its weight-gradient part starts from them (``saved.weight_gradient_starts``' outputs')
+    weight_grad_memory: Sequence[float] | None = None
     # per stage of layers [a, b) ([L + 1, L + 1]): bytes per micro-batch it holds of the values it
     # receives and sends beyond activation_memory, and of them what its recomputed layers free
     stage_io: np.ndarray | None = None
@@ -147,19 +153,23 @@ class LayerCosts:
 class InFlight:
     """Micro-batches whose activations a stage keeps alive, per (virtual) stage, or one stage's
     as numbers: ``peak`` at its peak, ``with_gradients`` once a backward has made its gradients
-    (None: as at the peak, the gradients held then; module docstring)."""
+    (None: as at the peak, the gradients held then; module docstring); ``awaiting``: the most
+    whose split backward awaits its weight-gradient part (None: none)."""
 
     peak: np.ndarray
     with_gradients: np.ndarray | None = None
+    awaiting: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         peak = np.asarray(self.peak, dtype=np.float64)
         after = peak if self.with_gradients is None else np.asarray(self.with_gradients, dtype=np.float64)
-        if after.shape != peak.shape:
-            raise ValueError(f"autopar: InFlight expected with_gradients for as many stages as peak "
-                             f"({peak.shape}), found {after.shape}; give one count per stage.")
+        awaiting = np.zeros_like(peak) if self.awaiting is None else np.asarray(self.awaiting, dtype=np.float64)
+        if after.shape != peak.shape or awaiting.shape != peak.shape:
+            raise ValueError(f"autopar: InFlight expected with_gradients for as many stages as peak ({peak.shape}), "
+                             f"and awaiting too; found {after.shape} and {awaiting.shape}; give one count per stage.")
         object.__setattr__(self, "peak", peak)
         object.__setattr__(self, "with_gradients", after)
+        object.__setattr__(self, "awaiting", awaiting)
 
     @classmethod
     def of(cls, schedule: str | Schedule, stages: int, micro_batches: int, chunks_per_rank: int = 1) -> InFlight:
@@ -168,10 +178,11 @@ class InFlight:
         holding its rank's rounded-up count; ``costmodels.memory.in_flight_with_gradients``)."""
         schedule = Schedule.parse(schedule)
         return cls(schedule.in_flight_per_stage(stages, micro_batches, chunks_per_rank),
-                   in_flight_with_gradients(schedule, stages, micro_batches, chunks_per_rank))
+                   in_flight_with_gradients(schedule, stages, micro_batches, chunks_per_rank),
+                   awaiting_weights(schedule, stages, micro_batches, chunks_per_rank))
 
     def stage(self, s: int) -> InFlight:
-        return InFlight(self.peak[s], self.with_gradients[s])
+        return InFlight(self.peak[s], self.with_gradients[s], self.awaiting[s])
 
 
 class StageSums(NamedTuple):
@@ -186,6 +197,7 @@ class StageSums(NamedTuple):
     largest_saving: np.ndarray  # a recomputed layer rebuilt in backward
     layers: np.ndarray
     adding: np.ndarray | float = 0.0  # a gradient being added to the accumulated ones
+    awaiting: np.ndarray | float = 0.0  # per micro-batch awaiting its weight gradients: what it keeps
 
 
 @dataclass
@@ -208,6 +220,7 @@ class StageCut:
     rebuilt: list[float] = field(default_factory=list)
     adding: list[float] = field(default_factory=list)
     in_forward: list[float] = field(default_factory=list)  # a ZeRO-3 gather beyond one micro-batch's activations
+    awaiting: list[float] = field(default_factory=list)  # a micro-batch awaiting its weight gradients keeps
 
     @property
     def slowest(self) -> float:
@@ -237,10 +250,10 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
             f"found stages={stages}; use fewer pipeline stages."
         )
     in_flight = _for_stages(in_flight, stages, "cut_stages")
-    time_prefix, static_prefix, activation_prefix, saving_prefix, recompute_prefix, gradient_prefix = (
+    time_prefix, static_prefix, activation_prefix, saving_prefix, recompute_prefix, gradient_prefix, weight_prefix = (
         np.concatenate([[0.0], np.cumsum(x)]) for x in (
             costs.time, costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
-            costs.gradient_memory))
+            costs.gradient_memory, costs.weight_grad_memory))
     cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
 
     # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b); each stage
@@ -261,6 +274,7 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
         largest_saving=_span_max(costs.recompute_saving),
         layers=np.maximum(b - a, 1),
         adding=_span_max(costs.accumulating),
+        awaiting=weight_prefix[b] - weight_prefix[a],
     )
     for s in range(stages):
         last = s == stages - 1
@@ -310,6 +324,7 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
         largest_saving=most(saving),
         layers=sizes,
         adding=largest_adding,
+        awaiting=total(costs.weight_grad_memory),
     )
     k, memory, grads = stage_peak(stage, in_flight, memory_limit if recomputed is None else math.inf, recomputed)
     k = k.astype(int)
@@ -335,7 +350,8 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
                                                                              scatter - onward)))).tolist(),
                     rebuilt=np.where(k > 0, stage.largest_saving, 0.0).tolist(),
                     adding=largest_adding.tolist(),
-                    in_forward=np.maximum(0.0, most(gather - onward)).tolist())
+                    in_forward=np.maximum(0.0, most(gather - onward)).tolist(),
+                    awaiting=stage.awaiting.tolist())
 
 
 def _check_recomputed(recomputed: Sequence[int], starts, num_layers: int) -> None:
@@ -367,30 +383,38 @@ class RankPeak(NamedTuple):
 
 def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chunks: int = 1) -> list[RankPeak]:
     """Each pipeline rank's peak, replaying the order torch's schedule runs its stages in
-    (``costmodels.memory.schedule_order``) with the cut's per-stage parts: every stage's
+    (``costmodels.memory.schedule_actions``) with the cut's per-stage parts: every stage's
     micro-batches in flight at each instant, together (interleaved, a rank's chunks hold
     different counts at different times: the chunk holding the loss keeps one micro-batch
     while the others fill). A backward holds its micro-batch's activations, its stage's
     temporaries and rebuilt layer; a stage's first backward frees one micro-batch as its
     gradients appear (``stage_peak``'s two instants), later ones make a gradient before adding
-    it to the accumulated one (``adding``)."""
+    it to the accumulated one (``adding``). A split backward's micro-batch keeps what its
+    weight gradients start from (``awaiting``) from its input-gradient part (I) to its W."""
     v = Schedule.parse(schedule).chunks(chunks)
     ranks = len(cut.starts) // v
     out = []
-    for rank, actions in enumerate(schedule_order(schedule, ranks, micro_batches, v)):
+    for rank, actions in enumerate(schedule_actions(schedule, ranks, micro_batches, v)):
         base = sum(cut.held_always[s] for s in Schedule.parse(schedule).stages_of(rank, ranks, v))
         in_flight, with_gradients, gradients = 0.0, set(), 0.0  # with_gradients: stages past their first backward
+        awaiting = 0.0  # what micro-batches awaiting their weight gradients keep (a temporary: freed at their W)
         best = RankPeak(base, 0.0, 0.0)
 
         def at(temporary: float, rebuilt: float = 0.0) -> RankPeak:
-            return RankPeak(base + gradients + in_flight + temporary + rebuilt, gradients, temporary)
+            return RankPeak(base + gradients + in_flight + awaiting + temporary + rebuilt, gradients,
+                            temporary + awaiting)
 
-        for forward, s in actions:
-            if forward:
+        for kind, s in actions:
+            if kind == "F":
                 in_flight += cut.per_micro_batch[s]
                 best = _higher(best, at(cut.in_forward[s] if cut.in_forward else 0.0))
                 continue
             during, rebuilt = cut.in_backward[s], cut.rebuilt[s]
+            keeps = cut.awaiting[s] if cut.awaiting and s else 0.0  # torch's stage 0 runs its whole backward at W
+            if kind == "I":  # input gradients: the micro-batch is held on, with the gradients its W starts from
+                awaiting += keeps
+                best = _higher(best, at(during, rebuilt))
+                continue
             if s not in with_gradients:  # its first backward: before any gradient, then with them, one micro-batch freed
                 best = _higher(best, at(during, rebuilt))
                 with_gradients.add(s)
@@ -400,6 +424,8 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
             else:
                 best = _higher(best, at(during + cut.adding[s], rebuilt))
                 in_flight -= cut.per_micro_batch[s]
+            if kind == "W":
+                awaiting -= keeps
         out.append(best)
     return out
 
@@ -415,10 +441,13 @@ def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=N
     the accumulated ones (module docstring), with the fewest recomputed layers that fit
     ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given. Works on
     arrays (every span, or every stage, at once) and on numbers."""
-    static, gradients, activation, saving, largest_saving, layers, adding = stage
+    static, gradients, activation, saving, largest_saving, layers, adding, kept = stage
     peak, with_gradients = in_flight.peak, in_flight.with_gradients
-    before = static - gradients + peak * activation
-    after = static + with_gradients * activation + adding
+    # what micro-batches awaiting their weight gradients keep, at either instant: they wait
+    # from a first input-gradient part, before the stage's gradients exist, until its last W
+    awaiting = in_flight.awaiting * kept
+    before = static - gradients + peak * activation + awaiting
+    after = static + with_gradients * activation + adding + awaiting
     k_before, _ = fewest_recomputed(before, peak * saving, largest_saving, layers, limit)
     k_after, _ = fewest_recomputed(after, with_gradients * saving, largest_saving, layers, limit)
     k = np.maximum(k_before, k_after) if recomputed is None else np.asarray(recomputed, dtype=np.float64)
