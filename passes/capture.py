@@ -1,6 +1,8 @@
 """Capture: an ``nn.Module`` and example inputs -> an ATen-level ``fx.GraphModule``.
 
-``torch.export`` (non-strict, train mode) traces the model; the graph is kept at the
+``torch.export`` (non-strict, train mode) traces the model (a meta model of many identical
+layers: a few of them, the rest copied by ``autopar.passes.capture_stamp`` as export would
+make them, or the whole model wherever they are not shown alike); the graph is kept at the
 pre-dispatch ATen level (``linear``, ``layer_norm``, ``scaled_dot_product_attention``
 stay whole, which is the level sharding rules are written for). Then:
 
@@ -41,6 +43,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.passes.capture_moe import fuse_moe_experts
+from autopar.passes.capture_stamp import stamped_export
 
 
 @dataclass
@@ -208,9 +211,14 @@ def capture(
     was_training = model.training
     model.train(train)
     host_draws: list[str] = []
+
+    def exported(m: torch.nn.Module) -> Any:
+        return torch.export.export(m, example_inputs, example_kwargs, strict=False)
+
     try:
         with _huggingface_quirks(model), _without_stack_traces(), _host_draws_noted(host_draws):
-            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+            # many identical layers: a few exported, the rest copied (None where not shown identical)
+            ep = stamped_export(model, exported) or exported(model)
     except Exception as exc:  # turned into one clear error that points at the model's code
         raise CaptureError(_capture_message(model, exc)) from exc
     finally:
@@ -219,6 +227,8 @@ def capture(
         raise CaptureError(_host_draws_message(model, host_draws))
     captured = _from_exported(ep, type(model).__name__)
     _merge_tied_parameters(captured, model)
+    for node in captured.gm.graph.nodes:  # export's per-function counter, read by nothing, that a stamped copy cannot
+        node.meta.pop("torch_fn", None)   # number as export would (its assert checks' numbers skip)
     captured.gm.graph.lint()
     captured.gm.recompile()  # once, after every rewrite: Python code for 5,600 nodes takes a while
     return captured
@@ -279,7 +289,7 @@ def _distinct_tensors(tree: Any) -> Any:
 
 
 def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Captured:
-    gm = ep.graph_module
+    gm = _numbered_afresh(ep.graph_module)
     sig = ep.graph_signature
     captured = Captured(gm=gm, placeholders=[], out_spec=ep.call_spec.out_spec, in_spec=ep.call_spec.in_spec,
                         model_name=model_name)
@@ -313,6 +323,16 @@ def _from_exported(ep: torch.export.ExportedProgram, model_name: str) -> Capture
     _copying_reshapes(gm)
     fuse_moe_experts(gm)  # mixture-of-experts regions as one op: expert parallelism can dispatch all-to-all
     return captured
+
+
+def _numbered_afresh(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its graph copied node by node, in order: names the rewrites below add are then
+    numbered from the graph's own names, not also from names export made and removed (which a
+    stamped graph, ``autopar.passes.capture_stamp``, never had)."""
+    graph = fx.Graph()
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(graph.graph_copy(gm.graph, {}), output.type).meta = dict(output.meta)
+    return fx.GraphModule(gm, graph)
 
 
 def _inline_no_grad_regions(gm: fx.GraphModule) -> None:

@@ -143,10 +143,64 @@ def test_the_dry_run_replays_the_split_backward(gpt):
     assert [(r.rank, r.peak, r.memory) for r in fewest.ranks] == [(r.rank, r.peak, r.memory) for r in every.ranks]
 
 
+class _Counted(torch.autograd.Function):
+    """relu counting its backwards: which part of a split backward runs the activations' path."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.relu()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Counted.calls += 1
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_gradients_run_no_input_gradient_path_again(tied):
+    """Each weight-gradient pass starts where its weights meet the activations: the
+    activations' backward (the relus between the layers) ran in the input-gradient part and
+    does not run again. ``tied``: two layers' weights made in one op (as a ZeRO-3 bucket's
+    gather makes them), a third layer apart between them: the tied group's pass runs through
+    the third layer's backward, which its own pass still finds (exact against one backward)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from autopar.runtime.stages import weight_gradients
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward():
+        weights = [layer.weight for layer in layers]
+        if tied:  # layers 0 and 2 read their weights through one op
+            both = torch.stack([weights[0], weights[2]]) * 1.0
+            weights[0], weights[2] = both[0], both[1]
+        h = x
+        for layer, w in zip(layers, weights):
+            h = _Counted.apply(torch.nn.functional.linear(h, w, layer.bias))
+        return h.sum()
+
+    forward().backward()
+    reference = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    _Counted.calls = 0
+    _, groups = stage_backward_input([forward()], None, [x], layers.parameters())
+    assert _Counted.calls == 3 and len(groups) == (2 if tied else 3)
+    weight_gradients(layers.parameters(), groups)
+    assert _Counted.calls == (3 + 2 if tied else 3)  # tied: the pass from layer 2 to layer 0 crosses two relus
+    for p, want in zip(layers.parameters(), reference):
+        torch.testing.assert_close(p.grad, want)
+
+
 def test_the_dry_run_makes_weight_gradients_past_a_norm_kept_whole():
     """A layer's matmul weights gathered in one ZeRO-3 bucket, its norms kept whole (ZeRO 0,
     as an auto plan may keep them): torch's weight groups then share the norm's backward, and
-    one pass per group found it freed (``autopar.runtime.stages.one_weight_group``)."""
+    the bucket's pass freed it for the norm's (``autopar.runtime.stages.weight_gradients``)."""
     from tests.distributed.plans import pipeline_plan as plan_by_hand
 
     model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=4))

@@ -20,7 +20,7 @@ backwards whole, ``B``, between them; ``costmodels.memory.numbered`` pairs each 
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import stage_backward_input
 
 from autopar.costmodels.memory import numbered, schedule_actions
 from autopar.costmodels.schedules import Schedule
@@ -28,7 +28,7 @@ from autopar.dryrun.results import RankResult
 from autopar.passes.costing import carrying_gradient
 from autopar.passes.placements import local_shape
 from autopar.runtime.pipeline import PipelineModule
-from autopar.runtime.stages import one_weight_group
+from autopar.runtime.stages import weight_gradients
 
 
 def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
@@ -38,8 +38,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
     sums and the optimizer step, as ``PipelineModule.train_step`` does after its schedule.
     A split backward (zero bubble) runs as torch's ``PipelineStage`` runs it: its input
     gradients by ``stage_backward_input`` (stage 0: none), its weight gradients later by
-    ``stage_backward_weight`` from what that kept, in one pass (``stages.one_weight_group``;
-    stage 0: its whole backward then).
+    ``stages.weight_gradients`` from what that kept (stage 0: its whole backward then).
     ``micro_batches``: how many of the plan's micro-batches to replay (the schedule made for
     that many, each of the plan's size; default all, see ``replayed_micro_batches``)."""
     pp = pm.plan.pipeline
@@ -75,7 +74,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
             if index == 0:  # torch's stage 0 runs its whole backward at its W
                 torch.autograd.backward(*kept)
             else:
-                stage_backward_weight(stage.submod.parameters(), kept)
+                weight_gradients(stage.submod.parameters(), kept)
             continue
         received, outputs = in_flight.pop((index, mb))
         needs = [t for t in outputs if t.requires_grad]
@@ -85,8 +84,7 @@ def pipeline_step(pm: PipelineModule, inputs: tuple, target: torch.Tensor,
         elif index == 0:
             awaiting_weights[index, mb] = (needs, grads)
         else:
-            groups = stage_backward_input(needs, grads, received, stage.submod.parameters())[1]
-            awaiting_weights[index, mb] = one_weight_group(groups)
+            awaiting_weights[index, mb] = stage_backward_input(needs, grads, received, stage.submod.parameters())[1]
     pm._sum_gradients(None)  # as train_step: summed once (ZeRO-2: reduce-scattered into the optimizer's slices)
     pm.step()  # the optimizer step, then (ZeRO-1/2) the whole parameters gathered from the slices
 

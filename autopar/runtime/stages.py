@@ -12,8 +12,9 @@ carry a gradient), known from the capture, so that torch infers nothing: its inf
 a stage on uninitialised tensors, where a received index (int64 positions read by
 ``gather``) points anywhere, and a stage that fails there leaves its peers waiting.
 
-A split backward (zero bubble) makes a stage's weight gradients in one pass
-(``SplitBackwardStage``, ``one_weight_group``), not one per group of weights as torch does.
+A split backward (zero bubble) makes a stage's weight gradients as torch does, one pass per
+group of weights, each keeping the graph for the next (``SplitBackwardStage``,
+``weight_gradients``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_weight
 from torch.utils import _pytree as pytree
 
 from autopar.costmodels import Schedule
@@ -41,30 +43,31 @@ from autopar.runtime.draws import Draws
 from autopar.runtime.precision import Precision, apply_precision
 
 
-def one_weight_group(groups: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The weight-gradient groups of a split backward (``stage_backward_input``'s) as one.
-
-    torch makes a stage's weight gradients one ``autograd.grad`` per group, each freeing what
-    it ran through. The groups share nodes where a ZeRO-3 bucket, gathered in one call, ties
-    the weights of a layer's matmuls and a weight outside it (a norm's, kept whole) lies
-    between them: the bucket's pass runs through the norm's backward on its way to an earlier
-    matmul, and the norm's own pass finds it freed. One pass runs every node once; torch's
-    clamps on its intermediates (each gets the gradient the input pass recorded) count each
-    gradient once, as within a group."""
-    if not groups or len(groups) == 1:
-        return groups
-    return [{"params": set().union(*(g["params"] for g in groups)),
-             "intermediates": [i for g in groups for i in g["intermediates"]],
-             "grads": [grad for g in groups for grad in g["grads"]]}]
+def weight_gradients(weights, groups: list[dict[str, Any]] | None) -> tuple:
+    """A split backward's weight-gradient part: torch's ``stage_backward_weight``, one
+    ``autograd.grad`` per group of weights (``stage_backward_input``'s), each pass but the last
+    keeping the graph. The groups share nodes where a ZeRO-3 bucket, gathered in one call, ties
+    the weights of a layer's matmuls and a weight outside it (a norm's, kept whole) lies between
+    them: the bucket's pass runs through the norm's backward on its way to an earlier matmul,
+    and freed it for the norm's own pass. (One pass over all the groups would run the whole
+    stage's input-gradient path again, to reach each weight from every group's start.) The
+    graph goes when the last pass ends: torch drops the groups' references to it."""
+    weights = list(weights)
+    if not groups:
+        return stage_backward_weight(weights, groups or [])
+    stage_backward_weight(weights, groups[:-1], retain_graph=True)
+    return stage_backward_weight(weights, groups[-1:])
 
 
 class SplitBackwardStage(PipelineStage):
-    """torch's ``PipelineStage`` whose split backward makes the weight gradients in one pass
-    (``one_weight_group``)."""
+    """torch's ``PipelineStage`` whose split backward makes its weight gradients with
+    ``weight_gradients``."""
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        grads, groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        return grads, one_weight_group(groups) if backward_type == "input" else groups
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # a stage's module is ours, never DDP or FSDP: torch runs it as below
+        return weight_gradients(self.submod.parameters(), bwd_kwargs["param_groups"]), None
 
 
 @dataclass
