@@ -13,8 +13,8 @@ a stage on uninitialised tensors, where a received index (int64 positions read b
 ``gather``) points anywhere, and a stage that fails there leaves its peers waiting.
 
 A split backward (zero bubble) makes a stage's weight gradients as torch does, one pass per
-group of weights, each keeping the graph for the next (``SplitBackwardStage``,
-``weight_gradients``).
+group of weights, unless a group starts from more than one op (a ZeRO-3 bucket's): then in one
+pass (``SplitBackwardStage``, ``weight_gradients``).
 """
 
 from __future__ import annotations
@@ -44,19 +44,25 @@ from autopar.runtime.precision import Precision, apply_precision
 
 
 def weight_gradients(weights, groups: list[dict[str, Any]] | None) -> tuple:
-    """A split backward's weight-gradient part: torch's ``stage_backward_weight``, one
-    ``autograd.grad`` per group of weights (``stage_backward_input``'s), each pass but the last
-    keeping the graph. The groups share nodes where a ZeRO-3 bucket, gathered in one call, ties
-    the weights of a layer's matmuls and a weight outside it (a norm's, kept whole) lies between
-    them: the bucket's pass runs through the norm's backward on its way to an earlier matmul,
-    and freed it for the norm's own pass. (One pass over all the groups would run the whole
-    stage's input-gradient path again, to reach each weight from every group's start.) The
-    graph goes when the last pass ends: torch drops the groups' references to it."""
-    weights = list(weights)
-    if not groups:
-        return stage_backward_weight(weights, groups or [])
-    stage_backward_weight(weights, groups[:-1], retain_graph=True)
-    return stage_backward_weight(weights, groups[-1:])
+    """A split backward's weight-gradient part: torch's ``stage_backward_weight`` over the
+    groups of weights ``stage_backward_input`` made, one ``autograd.grad`` per group, each
+    freeing what it ran through; or, where a group starts from more than one op, the groups
+    merged into one pass.
+
+    A group starts from one op (a matmul, a norm) unless one value ties its weights: a ZeRO-3
+    bucket, gathered in one call, ties a layer's matmuls. Such a group's pass runs from its later
+    ops back to its earlier ones through the activations between them, and there through any op
+    of another group (a norm kept whole): its pass freed that op's backward for the op's own
+    group. Merged, each op runs once; torch's clamps on every start (each gets the gradient the
+    input-gradient part recorded) count each gradient once, as within a group. Groups of one op
+    each run alone: merged, every pass would run the activations' path again to reach the
+    earlier weights (and keep the graph longer: one pass per group keeping it costs half again
+    a stage's activations)."""
+    if groups and len(groups) > 1 and any(len(g["intermediates"]) > 1 for g in groups):
+        groups = [{"params": set().union(*(g["params"] for g in groups)),
+                   "intermediates": [i for g in groups for i in g["intermediates"]],
+                   "grads": [grad for g in groups for grad in g["grads"]]}]
+    return stage_backward_weight(list(weights), groups or [])
 
 
 class SplitBackwardStage(PipelineStage):
