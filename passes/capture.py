@@ -332,6 +332,11 @@ def _numbered_afresh(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(graph.graph_copy(gm.graph, {}), output.type).meta = dict(output.meta)
+    names = graph._graph_namespace
+    for old, new in zip(gm.graph.nodes, graph.nodes):
+        if new.name != old.name:  # fx renames what shadows a builtin (an input named `input`); export kept it
+            names._used_names.add(old.name)
+            names._obj_to_name[new] = new.name = old.name
     return fx.GraphModule(gm, graph)
 
 
