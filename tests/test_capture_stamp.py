@@ -144,3 +144,13 @@ def test_hugging_face_layers_of_two_attention_kinds_fall_back(monkeypatch):
     first, stamped, whole = _captures(monkeypatch, model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), True)
     assert not stamped
     assert _described(first) == _described(whole)
+
+
+def test_a_capture_keeps_the_names_export_gives_its_inputs():
+    """Copying the graph node by node must not rename what export named: fx would rename an
+    input that shadows a Python builtin (``nn.Linear``'s ``input``)."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 8)
+    captured = capture(model, (torch.zeros(2, 8, device="meta"),))
+    names = [n.name for n in captured.nodes("placeholder")]
+    assert captured.user_inputs == ["input"] and "input" in names
