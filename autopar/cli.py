@@ -32,6 +32,7 @@ from typing import Sequence
 from autopar.layouts import LAYOUTS
 from autopar import pictures
 from autopar.costmodels import PRESETS, HardwareProfile
+from autopar.costmodels.profile import DTYPES
 from autopar.costmodels.profiler import Sweep, profile_mesh
 from autopar.costmodels.report import profile_table
 from autopar.coverage import coverage
@@ -171,6 +172,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             force=args.force,
             sweep=sweep,
             progress=not args.no_progress,
+            dtypes=args.dtypes,
         )
         if dist.get_rank() == 0:
             if args.out:
@@ -402,6 +404,9 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the profile JSON here")
     p.add_argument("--force", action="store_true", help="re-measure even if a matching cached profile exists")
     p.add_argument("--quick", action="store_true", help="a small sweep (seconds; for smoke tests)")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                   help="compute dtypes to measure (fp32 always; default: all); a cached profile lacking "
+                        "some has them added")
     p.add_argument(
         "--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo"
     )

@@ -19,6 +19,8 @@ from autopar.planning import plan as make_plan
 from autopar.runtime.meshes import plan_mesh, require_usable
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import Precision, capture_cast, recorded_policy, warn_under_autocast
+from autopar.costmodels.compute import dtype_name
+from autopar.costmodels.profile import DTYPES, MissingRates
 from autopar.costmodels.profiler import profile_mesh
 from autopar.passes.capture import capture
 from autopar.passes.generation import Inference
@@ -192,22 +194,45 @@ def plan_once(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple, hardwar
     on this mesh once and cached (``autopar profile``); ``options`` go to ``autopar.plan``
     (``time_limit_s``, ``layout``, ...). Planning that fails on rank 0 is broadcast in the
     plan's place: every rank raises it (``PeerFailure`` on the others) instead of waiting."""
-    if hardware is None:
-        hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=True)  # a bar on rank 0
-    text = [None]
-    if dist.get_rank() == 0:
-        print(f"autopar: planning {type(model).__name__} for mesh {tuple(mesh.shape)} on rank 0 ...",
-              file=sys.stderr, flush=True)
+    measured = hardware is None
+    dtypes = compute_dtypes(model, example_inputs, options.get("mp_policy"))
+    while True:
+        if measured:  # a bar on rank 0
+            hardware, _, _ = profile_mesh(tuple(mesh.shape), mesh.mesh_dim_names, progress=True, dtypes=dtypes)
+        text: list[Any] = [None]
+        if dist.get_rank() == 0:
+            print(f"autopar: planning {type(model).__name__} for mesh {tuple(mesh.shape)} on rank 0 ...",
+                  file=sys.stderr, flush=True)
+            try:
+                text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
+            except MissingRates as exc:
+                if not measured or exc.dtype in dtypes:
+                    dist.broadcast_object_list([PeerFailure(0, "planning", str(exc), here=0)], src=0)
+                    raise
+                text[0] = ("measure", exc.dtype)  # the model computes in a dtype not seen: measure it, plan again
+            except Exception as exc:
+                dist.broadcast_object_list([PeerFailure(0, "planning", f"{type(exc).__name__}: {exc}", here=0)], src=0)
+                raise
+        dist.broadcast_object_list(text, src=0)
+        if isinstance(text[0], PeerFailure):
+            raise PeerFailure(text[0].rank, text[0].what, text[0].error, here=dist.get_rank())
+        if not isinstance(text[0], tuple):
+            return Plan.from_json(text[0])
+        dtypes = (*dtypes, text[0][1])
 
-        try:
-            text[0] = make_plan(model, mesh, example_inputs, hardware=hardware, **options).to_json()
-        except Exception as exc:
-            dist.broadcast_object_list([PeerFailure(0, "planning", f"{type(exc).__name__}: {exc}", here=0)], src=0)
-            raise
-    dist.broadcast_object_list(text, src=0)
-    if isinstance(text[0], PeerFailure):
-        raise PeerFailure(text[0].rank, text[0].what, text[0].error, here=dist.get_rank())
-    return Plan.from_json(text[0])
+
+def compute_dtypes(model: nn.Module, example_inputs: tuple, mp_policy: Any = None) -> tuple[str, ...]:
+    """The dtypes a plan of ``model`` prices compute in, as far as can be told before
+    capture: fp32 (optimizers step in it), its floating parameters' and buffers', its
+    floating example inputs', and ``mp_policy``'s ``param_dtype``. A dtype the model casts
+    to inside is found by planning (``MissingRates``) and measured then."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    found = {t.dtype for t in tensors if t.is_floating_point()}
+    if mp_policy is not None and mp_policy.param_dtype is not None:
+        found.add(mp_policy.param_dtype)
+    names = {dtype_name(d) for d in found if d in (torch.float32, torch.bfloat16, torch.float16)}
+    return tuple(d for d in DTYPES if d == DTYPES[0] or d in names)
 
 
 def _compile_pipeline(model, mesh, example_inputs, loss_fn, optimizer, plan: Plan, mp_policy=None):

@@ -36,7 +36,7 @@ TARGETS = {"collective": 0.15, "op": 0.15, "step": 0.20, "step by hand": 0.20}
 CATEGORY = {"step": "step (autopar, compiled)", "step by hand": "step by hand (torch DDP/DTensor/FSDP2; reference)"}
 
 
-def run_world(n: int, out: Path, steps: int) -> dict:
+def run_world(n: int, out: Path, steps: int, sweep: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
@@ -51,6 +51,8 @@ def run_world(n: int, out: Path, steps: int) -> dict:
         str(out),
         "--steps",
         str(steps),
+        "--sweep",
+        sweep,
     ]
     t0 = time.time()
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -246,6 +248,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=7, help="timed training steps per layout")
+    ap.add_argument("--sweep", choices=("default", "thorough"), default="default",
+                    help="the profiler's sweep: Sweep() or Sweep.thorough()")
     ap.add_argument(
         "--results", default=str(REPO / "results"), help="where to write the report ('' for nowhere)"
     )
@@ -255,11 +259,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.ranks:
             print(f"running {n} gloo ranks ...", file=sys.stderr, flush=True)
-            results.append(run_world(n, Path(tmp) / f"rows{n}.json", args.steps))
+            results.append(run_world(n, Path(tmp) / f"rows{n}.json", args.steps, args.sweep))
     load = os.getloadavg()
     title = "Cost-model accuracy on this machine"
     body = [
-        f"{os.cpu_count()} CPUs, gloo, OMP_NUM_THREADS=1, load average at the end {load[0]:.2f}. "
+        f"{os.cpu_count()} CPUs, gloo, OMP_NUM_THREADS=1, the profiler's {args.sweep} sweep, load average at "
+        f"the end {load[0]:.2f}. "
         "Error = (predicted - measured) / measured. Each held-out row is the median of timed batches: "
         + ", ".join(f"{k} {v}" for k, v in (results[0].get("repeats", {}) if results else {}).items())
         + " (steps: timed steps per layout).",

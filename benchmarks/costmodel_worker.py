@@ -519,6 +519,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed batches per held-out op (median)")
     ap.add_argument("--collective-repeats", type=int, default=21, help="timed batches per held-out collective")
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--sweep", choices=("default", "thorough"), default="default", help="the profiler's sweep")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
@@ -532,7 +533,7 @@ def main() -> None:
 
     held_out = HeldOut(mesh, args.repeats, args.steps, args.collective_repeats)
     load = {"start": os.getloadavg()[0]}
-    sweep = Sweep()
+    sweep = Sweep.thorough() if args.sweep == "thorough" else Sweep()
     profile = measure_profile(mesh, sweep, progress=False, on_fit=held_out)
     load.update(held_out.loads)
     load["after profile"] = os.getloadavg()[0]

@@ -55,6 +55,7 @@ from autopar.costmodels.profile import (
     CollectiveFit,
     DeviceProfile,
     HardwareProfile,
+    MissingRates,
     ProfileError,
     Rate,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "DeviceProfile",
     "HardwareProfile",
     "Op",
+    "MissingRates",
     "ProfileError",
     "Rate",
     "Schedule",

@@ -56,6 +56,7 @@ def _attention_fn():
 def rates(op: str, dtype: str, profile: HardwareProfile) -> tuple[Rate, Rate]:
     """(FLOP rate, byte rate) that price ``op`` (an ATen op name or a kind) in ``dtype``."""
     dev = profile.device
+    dev.require(dtype)
     kind = op_kind(op)
     if kind in ("attention", "attention_backward"):
         direction = "forward" if kind == "attention" else "backward"

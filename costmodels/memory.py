@@ -87,9 +87,9 @@ def awaiting_weights(schedule: str | Schedule, stages: int, micro_batches: int, 
     its W)."""
     schedule = Schedule.parse(schedule)
     v = schedule.chunks(chunks)
-    most = [0] * (stages * v)
     if not schedule.split_backward:
         return [0.0] * (stages * v)
+    most = [0] * (stages * v)
     for order in schedule_actions(schedule, stages, micro_batches, v):
         waiting: dict[int, int] = {}
         for kind, stage in order:

@@ -64,6 +64,21 @@ class ProfileError(ValueError):
     """A profile that is missing, corrupt, or does not match the machine or mesh."""
 
 
+class MissingRates(ProfileError):
+    """A price asked of a profile in a dtype it did not measure."""
+
+    def __init__(self, dtype: str, measured: tuple[str, ...]):
+        self.dtype, self.measured = dtype, tuple(measured)
+        super().__init__(
+            f"autopar: this hardware profile has no {dtype} rates (it measured {', '.join(measured)}); a model "
+            f"that computes in {dtype} needs them: measure them with `autopar profile --dtypes "
+            f"{' '.join((*measured, dtype))}` under torchrun (autopar.compile measures them itself)."
+        )
+
+    def __reduce__(self):  # raised in a worker process, re-raised in the planner's
+        return MissingRates, (self.dtype, self.measured)
+
+
 @dataclass(kw_only=True)
 class Rate:
     """``t = latency_s + amount / rate``: a fixed cost and a sustained rate.
@@ -202,13 +217,29 @@ class DeviceProfile:
                     f"of {list(keys)}. Re-measure with `autopar profile --force`."
                 )
             tables += [(f"{group} {k}", have[k]) for k in keys]
+        if DTYPES[0] not in self.matmul or any(d not in DTYPES for d in self.matmul):
+            raise ProfileError(
+                f"autopar: device {self.name!r} has matmul rates for {list(self.matmul)}; expected "
+                f"{DTYPES[0]!r} and any of {list(DTYPES[1:])}. Re-measure with `autopar profile --force`."
+            )
         for what, table in tables:
-            missing = [d for d in DTYPES if d not in table]
+            missing = [d for d in self.matmul if d not in table]
             if missing:
                 raise ProfileError(
                     f"autopar: device {self.name!r} has no {what} rate for {missing}; "
-                    f"expected all of {list(DTYPES)}. Re-measure with `autopar profile --force`."
+                    f"expected all of {list(self.matmul)}. Re-measure with `autopar profile --force`."
                 )
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes this device's rates were measured (or published) for."""
+        return tuple(d for d in DTYPES if d in self.matmul)
+
+    def require(self, dtype: str) -> None:
+        """Raise ``MissingRates`` where ``dtype`` was not measured (a profile measures the
+        dtypes its model computes in: ``profiler.profile_mesh(dtypes=)``)."""
+        if dtype not in self.matmul:
+            raise MissingRates(dtype, self.dtypes)
 
     def bandwidth(self, dtype: str) -> Rate:
         """The memory-bound pointwise rate (an add): bytes/s and fixed cost."""

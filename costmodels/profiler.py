@@ -68,23 +68,23 @@ ATTENTION_BACKWARD_FLOPS = 2.5  # flop_counter's sdpa_backward_flop_count: 5 pro
 
 @dataclass(frozen=True, kw_only=True)
 class Sweep:
-    """What the profiler measures. The defaults take about a minute at 4 CPU ranks."""
+    """What the profiler measures. The defaults take about 22 s at 4 CPU ranks on a 2x2
+    mesh of 2 cores (fp32; bf16 and fp16 add about 8 s each); ``thorough`` measures more
+    sizes, more often, in three times that (``benchmarks.profile_speed``)."""
 
-    comm_bytes: tuple[int, ...] = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    comm_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
     matmul_shapes: tuple[tuple[int, int, int], ...] = (
         (32, 32, 32),
-        (64, 64, 64),
         (128, 128, 128),
         (256, 128, 512),
-        (256, 256, 256),
         (512, 256, 512),
         (512, 512, 512),
     )
-    pointwise_numel: tuple[int, ...] = (1 << 10, 3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20)
+    pointwise_numel: tuple[int, ...] = (1 << 10, 3 << 14, 3 << 18, 3 << 20)
     # the other pointwise kinds (multiples of timing.ROW); bf16 / fp16 time the two ends.
     # Between sizes a pointwise op is priced by interpolation (``Rate.segment``), so the
     # sweep spans tensors in cache (12 Ki elements) to tensors streamed from memory (3 Mi).
-    kind_numel: tuple[int, ...] = (3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20)
+    kind_numel: tuple[int, ...] = (3 << 12, 3 << 16, 3 << 20)
     # (batch, heads, seq, head_dim) of causal attention; bf16 / fp16 (slow on a CPU) time
     # the first two. An op is priced per head (batch x heads of them) by its FLOPs between
     # the measured head sizes, so fp32 times four head sizes (both head dims at both
@@ -95,8 +95,8 @@ class Sweep:
     # Collectives take more batches: under time sharing one batch's time per collective is
     # bimodal (measured on this 2-core machine, 2 gloo ranks, 30 batches of all_reduce at 4 KiB:
     # 0.34 ms to 3.8 ms, median 1.3 ms), and the 10-90% spread of a median of 5 batches was
-    # 70-80% of the value at 4 KiB-1 MiB, of a median of 15 20-40%.
-    comm_repeats: int = 15
+    # 70-80% of the value at 4 KiB-1 MiB, of a median of 15 20-40%; 9 here, 15 ``thorough``.
+    comm_repeats: int = 9
     warmup: int = 2
     # bf16 / fp16 time fewer, smaller shapes (fp16 matmul on CPU runs at ~1 GFLOP/s)
     low_precision_shapes: tuple[tuple[int, int, int], ...] = (
@@ -105,13 +105,27 @@ class Sweep:
         (128, 128, 256),
         (256, 256, 256),
     )
-    min_batch_s: float = 0.02  # each timed batch of calls lasts at least this long
+    min_batch_s: float = 0.01  # each timed batch of calls lasts at least this long
     working_set_bytes: int = WORKING_SET_BYTES  # compute operands rotate through this much
     # collectives after compute: these sizes, each after this many "nt" matmuls of this
-    # (m, k, n) (6 ms on one of 2 ranks here, about a transformer layer's forward)
+    # (m, k, n) (3 ms on one of 2 ranks here, about half a transformer layer's forward)
     in_step_bytes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22)
-    in_step_units: int = 16
+    in_step_units: int = 8
     in_step_matmul: tuple[int, int, int] = (256, 256, 256)
+
+    @classmethod
+    def thorough(cls) -> Sweep:
+        """More sizes, more batches (about three times the default's time)."""
+        return cls(
+            comm_bytes=(1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
+            matmul_shapes=((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 128, 512), (256, 256, 256),
+                           (512, 256, 512), (512, 512, 512)),
+            pointwise_numel=(1 << 10, 3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20),
+            kind_numel=(3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20),
+            comm_repeats=15,
+            min_batch_s=0.02,
+            in_step_units=16,
+        )
 
     @classmethod
     def gpu(cls) -> Sweep:
@@ -235,8 +249,9 @@ class _Measure:
     """One profiling run's state: where it runs, what it sweeps, its progress bar, and
     the hook it notifies after each fit (see ``measure_profile``)."""
 
-    def __init__(self, device: torch.device, sweep: Sweep, bar, notify: Callable[[str, tuple], None]):
-        self.device, self.sweep, self.bar, self.notify = device, sweep, bar, notify
+    def __init__(self, device: torch.device, sweep: Sweep, bar, notify: Callable[[str, tuple], None],
+                 dtypes: tuple[str, ...] = DTYPES):
+        self.device, self.sweep, self.bar, self.notify, self.dtypes = device, sweep, bar, notify, dtypes
         self.pool = OperandPool(device, sweep.working_set_bytes)
         self.matmul: dict[str, Rate] = {}
         self.pointwise: dict[str, dict[str, Rate]] = {kind: {} for kind in POINTWISE_KINDS}
@@ -250,7 +265,7 @@ class _Measure:
         self.bar.update(len(times))
         return times
 
-    def axis(self, i: int, name: str, size: int, group) -> AxisProfile:
+    def axis(self, i: int, name: str, size: int, group, link: str) -> AxisProfile:
         """Every collective on mesh axis ``i``, all its groups at once."""
         sw, fits = self.sweep, {}
         for kind in COLLECTIVES:
@@ -269,8 +284,7 @@ class _Measure:
             fits[kind] = _collective_fit(kind, size, fit, sw.comm_bytes, sw.comm_repeats)
             self.notify("collective", (i, kind))
         in_step = self.in_step(name, size, group, fits) if size > 1 else {}
-        return AxisProfile(name=name, size=size, link=_axis_link(group, self.device), collectives=fits,
-                           in_step=in_step)
+        return AxisProfile(name=name, size=size, link=link, collectives=fits, in_step=in_step)
 
     def in_step(self, name: str, size: int, group, fits: dict[str, CollectiveFit]) -> dict[str, CollectiveFit]:
         """Every collective on the axis timed right after ``in_step_units`` matmuls on every
@@ -411,7 +425,7 @@ class _Measure:
         first = DTYPES[0]
 
         def filled(table: dict[str, Rate]) -> dict[str, Rate]:
-            return {d: table.get(d, table[first]) for d in DTYPES} if provisional else table
+            return {d: table.get(d, table[first]) for d in self.dtypes} if provisional else table
 
         dev_name, mem = _device_info(self.device)
         matmul = filled(self.matmul)
@@ -423,7 +437,7 @@ class _Measure:
             attention={k: filled(v) for k, v in self.attention.items()},
             **_peaks(dev_name, matmul, filled(self.pointwise["memory"])),
         )
-        missing = [d for d in DTYPES if d not in self.matmul]
+        missing = [d for d in self.dtypes if d not in self.matmul]
         return HardwareProfile(
             machine=machine_fingerprint(dev_name),
             backend=str(dist.get_backend()),
@@ -437,49 +451,121 @@ class _Measure:
         )
 
 
+def _device_of(mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+def _twin(i: int, shape: tuple[int, ...], links: list[str], device: torch.device) -> int | None:
+    """An earlier axis that axis ``i`` rides like: on a CPU host every group of a size
+    reaches its peers through the same memory, whichever ranks it holds (on GPUs the
+    links between pairs differ, so each axis is measured)."""
+    if device.type != "cpu" or links[i] != "intra_node" or shape[i] == 1:
+        return None
+    return next((j for j in range(i) if shape[j] == shape[i] and links[j] == links[i]), None)
+
+
+def _as_twin(twin: AxisProfile, name: str) -> AxisProfile:
+    def told(fits: dict[str, CollectiveFit]) -> dict[str, CollectiveFit]:
+        return {k: dataclasses.replace(f, source=f"as mesh axis {twin.name!r} (same size, same host): {f.source}")
+                for k, f in fits.items()}
+
+    return dataclasses.replace(twin, name=name, collectives=told(twin.collectives), in_step=told(twin.in_step))
+
+
+def _chosen_dtypes(dtypes: Sequence[str]) -> tuple[str, ...]:
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise ProfileError(f"autopar: cannot profile dtypes {unknown}; expected some of {list(DTYPES)}.")
+    return tuple(d for d in DTYPES if d == DTYPES[0] or d in dtypes)  # fp32 always: optimizers step in it
+
+
+def _compute_calls(sweep: Sweep, dtype: str) -> int:
+    """How many timed calls ``_Measure.compute(dtype)`` makes (the progress bar's share)."""
+    low = dtype != DTYPES[0]
+    return (
+        len(MATMUL_LAYOUTS) * len(sweep.low_precision_shapes if low else sweep.matmul_shapes)
+        + len(sweep.pointwise_numel)
+        + (len(POINTWISE_KINDS) - 1) * len(_ends(sweep.kind_numel) if low else sweep.kind_numel)
+        + 2 * len(sweep.attention_shapes[:2] if low else sweep.attention_shapes)
+    )
+
+
 def measure_profile(
-    mesh, sweep: Sweep = Sweep(), *, progress: bool = True, on_fit: Callable[[str, tuple], None] | None = None
+    mesh, sweep: Sweep = Sweep(), *, dtypes: Sequence[str] = DTYPES, progress: bool = True,
+    on_fit: Callable[[str, tuple], None] | None = None
 ) -> HardwareProfile:
     """Measure a profile of ``mesh`` (a DeviceMesh); every rank must call it.
 
-    Order: the collectives of every axis, then fp32 compute (matmuls last), then bf16
-    and fp16 compute, so that what an fp32 training step uses is measured together, its
-    largest part last. ``on_fit(what, key)``, if given, is called on every rank right
+    ``dtypes``: the compute dtypes to measure (fp32 always; ``add_dtypes`` adds others to
+    the profile later). An axis of a CPU host with the size of one measured already takes
+    its fits (``_twin``). Order: the collectives of every axis, then fp32 compute (matmuls
+    last), then bf16 and fp16 compute, so that what an fp32 training step uses is measured
+    together, its largest part last. ``on_fit(what, key)``, if given, is called on every rank right
     after each fit: ``("collective", (axis, kind))``, ``("pointwise", (kind, dtype))``,
     ``("attention", (dtype,))``, ``("matmul", (dtype,))``, and ``("fp32", (profile,))``
     once every axis and fp32 compute are measured, with the profile so far
     (``_Measure.profile``: fp32's rates standing in for the dtypes not yet measured) --
     e.g. to time other sizes of the same quantity, or plan and time a training step,
     while the machine is in the state the fits saw (the accuracy benchmark)."""
-    device = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    device = _device_of(mesh)
     names = tuple(mesh.mesh_dim_names or default_axis_names(mesh.ndim))
     shape = tuple(mesh.shape)
+    dtypes = _chosen_dtypes(dtypes)
+    links = [_axis_link(mesh.get_group(i), device) for i in range(mesh.ndim)]
+    twins = [_twin(i, shape, links, device) for i in range(mesh.ndim)]
+    measured = [i for i in range(mesh.ndim) if shape[i] > 1 and twins[i] is None]
     total = (
-        sum(len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes)) for n in shape if n > 1)
+        len(measured) * len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes))
         + (3 * len(OVERLAP_COLLECTIVES) if max(shape) > 1 else 0)
-        + len(MATMUL_LAYOUTS) * (len(sweep.matmul_shapes) + 2 * len(sweep.low_precision_shapes))
-        + len(DTYPES) * len(sweep.pointwise_numel)
-        + (len(POINTWISE_KINDS) - 1) * (len(sweep.kind_numel) + 2 * len(_ends(sweep.kind_numel)))
-        + 2 * (len(sweep.attention_shapes) + 2 * len(sweep.attention_shapes[:2]))
+        + sum(_compute_calls(sweep, d) for d in dtypes)
     )
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc="autopar profile", disable=not progress or dist.get_rank() != 0, leave=False)
-    run = _Measure(device, sweep, bar, on_fit or (lambda what, key: None))
-    axes = [run.axis(i, name, size, mesh.get_group(i)) for i, (name, size) in enumerate(zip(names, shape))]
+    run = _Measure(device, sweep, bar, on_fit or (lambda what, key: None), dtypes)
+    axes: list[AxisProfile] = []
+    for i, (name, size) in enumerate(zip(names, shape)):
+        twin = twins[i]
+        axes.append(_as_twin(axes[twin], name) if twin is not None else
+                    run.axis(i, name, size, mesh.get_group(i), links[i]))
     if max(shape) > 1:  # on the largest axis: where data parallelism runs its gradient buckets
         widest = shape.index(max(shape))
         run.overlaps = run.overlap(names[widest], mesh.get_group(widest))
-    run.compute(DTYPES[0])
+    run.compute(dtypes[0])
     run.notify("fp32", (run.profile(shape, axes, provisional=True),))
-    for dtype in DTYPES[1:]:
+    for dtype in dtypes[1:]:
         run.compute(dtype)
     bar.close()
     return run.profile(shape, axes)
+
+
+def add_dtypes(profile: HardwareProfile, mesh, dtypes: Sequence[str], sweep: Sweep = Sweep(), *,
+               progress: bool = True) -> HardwareProfile:
+    """``profile`` (measured on ``mesh``) with the compute of ``dtypes`` it lacks measured and
+    added; the mesh's collectives stand. Every rank must call it."""
+    device = _device_of(mesh)
+    have = profile.device.dtypes
+    wanted = tuple(d for d in _chosen_dtypes((*have, *dtypes)) if d not in have)
+    if not wanted:
+        return profile
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(_compute_calls(sweep, d) for d in wanted), desc=f"autopar profile {' '.join(wanted)}",
+               disable=not progress or dist.get_rank() != 0, leave=False)
+    run = _Measure(device, sweep, bar, lambda what, key: None, wanted)
+    for dtype in wanted:
+        run.compute(dtype)
+    bar.close()
+    dev = profile.device
+    matmul = dev.matmul | run.matmul
+    pointwise = {k: v | run.pointwise[k] for k, v in dev.pointwise.items()}
+    device_profile = dataclasses.replace(
+        dev, matmul=matmul, pointwise=pointwise,
+        attention={k: v | run.attention[k] for k, v in dev.attention.items()},
+        **_peaks(dev.name, matmul, pointwise["memory"]))
+    return dataclasses.replace(profile, device=device_profile,
+                               source=f"{profile.source}; {', '.join(wanted)} added "
+                                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
 
 
 def profile_mesh(
@@ -490,10 +576,12 @@ def profile_mesh(
     force: bool = False,
     sweep: Sweep | None = None,
     progress: bool = True,
+    dtypes: Sequence[str] = DTYPES,
 ) -> tuple[HardwareProfile, Path, bool]:
-    """The profile of this machine on this mesh: from the cache when a matching one is
-    there, else measured (and cached). Every rank must call it, inside an initialised
-    process group. Returns ``(profile, cache path, measured)``."""
+    """The profile of this machine on this mesh with the compute of ``dtypes`` (fp32
+    always): from the cache when a matching one is there (a cached one lacking some of
+    ``dtypes`` has them measured and added), else measured (and cached). Every rank must
+    call it, inside an initialised process group. Returns ``(profile, cache path, measured)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
@@ -534,10 +622,15 @@ def profile_mesh(
         except ProfileError as e:
             print(f"{e} Re-measuring.", flush=True)
     dist.broadcast_object_list(cached, src=0)
+    sweep = sweep or (Sweep.gpu() if device_type == "cuda" else Sweep())
+    dtypes = _chosen_dtypes(dtypes)
     if cached[0] is not None:
-        return HardwareProfile.from_json(cached[0]), path, False
-    default = Sweep.gpu() if device_type == "cuda" else Sweep()
-    profile = measure_profile(mesh, sweep or default, progress=progress)
+        profile = HardwareProfile.from_json(cached[0])
+        if set(dtypes) <= set(profile.device.dtypes):
+            return profile, path, False
+        profile = add_dtypes(profile, mesh, dtypes, sweep, progress=progress)
+    else:
+        profile = measure_profile(mesh, sweep, dtypes=dtypes, progress=progress)
     if dist.get_rank() == 0:
         profile.save(path)
     dist.barrier()

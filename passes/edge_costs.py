@@ -56,7 +56,7 @@ from torch import fx
 
 from autopar import costmodels
 from autopar.costmodels.precision import META_KEY, MixedPrecision
-from autopar.passes.layers import first_segments
+from autopar.passes.layers import first_segments_of
 from autopar.passes.op_strategies import TensorMeta
 from autopar.passes.placements import Spec, gradient_spec, local_shape
 from autopar.passes.saved import saved_roles
@@ -176,7 +176,7 @@ def parameter_shares(graph: StrategyGraph) -> dict[fx.Node, Shares]:
     params = [n for n in graph.nodes if n.name in captured.params]
     size = {n: float(n.meta["val"].numel() * n.meta["val"].element_size()) for n in params}
     total = sum(size.values())
-    segment = graph.once(("first segments",), lambda: first_segments(captured.gm.graph.nodes, captured.params))
+    segment = first_segments_of(graph)
     per_segment: dict[int | None, float] = {}
     for p in params:
         per_segment[segment.get(p)] = per_segment.get(segment.get(p), 0.0) + size[p]

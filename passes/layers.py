@@ -68,6 +68,12 @@ def first_segments(nodes: Iterable[fx.Node], params: Mapping[str, str]) -> dict[
     return out
 
 
+def first_segments_of(graph: StrategyGraph) -> dict[fx.Node, int]:
+    """``first_segments`` of the graph's captured program, worked out once per graph."""
+    captured = graph.captured
+    return graph.once(("first segments",), lambda: first_segments(captured.gm.graph.nodes, captured.params))
+
+
 def find_layers(graph: StrategyGraph, index: dict[fx.Node, int], zero_node: dict[fx.Node, int]):
     """Layer index of every node in a repeated layer, and tie groups across identical layers.
 

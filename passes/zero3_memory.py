@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.costmodels.memory import (gather_ahead_bytes, gather_working_bytes, scatter_in_flight_bytes,
                                        scatter_working_bytes)
 from autopar.costmodels.precision import MixedPrecision
-from autopar.passes.layers import first_segments
+from autopar.passes.layers import first_segments_of
 from autopar.passes.placements import local_shape
 from autopar.passes.strategy_graph import tensor_inputs
 
@@ -119,8 +119,7 @@ def plan_buckets(costs, choice) -> list[ZeroThreeBucket]:
     the order forward gathers them, grouped as codegen groups them: by the segment of the graph
     their first reader is in (a repeated layer, or the stretch between two)."""
     graph, mesh = costs.graph, costs.graph.mesh_shape
-    captured = graph.captured
-    segment = graph.once(("first segments",), lambda: first_segments(captured.gm.graph.nodes, captured.params))
+    segment = first_segments_of(graph)
     buckets: dict[int, ZeroThreeBucket] = {}
     for ph in costs.zero_node:
         spec = graph.nodes[ph].strategies[choice[ph]].output

@@ -91,9 +91,8 @@ def _axis_from_fake_times(monkeypatch, sweep, after_compute):
     monkeypatch.setattr(profiler, "timed", fake_timed)
     monkeypatch.setattr(profiler, "collective_call", lambda kind, group, nbytes, device: None)
     monkeypatch.setattr(profiler, "matmul_call", lambda *a: None)
-    monkeypatch.setattr(profiler, "_axis_link", lambda group, device: "intra_node")
     run = profiler._Measure(torch.device("cpu"), sweep, Bar(), lambda what, key: None)
-    return run.axis(0, "dp", 2, group=None), seen
+    return run.axis(0, "dp", 2, group=None, link="intra_node"), seen
 
 
 def test_collectives_are_fitted_over_more_batches_than_compute(monkeypatch):
