@@ -12,6 +12,8 @@ profiler for its progress bar; never ``passes`` or ``autopar``. The planner call
   ``gradient_buckets(total_bytes)`` (how many calls bucketed gradients make);
 - ``kind_of``, ``hidden_share``, ``WINDOW`` and ``excess``: communication run beside compute
   and what of it stays on the critical path (``autopar.costmodels.overlap``);
+- ``pipelined_times(Pipelined(...), profile)``: a matmul pipelined with its collective in
+  chunks, its critical path (``autopar.costmodels.pipelined``);
 - ``reshard_plan(shape, itemsize, src, dst, mesh_shape)`` and
   ``reshard_time(shape, itemsize, src, dst, profile)``;
 - ``model_state_bytes(n_params, zero, n_shards, precision)``,
@@ -47,6 +49,7 @@ from autopar.costmodels.memory import (
     pipeline_time,
 )
 from autopar.costmodels.overlap import WINDOW, excess, hidden_share, kind_of
+from autopar.costmodels.pipelined import Pipelined, PipelinedTimes, pipelined_time, pipelined_times
 from autopar.costmodels.presets import PRESETS, a100, h100, preset
 from autopar.costmodels.schedules import Schedule
 from autopar.costmodels.profile import (
@@ -71,6 +74,8 @@ __all__ = [
     "HardwareProfile",
     "Op",
     "MissingRates",
+    "Pipelined",
+    "PipelinedTimes",
     "ProfileError",
     "Rate",
     "Schedule",
@@ -104,6 +109,8 @@ __all__ = [
     "model_state_bytes",
     "op_kind",
     "pipeline_time",
+    "pipelined_time",
+    "pipelined_times",
     "pointwise_time",
     "preset",
     "reshard_plan",

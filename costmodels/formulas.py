@@ -37,6 +37,10 @@ r = sp.Symbol("r", nonnegative=True)
 # communication beside compute (``costmodels.overlap``): what the tables leave out as hidden,
 # the second stream's busy seconds, the window of compute beside it
 t_hidden, t_busy, t_window = sp.symbols("t_hidden t_busy t_window", nonnegative=True)
+# a matmul pipelined with its collective (``costmodels.pipelined``): chunks, one chunk's
+# matmul and collective, the part of the shorter hidden when they run side by side
+n_k = sp.Symbol("n_k", positive=True)
+t_mm, t_cc, h_o = sp.symbols("t_mm t_cc h_o", nonnegative=True)
 
 # -- collectives (ring algorithms; Thakur et al. 2005, and nccl-tests' PERFORMANCE.md
 #    which defines busbw with exactly these factors) -------------------------------------
@@ -173,6 +177,14 @@ BACKWARD_FLOPS = BACKWARD_FACTOR * F
 #    hides only the window's share of what it would hide (``costmodels.overlap``) -----------
 HIDDEN = t_hidden * sp.Min(1, t_window / t_busy)
 
+# -- a matmul and its collective cut into n_k chunks, one chunk's collective beside another
+#    chunk's matmul (async tensor parallelism; Wang et al. 2023, "Overlap Communication with
+#    Dependent Computation via Decomposition"): the first chunk's collective (or matmul)
+#    alone, n_k - 1 steps of a matmul beside a collective, the last matmul (or collective)
+#    alone. Side by side the two take t_mm + t_cc less the hidden part h_o of the shorter
+#    (``overlap.overlap_from_times`` measures h_o so): max(t_mm, t_cc) at h_o = 1 ------------
+PIPELINED = t_mm + t_cc + (n_k - 1) * (t_mm + t_cc - h_o * sp.Min(t_mm, t_cc))
+
 _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"collective.{c}": (e, (alpha, beta, N, X)) for c, e in COLLECTIVE_TIME.items()},
     "compute": (COMPUTE_TIME, (F, B, R, W, t_R, t_W)),
@@ -184,6 +196,7 @@ _TABLE: dict[str, tuple[sp.Expr, tuple[sp.Symbol, ...]]] = {
     **{f"pipeline.{s}": (e, (M, P, v, t_f, t_b)) for s, e in PIPELINE_TIME.items()},
     "step": (STEP_TIME, (t_f, t_b, t_comm_f, t_comm_b, t_opt)),
     "hidden": (HIDDEN, (t_hidden, t_busy, t_window)),
+    "pipelined": (PIPELINED, (n_k, t_mm, t_cc, h_o)),
 }
 
 

@@ -17,7 +17,11 @@ price. Per strategy of an op node, on local shapes:
               know, Kaplan et al. 2020), each at its own kind's measured rate; an op
               whose rule says its work (``autopar.passes.rules.registry.OpWork``: a
               grouped matmul, the experts op) is priced from those ops, and the
-              collectives it runs inside itself are added (``Pricer.op_comm``);
+              collectives it runs inside itself are added (``Pricer.op_comm``); a
+              matmul pipelined with its collective (``OpWork.pipelined``, async tensor
+              parallelism) is its chunks' matmuls, and its critical path's rest is
+              communication (``costmodels.pipelined``); infinite (no choice) where that is
+              not shorter than its matmul and collective apart;
               ``Costs.forward`` keeps the forward alone (what recomputation repeats)
     memory  = bytes of the local outputs some backward keeps (``autopar.passes.saved``): an
               op's own output its backward keeps, on the op; an input a consumer's
@@ -256,20 +260,24 @@ class Pricer(EdgePricer):
 
     def op_comm(self, ns, on_grad_path: bool) -> np.ndarray:
         """Seconds per strategy of the collectives an op runs inside itself, forward and
-        backward (its rule's ``OpWork.collectives``, e.g. an experts op's dispatch); zeros for ops
-        without."""
+        backward (its rule's or kernel's ``OpWork.collectives``, e.g. an experts op's dispatch;
+        of a pipelined one, what its critical path adds to its matmuls); zeros for ops without."""
         key = ("op comm", id(ns.strategies), on_grad_path)  # cached for every op: it runs on each op of each build
         if key not in self.node:
-            rule_work = work_of(ns.info.op)
-            if rule_work is None:
+            works = [work_of(ns.info.op, s.kernel) for s in ns.strategies]
+            if not any(works):
                 self.node[key] = np.zeros(len(ns.strategies))
             else:
                 dtype = dtype_kind(ns.info.outputs[0])
-                self.node[key] = np.array([self._comm(rule_work(ns.info, s, self.mesh, dtype), on_grad_path)
-                                           for s in ns.strategies])
+                self.node[key] = np.array([
+                    0.0 if w is None else self._comm(w(ns.info, s, self.mesh, dtype), on_grad_path)
+                    for w, s in zip(works, ns.strategies)])
         return self.node[key]
 
     def _comm(self, work: OpWork, on_grad_path: bool) -> float:
+        if work.pipelined is not None:  # what its critical path adds to its matmuls; not offered where it does not pay
+            t = costmodels.pipelined_times(work.pipelined, self.profile, on_grad_path)
+            return t.forward + t.backward - t.compute_forward - t.compute_backward if t.pays else math.inf
         forward = comm_time(work.collectives, self.profile)
         return forward + comm_time(dual_steps(work.collectives), self.profile) if on_grad_path else forward
 
@@ -295,9 +303,13 @@ class Pricer(EdgePricer):
         if name in VIEWS or not info.outputs:
             return 0.0, 0.0, 0.0
         out_bytes = float(sum(math.prod(x) * m.dtype.itemsize for x, m in zip(outs, info.outputs)))
-        rule_work = work_of(info.op)
+        rule_work = work_of(info.op, strategy.kernel)
         if rule_work is not None:  # what its rule says it does; the collectives inside it are in ``op_comm``
-            ops = rule_work(info, strategy, self.mesh, dtype_kind(info.outputs[0])).ops
+            work = rule_work(info, strategy, self.mesh, dtype_kind(info.outputs[0]))
+            if work.pipelined is not None:  # its matmuls alone; the critical path's rest in ``op_comm``
+                t = costmodels.pipelined_times(work.pipelined, self.profile, on_grad_path)
+                return t.compute_forward + t.compute_backward, t.compute_forward, out_bytes if on_grad_path else 0.0
+            ops = work.ops
             t = sum(costmodels.compute_time(op.flops, op.bytes, op.dtype, self.profile, op.name, op.heads)
                     for op in ops)
             if not on_grad_path:

@@ -11,18 +11,37 @@ interface, so the simulator checks the very kernel that runs:
   dual of a permutation of rows (no sum over ranks that would scale a gradient);
 - :class:`VirtualExchange`: the single-process simulator's virtual devices, each run in
   its own thread, trading tensors through a shared mailbox at barriers.
+
+Both also start an all-gather or a reduce-scatter and hand back a :class:`Pending` to wait
+on (``gather``, ``reduce_scatter``), so that a kernel can compute while a collective is in
+flight (``autopar.passes.collective_matmul``); torch.distributed's own asynchronous calls on
+the mesh, done at once in the simulator. Neither is differentiable: the kernel's autograd
+Function says what backward runs.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+
+
+class Pending:
+    """A collective in flight; ``wait()`` returns its result once (``keep``: the buffers it
+    reads and writes, alive until then)."""
+
+    def __init__(self, work: Any, result: Callable[[], Any], keep: tuple = ()):
+        self.work, self.result, self.keep = work, result, keep
+
+    def wait(self) -> Any:
+        if self.work is not None:
+            self.work.wait()
+        return self.result()
 
 
 class MeshExchange:
@@ -43,6 +62,22 @@ class MeshExchange:
         returns the rows received, peer by peer (``recv[j]`` from peer j). Differentiable."""
         out = funcol.all_to_all_single_autograd(t.contiguous(), list(recv), list(send), self.mesh.get_group(axis))
         return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+    def gather(self, t: torch.Tensor, axis: int) -> Pending:
+        """Start gathering ``t`` from every peer along ``axis``; ``wait()``: their tensors, in peer order."""
+        t = t.contiguous()
+        out = t.new_empty((self.mesh_shape[axis], *t.shape))
+        work = dist.all_gather_single(out.view(-1), t.view(-1), group=self.mesh.get_group(axis), async_op=True)
+        return Pending(work, lambda: list(out.unbind(0)), (t,))
+
+    def reduce_scatter(self, pieces: Sequence[torch.Tensor], axis: int) -> Pending:
+        """Start summing ``pieces[j]`` over the peers into peer j along ``axis`` (pieces alike in
+        shape); ``wait()``: this device's sum."""
+        stacked = torch.stack(list(pieces))
+        out = torch.empty_like(pieces[0])
+        work = dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=self.mesh.get_group(axis),
+                                          async_op=True)
+        return Pending(work, lambda: out, (stacked,))
 
 
 class VirtualExchange:
@@ -81,6 +116,14 @@ class VirtualExchange:
 
     def counts(self, send: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.stack(self._trade(list(send), axis))
+
+    def gather(self, t: torch.Tensor, axis: int) -> Pending:
+        got = self._trade([t] * self.mesh_shape[axis], axis)
+        return Pending(None, lambda: got)
+
+    def reduce_scatter(self, pieces: Sequence[torch.Tensor], axis: int) -> Pending:
+        got = self._trade(list(pieces), axis)
+        return Pending(None, lambda: torch.stack(got).sum(0))
 
     def rows(self, t: torch.Tensor, recv: Sequence[int], send: Sequence[int], axis: int) -> torch.Tensor:
         got = self._trade(list(t.split(list(send))), axis)

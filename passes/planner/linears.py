@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.passes import rules
 from autopar.passes.op_strategies import AxisOption
+from autopar.passes.rules.registry import communicates
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 
@@ -56,10 +57,14 @@ def _linears(graph: StrategyGraph) -> dict[fx.Node, Linear]:
 
 def options(graph: StrategyGraph, node: fx.Node) -> list[AxisOption]:
     """The one-axis options of ``node``'s rule ([] without one): its sharding on a mesh axis
-    of any size, whether or not its dims divide by it."""
+    of any size, whether or not its dims divide by it. Not those of a kernel that trades
+    with its peers: it moves rows between dims (a gather inside a linear), so its shards say
+    nothing of how the op's dims carry over."""
     ns = graph.nodes.get(node)
     rule = rules.rule_for(node.target) if node.op == "call_function" else None
-    return rule.options(ns.info) if rule is not None and ns is not None and ns.info is not None else []
+    if rule is None or ns is None or ns.info is None:
+        return []
+    return [o for o in rule.options(ns.info) if not communicates(o.kernel)]
 
 
 class _ParameterSources:

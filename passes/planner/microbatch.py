@@ -31,7 +31,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._ops._view_ops import Flatten, InputDim, Split, view_groups
 
 from autopar.passes.op_strategies import OpInfo
-from autopar.passes.rules.registry import rule_for
+from autopar.passes.rules.registry import communicates, rule_for
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 
 MAX_COUNTS = 16  # micro-batch counts tried per pipeline: the stage search runs once per count
@@ -106,6 +106,8 @@ def _through_rule(info: OpInfo | None, sources: list[fx.Node], found: dict[fx.No
     held = [found[u][0] if u in found and found[u] else frozenset() for u in sources]
     out: list[set[int]] = [set() for _ in range(outputs)]
     for option in rule.options(info):
+        if communicates(option.kernel):  # it moves rows between dims (a gather inside a linear)
+            continue
         if any(isinstance(p, Shard) and p.dim in dims for p, dims in zip(option.inputs, held)):
             for k, q in enumerate(option.outputs[:outputs]):
                 if isinstance(q, Shard):

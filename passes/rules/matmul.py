@@ -12,6 +12,9 @@ to split the op along a mesh axis:
 
 A bias added to the product follows the output: sharded with it, replicated where it
 broadcasts, and a Partial when the output is a Partial (so that it is added once).
+
+``linear`` has two options more, whose kernels run the tensor-parallel collective inside
+the op, pipelined with the matmul (``autopar.passes.rules.overlapped``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import string
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.ops import aten
 
+from autopar.passes.rules import overlapped
 from autopar.passes.rules.registry import register
 from autopar.passes.op_strategies import AxisOption, OpInfo, TensorMeta
 
@@ -98,7 +102,7 @@ def linear(info: OpInfo) -> list[AxisOption]:
     options = einsum_options(f"{batch}k,nk->{batch}n", [x, w])
     if len(info.inputs) == 3:
         options = with_bias(options, info.inputs[2], info.outputs[0], at=2)
-    return options
+    return options + overlapped.options(info)
 
 
 @register(aten.matmul.default)

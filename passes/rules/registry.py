@@ -14,7 +14,8 @@ it), a ``restrict`` of its strategies under a manual layout's axis roles
 (``autopar.passes.planner.intra_op``), and its ``expert_weights`` (``ExpertWeight``: the
 arguments a manual layout splits by expert or, Megatron's way, by column or row:
 ``autopar.passes.planner.layouts``). A kernel may say how ``explain()`` reads a strategy that
-runs it (``KernelExplain``), from the plan's text alone.
+runs it (``KernelExplain``), from the plan's text alone, its own ``work`` in place of its op's
+rule's, and which of the mesh's combinations naming it it can run (``fits``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from autopar import costmodels
 from autopar.costmodels.comm import Step
+from autopar.costmodels.pipelined import Pipelined
 from autopar.passes.placements import Spec, local_shape
 from autopar.passes.op_strategies import AxisOption, OpInfo, ShardingStrategy, expand_to_mesh
 from autopar.passes.roles import AxisRole
@@ -49,10 +51,13 @@ KernelFn = Callable[[OpInfo, ShardingStrategy, tuple, dict, LocalContext], Any]
 class OpWork:
     """What one device does for one strategy of an op: its compute as ops (each priced by
     the roofline that prices every op, its backward by ``costmodels.backward_time``) and the
-    collectives it runs inside itself in forward (backward runs their duals)."""
+    collectives it runs inside itself in forward (backward runs their duals); or a matmul
+    ``pipelined`` with its collective in chunks, priced by its critical path
+    (``costmodels.pipelined``)."""
 
     ops: tuple[costmodels.Op, ...]
     collectives: tuple[Step, ...] = ()
+    pipelined: Pipelined | None = None
 
 
 # (info, strategy, mesh shape, dtype kind of its output: "fp32", "bf16", ...) -> one device's work
@@ -99,6 +104,8 @@ _RULES: dict[str, Rule] = {}
 _KERNELS: dict[str, KernelFn] = {}
 _COMMUNICATING: set[str] = set()
 _EXPLAINED: dict[str, KernelExplain] = {}
+_KERNEL_WORK: dict[str, WorkFn] = {}
+_KERNEL_FITS: dict[str, Callable[[ShardingStrategy], bool]] = {}
 
 
 def op_name(op: Any) -> str:
@@ -123,17 +130,24 @@ def register(
     return wrap
 
 
-def kernel(name: str, communicates: bool = False,
-           explain: KernelExplain | None = None) -> Callable[[KernelFn], KernelFn]:
+def kernel(name: str, communicates: bool = False, explain: KernelExplain | None = None,
+           work: WorkFn | None = None,
+           fits: Callable[[ShardingStrategy], bool] | None = None) -> Callable[[KernelFn], KernelFn]:
     """Register a local kernel; ``communicates``: it trades data with its peers through
     ``LocalContext.exchange`` (the simulator then runs the devices side by side);
-    ``explain``: how ``explain()`` reads the strategies that run it."""
+    ``explain``: how ``explain()`` reads the strategies that run it; ``work``: what a
+    strategy running it does, in its op's rule's place (``work_of``); ``fits``: which of the
+    mesh's combinations naming it the kernel can run (``strategies_for`` keeps those)."""
     def wrap(fn: KernelFn) -> KernelFn:
         _KERNELS[name] = fn
         if communicates:
             _COMMUNICATING.add(name)
         if explain is not None:
             _EXPLAINED[name] = explain
+        if work is not None:
+            _KERNEL_WORK[name] = work
+        if fits is not None:
+            _KERNEL_FITS[name] = fits
         return fn
 
     return wrap
@@ -151,8 +165,11 @@ def rule_for(op: Any) -> Rule | None:
     return _RULES.get(op_name(op))
 
 
-def work_of(op: Any) -> WorkFn | None:
-    """The rule's ``work`` of ``op``; None: priced by costing's default."""
+def work_of(op: Any, kernel_name: str | None = None) -> WorkFn | None:
+    """The ``work`` of ``op`` run by a strategy of ``kernel_name``: the kernel's where it says
+    it, else the rule's; None: priced by costing's default."""
+    if kernel_name in _KERNEL_WORK:
+        return _KERNEL_WORK[kernel_name]
     rule = rule_for(op)
     return None if rule is None else rule.work
 
@@ -175,7 +192,8 @@ def strategies_for(info: OpInfo, mesh_shape: Sequence[int]) -> list[ShardingStra
     """Every valid strategy of this call on this mesh; replicate-only if no rule exists."""
     rule = rule_for(info.op)
     options = rule.options(info) if rule else []
-    return expand_to_mesh(info, options, tuple(mesh_shape))
+    return [s for s in expand_to_mesh(info, options, tuple(mesh_shape))
+            if s.kernel not in _KERNEL_FITS or _KERNEL_FITS[s.kernel](s)]
 
 
 def run_local(

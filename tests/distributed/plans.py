@@ -19,6 +19,7 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.passes.plan import Pipeline, Plan, plan_from_choice
 from autopar.passes.propagate import choose_by_propagation
+from autopar.passes.rules.overlapped import GATHER, SCATTER
 from autopar.passes.strategy_graph import build_strategy_graph
 
 
@@ -152,10 +153,34 @@ def planned(model, mesh, tokens, layout: str):
     return autopar.layouts.build(layout, model, mesh, (tokens,), hardware="h100")
 
 
+@made_once
+def fused_plan(model, mesh, tokens, layout: str):
+    """autopar.layouts' Megatron ``layout`` with every tensor-parallel linear's collective run
+    inside it, pipelined (async TP, ``autopar.passes.rules.overlapped``): a column-parallel
+    linear reads its input split by rows and gathers it, a row-parallel one reduce-scatters
+    its sum by rows; the values between move as the edges say."""
+    plan = autopar.layouts.build(layout, model, mesh, (tokens,), hardware="h100")
+    graph = build_strategy_graph(captured_once(model, (tokens,)), tuple(mesh.shape))
+    for node, ns in graph.nodes.items():
+        chosen = next((s for s in ns.strategies if str(s) == plan.strategies.get(node.name)), None)
+        if chosen is None:
+            continue
+        fused = [s for s in ns.strategies if s.inputs[1:2] == chosen.inputs[1:2] and (
+            (s.kernel == GATHER and s.output == chosen.output)
+            or (s.kernel == SCATTER and s.inputs[0] == chosen.inputs[0]))]
+        if fused:
+            plan.strategies[node.name] = str(fused[0])
+    plan.kind = f"fused-{layout}"
+    return plan
+
+
 def case_plan(model, mesh, tokens, layout: str):
-    """The plan a case names: the planner's or autopar.layouts' (``PLANNED``), or one made here."""
+    """The plan a case names: the planner's or autopar.layouts' (``PLANNED``), their Megatron
+    layouts with the collectives inside the linears (``fused-<layout>``), or one made here."""
     if layout in PLANNED:
         return planned(model, mesh, tokens, layout)
+    if layout.startswith("fused-"):
+        return fused_plan(model, mesh, tokens, layout.removeprefix("fused-"))
     return layout_plan(model, (tokens,), layout, tuple(mesh.shape))  # as JSON: what a saved plan replays
 
 

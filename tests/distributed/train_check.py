@@ -27,6 +27,7 @@ import autopar
 from autopar.runtime import checkpoint
 from autopar.passes.capture import capture
 from autopar.passes.explain import stage_starts
+from autopar.passes.lowering.codegen import LocalKernel
 from autopar.passes.plan import Pipeline, Plan
 from tests.distributed import dropout_check, mp_check
 from tests.distributed.plans import case_plan, layout_plan, pipeline_plan, planned
@@ -190,10 +191,12 @@ def run_case(spec: str) -> dict:
 
     losses, loss_err, param_err, ref_opt = train_against_reference(pm, reference, loss_fn, batches)
     n_reshard = sum(1 for n in pm.gm.graph.nodes if n.op == "call_module" and "Reshard" in type(pm.gm.get_submodule(n.target)).__name__)
+    kernels = sorted({m.strategy.kernel for m in pm.gm.modules() if isinstance(m, LocalKernel)})
     state = torch.tensor([optimizer_numel(pm.optimizer)], dtype=torch.float64)
     dist.all_reduce(state)
     return {
         "case": spec, "loss_err": loss_err, "param_err": param_err, "losses": losses, "reshards": n_reshard,
+        "kernels": kernels,
         "optimizer_numel_rank0": optimizer_numel(pm.optimizer), "optimizer_numel_all": int(state.item()),
         "reference_optimizer_numel": optimizer_numel(ref_opt), "plan_kind": pm.plan.kind,
         "params": pm.plan.params,
