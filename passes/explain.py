@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.costmodels.units import gib_text
 from autopar.passes.placements import parse_spec
+from autopar.passes.rules.overlapped import GATHER, SCATTER
 from autopar.passes.rules.registry import KernelExplain, kernel_explain
 
 MS = 1e3
@@ -123,6 +124,18 @@ def expert_parallel(plan) -> str | None:
     return "; ".join(lines)
 
 
+def async_tensor_parallel(plan) -> str | None:
+    """'async tensor parallel: ...' for a plan whose linears run their tensor-parallel
+    collective inside, in chunks beside their matmuls (``autopar.passes.rules.overlapped``):
+    how many of each kind; None for a plan without."""
+    kernels = [text[text.rindex("[") + 1:-1] for text in plan.strategies.values() if text.endswith("]")]
+    said = [f"{n} linear{'s' if n > 1 else ''} {what}" for n, what in (
+        (kernels.count(SCATTER), "reduce-scattering the sum"), (kernels.count(GATHER), "gathering the input's rows")) if n]
+    if not said:
+        return None
+    return "async tensor parallel (the collective in chunks, each beside another chunk's matmul): " + ", ".join(said)
+
+
 def _mesh_axis(plan, a: int) -> int:
     """The plan's mesh axis of a strategy's axis ``a``: a pipeline plan's strategies live on
     the mesh without its pipeline axis."""
@@ -200,6 +213,9 @@ def explain(plan) -> str:
     experts = expert_parallel(plan)
     if experts:
         lines.append(experts)
+    fused = async_tensor_parallel(plan)
+    if fused:
+        lines.append(fused)
     zero = {}
     for level in plan.zero.values():
         zero[level] = zero.get(level, 0) + 1

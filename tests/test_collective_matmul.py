@@ -188,6 +188,9 @@ def test_the_solver_takes_them_where_they_pay(monkeypatch):
     fused = planned()
     kernels = [s.split("[")[-1].rstrip("]") for s in fused.strategies.values() if "[" in s]
     assert kernels.count(SCATTER) >= 4, fused.strategies  # both layers' o and down projections
+    said = f"{kernels.count(SCATTER)} linears reduce-scattering the sum"
+    assert f"async tensor parallel (the collective in chunks, each beside another chunk's matmul): {said}" \
+        in fused.explain(), fused.explain()
     # it runs at its size (fake tensors), its activations as predicted
     run = autopar.dry_run(fused, model, (tokens,))
     run.raise_if_failed()
@@ -196,6 +199,7 @@ def test_the_solver_takes_them_where_they_pay(monkeypatch):
     monkeypatch.setattr(overlapped, "options", lambda info: [])
     apart = planned()
     assert not any(GATHER in s or SCATTER in s for s in apart.strategies.values())
+    assert "async tensor parallel" not in apart.explain()
     assert fused.predicted.step_time < apart.predicted.step_time
     assert fused.predicted.communication < apart.predicted.communication
 
