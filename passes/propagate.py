@@ -18,6 +18,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar.passes.placements import Spec, local_shape, spec_str
+from autopar.passes.rules import overlapped
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import TensorMeta
 
@@ -72,7 +73,10 @@ def choose_by_propagation(graph: StrategyGraph, fixed: dict[fx.Node, Spec]) -> d
                     for src, need in zip(sources, strategy.inputs)
                 )
 
-            best = min(range(len(ns.strategies)), key=lambda i: cost(ns.strategies[i]))
+            # a linear running its collective inside (async TP) is the solver's to choose where it
+            # pays: laid out as written, an op moves its values on the edges
+            allowed = [i for i, s in enumerate(ns.strategies) if s.kernel not in overlapped.KERNELS]
+            best = min(allowed or range(len(ns.strategies)), key=lambda i: cost(ns.strategies[i]))
             choice[node] = best
             have[node] = ns.strategies[best].outputs
             metas[node] = ns.info.outputs

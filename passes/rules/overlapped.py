@@ -36,6 +36,7 @@ from autopar.passes.op_strategies import AxisOption, OpInfo, ShardingStrategy
 from autopar.passes.rules.registry import LocalContext, OpWork, kernel
 
 GATHER, SCATTER = "gather_linear", "linear_scatter"
+KERNELS = (GATHER, SCATTER)
 LINEAR = "aten.linear.default"
 
 
