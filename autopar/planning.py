@@ -52,6 +52,7 @@ def plan(
     mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
     inference: Inference | None = None,
     constraints: Constraints | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """The fastest predicted Plan that fits in memory (with ``layout``, under that manual layout's placements).
 
@@ -97,6 +98,11 @@ def plan(
     inputs (the workload gives their shapes); ``layout`` one of the serving layouts
     (``replicated``, ``dp``, ``tp``, ``tp+dp``). ``autopar.compile(..., plan=)`` runs it
     (``autopar.runtime.inference.InferenceModule``: ``generate``).
+
+    ``workers``: processes the search's independent plans (without a pipeline, and each
+    pipeline depth, where every depth is planned) are made in at once, forked from this one
+    (``autopar.passes.planner.workers``); None: one per core; 1: this process alone. The plan is
+    the same with any number.
     """
     if constraints is not None and inference is not None:
         raise ValueError("autopar: plan(inference=...) takes no constraints= (pins are for training plans); "
@@ -128,7 +134,7 @@ def plan(
         # autopar.dry_run): stages cut from the model-and-loss graph could not run
         pipeline=pipeline and loss_fn is None,
         outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
-        progress=progress, constraints=constraints, price_pins=price_pins,
+        progress=progress, constraints=constraints, price_pins=price_pins, workers=workers,
     )
     if loss_fn is not None:
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)

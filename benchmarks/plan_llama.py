@@ -22,6 +22,7 @@ import torch
 
 from autopar.models import LLAMA3, llama3
 from autopar.planning import plan
+from benchmarks.plan_speed import cpu_seconds
 from benchmarks.results_file import add_out_argument, write_results
 
 
@@ -44,13 +45,13 @@ def main() -> None:
     args = parser.parse_args()
 
     warnings.simplefilter("ignore")
-    started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()[0]
+    started, cpu_started, load_before = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
     with torch.device("meta"):
         model = llama3(args.size, args.seq, args.layers)
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     result = plan(model, tuple(args.mesh), (tokens,), hardware="h100", time_limit_s=args.time_limit,
                   pipeline=not args.no_pipeline)
-    total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    total, cpu = time.perf_counter() - started, cpu_seconds() - cpu_started
     search_cpu = result.solver.get("planning_cpu_seconds", 0.0)
     planned = (f"llama-{args.size} ({model.config.num_hidden_layers} layers) on {tuple(args.mesh)}: planned in "
                f"{total:.1f} s (capture {result.solver.get('capture_seconds', 0):.1f} s, search "

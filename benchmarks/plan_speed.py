@@ -1,7 +1,7 @@
 """Planning speed: wall and CPU seconds of ``autopar.plan`` on the planning-speed targets.
 
     python -m benchmarks.plan_speed [--targets hf-llama-2x2 llama-70b-8x8 ...] [--published tt-8b ...]
-                                    [--time-limit 60] [--plans DIR] [--out DIR]
+                                    [--workers 1 2] [--time-limit 60] [--plans DIR] [--out DIR]
 
 Targets, each planned once in this process, one after another (the first pays the imports):
 
@@ -12,8 +12,10 @@ Targets, each planned once in this process, one after another (the first pays th
 - ``--published KEY``: a row of ``benchmarks.published``, its auto plan as that benchmark makes it.
 
 Prints, per target, the wall and CPU seconds of the whole call (CPU: this process's, the
-solver's threads included), capture and search apart (``Plan.solver``), and the plan's
-predicted step. ``--plans DIR`` saves each plan's JSON (two runs' plans, less their timings,
+solver's threads and the search's worker processes included), capture and search apart (``Plan.solver``), and the plan's
+predicted step. ``--workers 1 2`` plans each target once per count of worker processes, in turn (the
+search's independent plans in that many processes; default one per core): the plans must be
+equal. ``--plans DIR`` saves each plan's JSON (two runs' plans, less their timings,
 must be equal: the budget is counted in work). ``--out DIR`` writes the table to a dated
 results file ``plan_speed_<hardware>_<yyyymmdd>.md`` there (``benchmarks.results_file``).
 """
@@ -78,19 +80,28 @@ def _published(key: str) -> tuple[Callable[[], tuple], tuple[int, ...], dict]:
                                   "mp_policy": row.mp_policy}
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process (its threads) and of the processes it forked and waited for
+    (the search's worker processes, ``autopar.passes.planner.workers``)."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 def measure(name: str, build: Callable[[], tuple], mesh: tuple[int, ...], keywords: dict, time_limit_s: float,
-            plans: Path | None) -> dict:
-    """One target planned: its wall and CPU seconds, capture and search apart, its prediction."""
+            plans: Path | None, workers: int | None = None) -> dict:
+    """One target planned (its independent plans in ``workers`` processes; None: one per core):
+    its wall and CPU seconds, capture and search apart, its prediction."""
     model, inputs, kwargs = build()
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), cpu_seconds()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = plan(model, mesh, inputs, example_kwargs=kwargs or None, time_limit_s=time_limit_s, **keywords)
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        result = plan(model, mesh, inputs, example_kwargs=kwargs or None, time_limit_s=time_limit_s,
+                      workers=workers, **keywords)
+    wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu_started
     if plans is not None:
         plans.mkdir(parents=True, exist_ok=True)
-        result.save(plans / f"{name}.json")
-    return {"target": name, "mesh": "x".join(map(str, mesh)), "wall": wall, "cpu": cpu,
+        result.save(plans / (f"{name}.json" if workers is None else f"{name}-workers{workers}.json"))
+    return {"target": name, "mesh": "x".join(map(str, mesh)), "workers": workers or "per core", "wall": wall, "cpu": cpu,
             "capture": result.solver.get("capture_seconds", float("nan")),
             "search": result.solver.get("planning_seconds", float("nan")),
             "search_cpu": result.solver.get("planning_cpu_seconds", float("nan")),
@@ -99,10 +110,10 @@ def measure(name: str, build: Callable[[], tuple], mesh: tuple[int, ...], keywor
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| target | mesh | wall s | CPU s | capture s | search s | search CPU s | plan | predicted step ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | mesh | workers | wall s | CPU s | capture s | search s | search CPU s | plan | predicted step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['target']} | {r['mesh']} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['capture']:.1f} | "
+        lines.append(f"| {r['target']} | {r['mesh']} | {r['workers']} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['capture']:.1f} | "
                      f"{r['search']:.1f} | {r['search_cpu']:.1f} | {r['plan']} | {r['step_ms']:.3f} |")
     return lines
 
@@ -113,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--published", nargs="*", default=[], metavar="KEY",
                         help="rows of benchmarks.published to plan too (their auto plan)")
     parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--workers", type=int, nargs="*", default=[None], metavar="N",
+                        help="plan each target with the search's independent plans in N processes, for each N "
+                             "given in turn (default: one per core)")
     parser.add_argument("--plans", type=Path, help="folder to save each plan's JSON in")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="folder of the dated results file plan_speed_<hardware>_<yyyymmdd>.md (none without)")
@@ -121,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     results = []
     for name, build, mesh, keywords in chosen:
-        results.append(measure(name, build, mesh, keywords, args.time_limit, args.plans))
-        print(f"{name}: {results[-1]['wall']:.1f} s wall, {results[-1]['cpu']:.1f} CPU s", flush=True)
+        for workers in args.workers:
+            results.append(measure(name, build, mesh, keywords, args.time_limit, args.plans, workers))
+            print(f"{name} ({results[-1]['workers']} workers): {results[-1]['wall']:.1f} s wall, "
+                  f"{results[-1]['cpu']:.1f} CPU s", flush=True)
     lines = table(results) + ["", f"Load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
                                   f"time limit {args.time_limit:g} s."]
     print("\n".join(lines))

@@ -24,7 +24,6 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -50,9 +49,9 @@ from autopar.costmodels.profile import (
     Rate,
     default_axis_names,
 )
+from autopar.costmodels.sweep import Sweep
 from autopar.costmodels.timing import (
     MATMUL_LAYOUTS,
-    WORKING_SET_BYTES,
     OperandPool,
     attention_calls,
     attention_flops,
@@ -65,115 +64,8 @@ from autopar.costmodels.timing import (
 
 ATTENTION_BACKWARD_FLOPS = 2.5  # flop_counter's sdpa_backward_flop_count: 5 products vs 2
 
-
-@dataclass(frozen=True, kw_only=True)
-class Sweep:
-    """What the profiler measures. The defaults take about 22 s at 4 CPU ranks on a 2x2
-    mesh of 2 cores (fp32; bf16 and fp16 add about 8 s each); ``thorough`` measures more
-    sizes, more often, in three times that (``benchmarks.profile_speed``)."""
-
-    comm_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
-    matmul_shapes: tuple[tuple[int, int, int], ...] = (
-        (32, 32, 32),
-        (128, 128, 128),
-        (256, 128, 512),
-        (512, 256, 512),
-        (512, 512, 512),
-    )
-    pointwise_numel: tuple[int, ...] = (1 << 10, 3 << 14, 3 << 18, 3 << 20)
-    # the other pointwise kinds (multiples of timing.ROW); bf16 / fp16 time the two ends.
-    # Between sizes a pointwise op is priced by interpolation (``Rate.segment``), so the
-    # sweep spans tensors in cache (12 Ki elements) to tensors streamed from memory (3 Mi).
-    kind_numel: tuple[int, ...] = (3 << 12, 3 << 16, 3 << 20)
-    # (batch, heads, seq, head_dim) of causal attention; bf16 / fp16 (slow on a CPU) time
-    # the first two. An op is priced per head (batch x heads of them) by its FLOPs between
-    # the measured head sizes, so fp32 times four head sizes (both head dims at both
-    # sequence lengths), one of them at two batches (which tells the op's fixed cost apart)
-    attention_shapes: tuple[tuple[int, int, int, int], ...] = (
-        (1, 8, 128, 32), (4, 8, 128, 32), (2, 8, 256, 64), (2, 8, 128, 64), (1, 8, 256, 32))
-    repeats: int = 5
-    # Collectives take more batches: under time sharing one batch's time per collective is
-    # bimodal (measured on this 2-core machine, 2 gloo ranks, 30 batches of all_reduce at 4 KiB:
-    # 0.34 ms to 3.8 ms, median 1.3 ms), and the 10-90% spread of a median of 5 batches was
-    # 70-80% of the value at 4 KiB-1 MiB, of a median of 15 20-40%; 9 here, 15 ``thorough``.
-    comm_repeats: int = 9
-    warmup: int = 2
-    # bf16 / fp16 time fewer, smaller shapes (fp16 matmul on CPU runs at ~1 GFLOP/s)
-    low_precision_shapes: tuple[tuple[int, int, int], ...] = (
-        (64, 64, 64),
-        (128, 128, 128),
-        (128, 128, 256),
-        (256, 256, 256),
-    )
-    min_batch_s: float = 0.01  # each timed batch of calls lasts at least this long
-    working_set_bytes: int = WORKING_SET_BYTES  # compute operands rotate through this much
-    # collectives after compute: these sizes, each after this many "nt" matmuls of this
-    # (m, k, n) (3 ms on one of 2 ranks here, about half a transformer layer's forward)
-    in_step_bytes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22)
-    in_step_units: int = 8
-    in_step_matmul: tuple[int, int, int] = (256, 256, 256)
-
-    @classmethod
-    def thorough(cls) -> Sweep:
-        """More sizes, more batches (about three times the default's time)."""
-        return cls(
-            comm_bytes=(1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
-            matmul_shapes=((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 128, 512), (256, 256, 256),
-                           (512, 256, 512), (512, 512, 512)),
-            pointwise_numel=(1 << 10, 3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20),
-            kind_numel=(3 << 12, 3 << 14, 3 << 16, 3 << 18, 3 << 20),
-            comm_repeats=15,
-            min_batch_s=0.02,
-            in_step_units=16,
-        )
-
-    @classmethod
-    def gpu(cls) -> Sweep:
-        """Sizes where a datacenter GPU reaches its rates (not yet run on one)."""
-        return cls(
-            comm_bytes=tuple(1 << p for p in range(16, 31, 2)),  # 64 KiB .. 1 GiB
-            matmul_shapes=tuple((n, n, n) for n in (512, 1024, 2048, 4096, 8192)),
-            low_precision_shapes=tuple((n, n, n) for n in (1024, 2048, 4096, 8192)),
-            pointwise_numel=tuple(1 << p for p in range(16, 29, 3)),
-            kind_numel=tuple(1 << p for p in range(18, 29, 5)),
-            attention_shapes=((4, 16, 1024, 128), (8, 16, 2048, 128), (8, 32, 4096, 128)),
-            repeats=5,
-            comm_repeats=5,
-            warmup=3,
-            min_batch_s=0.02,
-            working_set_bytes=256 << 20,
-            in_step_bytes=(1 << 16, 1 << 22, 1 << 28),
-            in_step_matmul=(4096, 4096, 4096),
-        )
-
-    @classmethod
-    def quick(cls) -> Sweep:
-        """A small sweep for tests and smoke runs (a few seconds)."""
-        return cls(
-            comm_bytes=(1 << 12, 1 << 18, 1 << 22),
-            matmul_shapes=((32, 32, 32), (64, 64, 64), (128, 128, 128)),
-            pointwise_numel=(1 << 10, 1 << 14, 1 << 17),
-            kind_numel=(1 << 10, 1 << 14),
-            attention_shapes=((1, 2, 32, 16), (1, 4, 64, 32)),
-            repeats=3,
-            comm_repeats=3,
-            warmup=1,
-            min_batch_s=0.005,
-            working_set_bytes=4 << 20,
-            low_precision_shapes=((32, 32, 32), (64, 64, 64)),
-            in_step_bytes=(1 << 12, 1 << 18),
-            in_step_units=2,
-            in_step_matmul=(64, 64, 64),
-        )
-
-
 # the collectives the overlap kinds run, each timed beside compute once
 OVERLAP_COLLECTIVES = tuple(sorted(set(OVERLAP_COLLECTIVE.values())))
-
-
-def _ends(sizes: Sequence) -> tuple:
-    """The smallest and the largest of a sweep (what bf16 / fp16 time, to save time)."""
-    return tuple(sizes) if len(sizes) <= 2 else (sizes[0], sizes[-1])
 
 
 def _axis_link(group, device: torch.device) -> str:
@@ -364,8 +256,7 @@ class _Measure:
 
     def _matmul(self, dtype: str) -> None:
         sw, pool = self.sweep, self.pool
-        shapes = [(m, k, n, lay) for m, k, n in (sw.matmul_shapes if dtype == "fp32" else sw.low_precision_shapes)
-                  for lay in MATMUL_LAYOUTS]
+        shapes = [(m, k, n, lay) for m, k, n in sw.matmuls(dtype) for lay in MATMUL_LAYOUTS]
         fit = _measure_and_fit(
             lambda repeats: self._timed(
                 f"matmul {dtype}", [matmul_call(m, k, n, dtype, lay, pool) for m, k, n, lay in shapes], repeats
@@ -380,8 +271,7 @@ class _Measure:
     def _pointwise(self, dtype: str) -> None:
         sw, pool = self.sweep, self.pool
         for kind in POINTWISE_KINDS:
-            sizes = sw.pointwise_numel if kind == "memory" else sw.kind_numel
-            sizes = sizes if dtype == "fp32" or kind == "memory" else _ends(sizes)
+            sizes = sw.pointwise_sizes(kind, dtype)
             fit = _measure_and_fit(
                 lambda repeats: self._timed(
                     f"{kind} {dtype}", [pointwise_call(kind, n, dtype, pool) for n in sizes], repeats
@@ -397,7 +287,7 @@ class _Measure:
 
     def _attention(self, dtype: str) -> None:
         sw = self.sweep
-        shapes = sw.attention_shapes if dtype == "fp32" else sw.attention_shapes[:2]
+        shapes = sw.attentions(dtype)
         # (heads, FLOPs of one head) of each: backward does 2.5x the FLOPs on the same heads
         amounts = [(b * h, attention_flops(b, h, s, d) / (b * h)) for b, h, s, d in shapes]
         rotation = sw.working_set_bytes // 4  # compute-bound: a smaller rotation (its graphs hold memory)
@@ -479,17 +369,6 @@ def _chosen_dtypes(dtypes: Sequence[str]) -> tuple[str, ...]:
     return tuple(d for d in DTYPES if d == DTYPES[0] or d in dtypes)  # fp32 always: optimizers step in it
 
 
-def _compute_calls(sweep: Sweep, dtype: str) -> int:
-    """How many timed calls ``_Measure.compute(dtype)`` makes (the progress bar's share)."""
-    low = dtype != DTYPES[0]
-    return (
-        len(MATMUL_LAYOUTS) * len(sweep.low_precision_shapes if low else sweep.matmul_shapes)
-        + len(sweep.pointwise_numel)
-        + (len(POINTWISE_KINDS) - 1) * len(_ends(sweep.kind_numel) if low else sweep.kind_numel)
-        + 2 * len(sweep.attention_shapes[:2] if low else sweep.attention_shapes)
-    )
-
-
 def measure_profile(
     mesh, sweep: Sweep = Sweep(), *, dtypes: Sequence[str] = DTYPES, progress: bool = True,
     on_fit: Callable[[str, tuple], None] | None = None
@@ -517,7 +396,7 @@ def measure_profile(
     total = (
         len(measured) * len(COLLECTIVES) * (len(sweep.comm_bytes) + 1 + len(sweep.in_step_bytes))
         + (3 * len(OVERLAP_COLLECTIVES) if max(shape) > 1 else 0)
-        + sum(_compute_calls(sweep, d) for d in dtypes)
+        + sum(sweep.compute_calls(d) for d in dtypes)
     )
     from tqdm import tqdm
 
@@ -550,7 +429,7 @@ def add_dtypes(profile: HardwareProfile, mesh, dtypes: Sequence[str], sweep: Swe
         return profile
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(_compute_calls(sweep, d) for d in wanted), desc=f"autopar profile {' '.join(wanted)}",
+    bar = tqdm(total=sum(sweep.compute_calls(d) for d in wanted), desc=f"autopar profile {' '.join(wanted)}",
                disable=not progress or dist.get_rank() != 0, leave=False)
     run = _Measure(device, sweep, bar, lambda what, key: None, wanted)
     for dtype in wanted:

@@ -50,6 +50,9 @@ class PlanRequest:
     # the pins' roles on this request's mesh (one of ``constraints.mesh_roles``' ways), set by the
     # search for each mesh it plans; None: no axis pinned
     roles: MeshRoles | None = None
+    # processes the search's independent plans are made in at once (``workers.run_forked``);
+    # None: one per core, 1: this process alone
+    workers: int | None = None
     profile: costmodels.HardwareProfile = field(init=False, repr=False, compare=False)  # ``hardware`` resolved
 
     def __post_init__(self) -> None:
@@ -75,6 +78,9 @@ class PlanRequest:
         if not self.time_limit_s > 0:
             raise PlanningError(f"autopar: expected a positive planning time limit in seconds, found "
                                 f"{self.time_limit_s}; pass e.g. time_limit_s=60")
+        if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
+            raise PlanningError(f"autopar: expected workers= a count of processes of at least 1, found "
+                                f"{self.workers!r}; pass workers=1 to plan in this process, or None for one per core")
         if self.layouts and self.hint_fn is None:
             raise PlanningError(f"autopar: manual layouts {self.layouts} need a hint function that builds them; "
                                 "found none; pass hint_fn (autopar.passes.planner.layouts.hints)")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Sequence
 
 from autopar.passes.explain import duration
@@ -50,6 +51,7 @@ from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.searched import Coverage, merged
 from autopar.passes.planner.stage_starts import start_layers
+from autopar.passes.planner.workers import run_forked, worker_count
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -290,6 +292,21 @@ def _depth_coverage(tried: dict[str, str], depth_of: dict[str, int], fitted: set
     return coverage
 
 
+def _ahead(graphs: Graphs, meshes: list[tuple[int, ...]], jobs: list, asked: int | None) -> tuple[dict, float]:
+    """({job index: its ``workers.Done``}, the workers' CPU seconds) of ``jobs`` (the search's
+    plans, each on its mesh of ``meshes``) run in forked worker processes, or ({}, 0) where one
+    process runs them (``request.workers`` 1, one job, one core): the search then makes each in
+    turn. The strategy graphs are built here first: their warnings (an op replicated) are this
+    process's, and the search reuses them after."""
+    workers = worker_count(asked, len(jobs))
+    if workers == 1:
+        return {}, 0.0
+    for mesh in meshes:
+        graphs.on(mesh)
+    done, cpu = run_forked(jobs, workers)
+    return dict(enumerate(done)), cpu
+
+
 def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     """``plan_captured``'s search; with pins, over the factorisations their roles can be laid on
     (``constraints.mesh_roles``), each planned under them."""
@@ -324,14 +341,26 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     solver_time = 0.5 * time_limit_s / (1 + budget)
     best, error, candidates = None, None, {}
     flat_request = replace(request, roles=roles.get(1))
+    flat_job = lambda: plan_intra_op(graphs.on(shape), flat_request, solver_time_s=solver_time)[0]  # noqa: E731
+    depth_job = lambda i: pipeline_plan(captured, options[i][0], options[i][1], request,  # noqa: E731
+                                        solver_time_s=solver_time, graph=graphs.on(options[i][1]),
+                                        roles=roles.get(options[i][0]))
+    # Where every depth is planned, the plans are independent: made in worker processes at once,
+    # each to its budget (a safety net that has cut already leaves the search to this process)
+    ahead, workers_cpu = {}, 0.0
+    if budget == len(options) and not net.cut():
+        jobs = [flat_job] * int(flat) + [partial(depth_job, i) for i in range(len(options))]
+        meshes = [shape] * int(flat) + [intra for _, intra in options]
+        ahead, workers_cpu = _ahead(graphs, meshes, jobs, request.workers)
     if flat:
         report("no pipeline", 0, total)
         try:
-            best, _ = plan_intra_op(graphs.on(shape), flat_request, solver_time_s=solver_time)
+            best = ahead.pop(0).result() if ahead else flat_job()
             tried["no pipeline"] = duration(best.predicted.step_time)
             candidates.update(best.candidates)
         except PlanningError as exc:
             error, tried["no pipeline"] = exc, str(exc)
+    ahead = {i - flat: done for i, done in ahead.items()}  # option index -> its plan
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
     outcome: dict[int, str] = {}
     stage_searches: list[dict] = []  # what each planned depth's stage search covered
@@ -342,10 +371,9 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     while len(results) < budget and (i := next_factorisation(options, results)) is not None:
         p, intra = options[i]
         report(where_of(p, intra), len(results) + int(flat), total)
-        if clock_cut := net.cut():  # a safety net: the deterministic budget did not run out
+        if i not in ahead and (clock_cut := net.cut()):  # a safety net: the deterministic budget did not run out
             break
-        candidate, outcome[i] = pipeline_plan(captured, p, intra, request, solver_time_s=solver_time,
-                                              graph=graphs.on(intra), roles=roles.get(p))
+        candidate, outcome[i] = ahead[i].result() if i in ahead else depth_job(i)
         results[i] = candidate.predicted.step_time if candidate is not None else math.inf
         if candidate is None:
             continue
@@ -380,7 +408,8 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     best.candidates = candidates
     best.hardware = request.preset or request.profile.machine
     best.solver["planning_seconds"] = time.perf_counter() - started
-    best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started  # this process's, solver threads included
+    # this process's, solver threads included, and its worker processes'
+    best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started + workers_cpu
     best.solver["memory_limit"] = limit
     report("done", total, total)
     return best
