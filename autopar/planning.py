@@ -100,7 +100,7 @@ def plan(
     (``autopar.runtime.inference.InferenceModule``: ``generate``).
 
     ``workers``: processes the search's independent plans (without a pipeline, and each
-    pipeline depth, where every depth is planned) are made in at once, forked from this one
+    pipeline depth planned whatever the others give) are made in at once, forked from this one
     (``autopar.passes.planner.workers``); None: one per core; 1: this process alone. The plan is
     the same with any number.
     """

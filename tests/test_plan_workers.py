@@ -10,6 +10,7 @@ import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
+from autopar.passes.planner import search
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.workers import run_forked, worker_count
 
@@ -24,20 +25,35 @@ def _without_timings(value):
     return value
 
 
-@FORK
-def test_workers_make_the_plan_one_process_makes():
-    """Four layers on a 4 x 2 mesh: the plan without a pipeline and depths 2 and 4, made in two
-    worker processes, give the plan made in this process alone (its JSON, timings aside)."""
+def _planned(mesh, workers):
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=512, max_seq_len=128, dim=128, n_heads=4, n_layers=4))
     x = torch.zeros(16, 128, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        alone, forked = (autopar.plan(model, (4, 2), (x,), hardware="h100", time_limit_s=10, workers=w)
-                         for w in (1, 2))
+        return autopar.plan(model, mesh, (x,), hardware="h100", time_limit_s=10, workers=workers)
+
+
+@FORK
+def test_workers_make_the_plan_one_process_makes():
+    """Four layers on a 4 x 2 mesh: the plan without a pipeline and depths 2 and 4, made in two
+    worker processes, give the plan made in this process alone (its JSON, timings aside)."""
+    alone, forked = _planned((4, 2), 1), _planned((4, 2), 2)
     assert alone.solver["searched"]["pipeline_depths"]["tried"] == [1, 2, 4], alone.solver["searched"]
     assert _without_timings(forked.to_dict()) == _without_timings(alone.to_dict())
     assert forked.solver["planning_cpu_seconds"] > 0
+
+
+@FORK
+def test_a_budget_of_fewer_depths_plans_its_seeds_ahead_and_the_rest_in_turn(monkeypatch):
+    """Four layers on an 8-device line (depths 2 and 4; 8 would leave stages empty), a budget of
+    one depth: its seed (depth 4) planned in a worker beside the plan without a pipeline, the
+    same plan as alone."""
+    monkeypatch.setattr(search, "factorisation_budget", lambda captured, limit: 1)
+    alone, forked = _planned((8,), 1), _planned((8,), 2)
+    assert alone.solver["searched"]["pipeline_depths"]["tried"] == [1, 4], alone.solver["searched"]
+    assert search.seed_factorisations(2)[:1] == [1]  # depth 4, the option planned ahead
+    assert _without_timings(forked.to_dict()) == _without_timings(alone.to_dict())
 
 
 def _value(x):

@@ -134,7 +134,7 @@ def test_a_depth_past_the_budget_is_recorded_as_skipped(monkeypatch):
     seen = Seen(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = plan(model, (8,), (x,), hardware="h100", time_limit_s=LIMIT)
+        p = plan(model, (8,), (x,), hardware="h100", time_limit_s=LIMIT, workers=1)  # seen in this process
     depths = p.solver["searched"]["pipeline_depths"]
     assert seen.depths == [4] and depths["tried"] == [1, 4], (seen.depths, depths)
     assert depths["skipped"] == {"2": "beyond the search budget of 1 pipeline depths (next_factorisation's order)",

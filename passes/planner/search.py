@@ -116,6 +116,12 @@ def factorisation_budget(captured, time_limit_s: float) -> int:
     return max(1, int(0.5 * time_limit_s / per_depth))
 
 
+def seed_factorisations(n: int) -> list[int]:
+    """The indices ``next_factorisation`` takes first of ``n`` depths, whatever the others gave:
+    the middle, then the quarter points."""
+    return list(dict.fromkeys((n // 2, n // 4, (3 * n) // 4)))
+
+
 def next_factorisation(options: Sequence[tuple[int, tuple[int, ...]]], results: dict[int, float]) -> int | None:
     """Index into ``options`` (pipeline depths in increasing order) of the next one to try,
     given the predicted step times found so far (index -> seconds, inf where none fits); None
@@ -131,7 +137,7 @@ def next_factorisation(options: Sequence[tuple[int, tuple[int, ...]]], results: 
     untried = [i for i in range(n) if i not in results]
     if not untried:
         return None
-    for seed in dict.fromkeys((n // 2, n // 4, (3 * n) // 4)):
+    for seed in seed_factorisations(n):
         if seed not in results:
             return seed
     finite = {i: t for i, t in results.items() if math.isfinite(t)}
@@ -292,19 +298,19 @@ def _depth_coverage(tried: dict[str, str], depth_of: dict[str, int], fitted: set
     return coverage
 
 
-def _ahead(graphs: Graphs, meshes: list[tuple[int, ...]], jobs: list, asked: int | None) -> tuple[dict, float]:
-    """({job index: its ``workers.Done``}, the workers' CPU seconds) of ``jobs`` (the search's
-    plans, each on its mesh of ``meshes``) run in forked worker processes, or ({}, 0) where one
-    process runs them (``request.workers`` 1, one job, one core): the search then makes each in
-    turn. The strategy graphs are built here first: their warnings (an op replicated) are this
-    process's, and the search reuses them after."""
+def _ahead(graphs: Graphs, jobs: dict, asked: int | None) -> tuple[dict, float]:
+    """({key: its ``workers.Done``}, the workers' CPU seconds) of ``jobs`` (key -> (the mesh it
+    plans on, the job)) run in forked worker processes, or ({}, 0) where one process runs them
+    (``request.workers`` 1, one job, one core): the search then makes each in its turn. The
+    strategy graphs are built here first: their warnings (an op replicated) are this process's,
+    and the search reuses them after."""
     workers = worker_count(asked, len(jobs))
     if workers == 1:
         return {}, 0.0
-    for mesh in meshes:
+    for mesh, _ in jobs.values():
         graphs.on(mesh)
-    done, cpu = run_forked(jobs, workers)
-    return dict(enumerate(done)), cpu
+    done, cpu = run_forked([job for _, job in jobs.values()], workers)
+    return dict(zip(jobs, done)), cpu
 
 
 def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
@@ -345,22 +351,20 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     depth_job = lambda i: pipeline_plan(captured, options[i][0], options[i][1], request,  # noqa: E731
                                         solver_time_s=solver_time, graph=graphs.on(options[i][1]),
                                         roles=roles.get(options[i][0]))
-    # Where every depth is planned, the plans are independent: made in worker processes at once,
-    # each to its budget (a safety net that has cut already leaves the search to this process)
-    ahead, workers_cpu = {}, 0.0
-    if budget == len(options) and not net.cut():
-        jobs = [flat_job] * int(flat) + [partial(depth_job, i) for i in range(len(options))]
-        meshes = [shape] * int(flat) + [intra for _, intra in options]
-        ahead, workers_cpu = _ahead(graphs, meshes, jobs, request.workers)
+    # The plan without a pipeline and the depths planned whatever the others give (all of them
+    # within the budget, else its first seeds) are independent: made in worker processes at
+    # once, each to its budget (a safety net that has cut already leaves them to this process)
+    first = range(len(options)) if budget == len(options) else seed_factorisations(len(options))[:budget]
+    jobs = ({None: (shape, flat_job)} if flat else {}) | {i: (options[i][1], partial(depth_job, i)) for i in first}
+    ahead, workers_cpu = _ahead(graphs, jobs, request.workers) if not net.cut() else ({}, 0.0)
     if flat:
         report("no pipeline", 0, total)
         try:
-            best = ahead.pop(0).result() if ahead else flat_job()
+            best = ahead.pop(None).result() if ahead else flat_job()
             tried["no pipeline"] = duration(best.predicted.step_time)
             candidates.update(best.candidates)
         except PlanningError as exc:
             error, tried["no pipeline"] = exc, str(exc)
-    ahead = {i - flat: done for i, done in ahead.items()}  # option index -> its plan
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
     outcome: dict[int, str] = {}
     stage_searches: list[dict] = []  # what each planned depth's stage search covered
