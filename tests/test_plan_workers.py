@@ -97,3 +97,16 @@ def test_one_worker_runs_the_jobs_here_and_a_bad_count_is_refused():
     for bad in (0, -1, 1.5):
         with pytest.raises(PlanningError, match="^autopar: expected workers= a count of processes"):
             PlanRequest(mesh_shape=(2, 2), hardware="h100", workers=bad)
+
+
+def _count_here(_):
+    return worker_count(None, 4)
+
+
+@FORK
+def test_a_daemonic_process_plans_alone():
+    """A ``multiprocessing.Pool`` worker may start no process: its search runs in it."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.map(_count_here, [0]) == [1]

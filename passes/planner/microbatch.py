@@ -116,20 +116,27 @@ def _through_rule(info: OpInfo | None, sources: list[fx.Node], found: dict[fx.No
 
 
 def batch_split(graph: StrategyGraph, choice: dict[fx.Node, int], batch: int,
-                dims: dict[fx.Node, list[frozenset[int]]] | None = None) -> int:
-    """The number a micro-batch's sequence count must be a multiple of under ``choice``."""
+                dims: dict[fx.Node, list[frozenset[int]]] | None = None, known: dict | None = None) -> int:
+    """The number a micro-batch's sequence count must be a multiple of under ``choice``.
+    ``known``: each (node, strategy)'s own number, kept between calls on one graph, batch and
+    ``dims`` (the choices of one graph's candidate plans differ in few nodes)."""
     dims = batch_dims(graph, batch) if dims is None else dims
-    mesh = graph.mesh_shape
+    known = {} if known is None else known
     need = 1
     for node, ns in graph.nodes.items():
         if ns.follows is not None or node not in choice:
             continue  # a getitem's placement is its producer's output
-        strategy = ns.strategies[choice[node]]
-        specs = [(node, i, spec) for i, spec in enumerate(strategy.outputs)]
-        specs += [(u, 0, spec) for u, spec in zip(tensor_inputs(node), strategy.inputs) if spec is not None]
-        for source, i, spec in specs:
-            need = math.lcm(need, sequences_split(source, i, spec, dims, batch, mesh))
+        if (key := (node, choice[node])) not in known:
+            known[key] = _strategy_split(node, ns.strategies[choice[node]], dims, batch, graph.mesh_shape)
+        need = math.lcm(need, known[key])
     return need
+
+
+def _strategy_split(node: fx.Node, strategy, dims: dict, batch: int, mesh: Sequence[int]) -> int:
+    """``batch_split``'s number for ``node`` alone, as ``strategy`` makes and reads its values."""
+    specs = [(node, i, spec) for i, spec in enumerate(strategy.outputs)]
+    specs += [(u, 0, spec) for u, spec in zip(tensor_inputs(node), strategy.inputs) if spec is not None]
+    return math.lcm(*(sequences_split(source, i, spec, dims, batch, mesh) for source, i, spec in specs))
 
 
 def sequences_split(source: fx.Node, i: int, spec, dims: dict[fx.Node, list[frozenset[int]]], batch: int,

@@ -446,12 +446,13 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     dims = batch_dims(graph, batch) if batch else {}
     starts = _pinned_starts(pins, captured, layers[0]) if pins is not None and pins.stage_starts else None
     searched: dict[tuple, tuple] = {}  # layouts that complete alike (tp+dp, tp+sp) are searched once
+    splits: dict = {}  # batch_split's per (node, strategy), shared by the candidates
     for label, assignment in candidates:
         if (key := tuple(assignment)) not in searched:
             num = layer_numbers(costs, assignment, layers, dims)
             if len(num.act_time) < p:
                 return None, f"{len(num.act_time)} layers for {p} stages"
-            split = batch_split(graph, costs.choice(assignment)[0], batch, dims) if batch else 1
+            split = batch_split(graph, costs.choice(assignment)[0], batch, dims, splits) if batch else 1
             counts = valid_counts(batch, split) if batch else [1]
             if pins is not None and pins.micro_batches is not None:
                 counts = [pins.micro_batches] if pins.micro_batches in (

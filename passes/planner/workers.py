@@ -34,8 +34,9 @@ def cores() -> int:
 
 def worker_count(asked: int | None, jobs: int) -> int:
     """How many processes ``jobs`` independent jobs run in: ``asked`` (None: one per core), at
-    most one per job; 1 (this process) where processes cannot be forked."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    most one per job; 1 (this process) where processes cannot be forked, or where this process
+    may have none (a daemonic one: a ``multiprocessing.Pool``'s worker)."""
+    if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
         return 1
     return max(1, min(asked or cores(), jobs))
 
