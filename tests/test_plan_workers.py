@@ -34,11 +34,23 @@ def _planned(mesh, workers):
         return autopar.plan(model, mesh, (x,), hardware="h100", time_limit_s=10, workers=workers)
 
 
+def _forks_seen(monkeypatch) -> list[tuple[int, int]]:
+    """(jobs, workers) of every ``run_forked`` call the search makes."""
+    seen, real = [], search.run_forked
+    monkeypatch.setattr(search, "run_forked",
+                        lambda jobs, workers: seen.append((len(jobs), workers)) or real(jobs, workers))
+    return seen
+
+
 @FORK
-def test_workers_make_the_plan_one_process_makes():
+def test_workers_make_the_plan_one_process_makes(monkeypatch):
     """Four layers on a 4 x 2 mesh: the plan without a pipeline and depths 2 and 4, made in two
     worker processes, give the plan made in this process alone (its JSON, timings aside)."""
-    alone, forked = _planned((4, 2), 1), _planned((4, 2), 2)
+    seen = _forks_seen(monkeypatch)
+    alone = _planned((4, 2), 1)
+    assert seen == []
+    forked = _planned((4, 2), 2)
+    assert seen == [(3, 2)]  # no pipeline, depths 2 and 4
     assert alone.solver["searched"]["pipeline_depths"]["tried"] == [1, 2, 4], alone.solver["searched"]
     assert _without_timings(forked.to_dict()) == _without_timings(alone.to_dict())
     assert forked.solver["planning_cpu_seconds"] > 0
@@ -50,7 +62,9 @@ def test_a_budget_of_fewer_depths_plans_its_seeds_ahead_and_the_rest_in_turn(mon
     one depth: its seed (depth 4) planned in a worker beside the plan without a pipeline, the
     same plan as alone."""
     monkeypatch.setattr(search, "factorisation_budget", lambda captured, limit: 1)
+    seen = _forks_seen(monkeypatch)
     alone, forked = _planned((8,), 1), _planned((8,), 2)
+    assert seen == [(2, 2)]  # no pipeline and the seed
     assert alone.solver["searched"]["pipeline_depths"]["tried"] == [1, 4], alone.solver["searched"]
     assert search.seed_factorisations(2)[:1] == [1]  # depth 4, the option planned ahead
     assert _without_timings(forked.to_dict()) == _without_timings(alone.to_dict())

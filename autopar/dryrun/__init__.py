@@ -46,7 +46,6 @@ import dataclasses
 import gc
 import math
 import multiprocessing
-import os
 import time
 import traceback
 import warnings
@@ -74,6 +73,7 @@ from autopar.dryrun.tracker import CPU, HOST, FakeState, create_optimizer_state,
 from autopar.passes.capture import Captured, capture, on_device
 from autopar.passes.loss_memory import cross_entropy, default_loss
 from autopar.passes.plan import Plan, choice_from_plan
+from autopar.passes.planner.workers import worker_count
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 __all__ = ["dry_run", "distinct_ranks", "DryRunResult", "DryRunError", "RankResult"]
@@ -292,10 +292,7 @@ def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 def _workers(asked: int | None, n_ranks: int) -> int:
     if asked is not None and asked < 1:
         raise ValueError(f"autopar: dry_run(workers=...) expected at least 1 process, found {asked}")
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return 1  # no fork here (Windows): the ranks run in this process
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(asked or cores, n_ranks))
+    return worker_count(asked, n_ranks)  # 1 without fork (Windows): the ranks run in this process
 
 
 def _run_ranks(work: _Work, results: list[RankResult], optimizer: Callable, workers: int) -> None:

@@ -1,4 +1,5 @@
-"""The search's independent plans in forked worker processes, one per core.
+"""The search's independent plans in forked worker processes, one per core (``worker_count``,
+which the dry run's ranks use too).
 
 The plan without a pipeline and the plan of each pipeline depth share the capture and the
 strategy graphs and nothing else: each prices and solves its own mesh. ``run_forked`` runs such
@@ -91,8 +92,8 @@ def run_forked(jobs: Sequence[Callable[[], Any]], workers: int) -> tuple[list[Do
 def _run_index(i: int) -> Done:
     done = _run(_JOBS[i])
     try:
-        pickle.dumps(done.error)
-    except Exception:  # an error that cannot travel back: its type and message do
+        pickle.loads(pickle.dumps(done.error))
+    except Exception:  # an error that cannot travel back (nor be rebuilt there): its type and message do
         done.error = RuntimeError(f"{type(done.error).__name__}: {done.error}")
     return done
 
