@@ -352,6 +352,7 @@ def _solver_line(s: dict) -> str:
 def _found_by(method: str) -> str:
     """Who found the solver's plan (``SolveResult.method``), in words."""
     words = {"chain_dp": "the exact dynamic program over the layer chain", "ilp": "the integer program (CP-SAT)",
+             "elimination": "exact variable elimination over the layer graph",
              "heuristic": "the chain-relaxation heuristic", "min_memory": "the least-memory plan",
              "trivial": "the only choice (one strategy per node)"}
     if method in words:

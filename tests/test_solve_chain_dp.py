@@ -74,9 +74,12 @@ def test_warm_start_plan_fits_and_local_search_never_hurts(seed):
     result = solve(problem, SolveOptions(time_limit_s=2))
     assert result.objective <= evaluate_time(problem, full) + 1e-9
     assert bound + shrunk.constant_time <= result.objective + 1e-9
-    skipped = solve(problem, SolveOptions(max_ilp_variables=10))
+    skipped = solve(problem, SolveOptions(max_ilp_variables=10, method="ilp"))
     assert skipped.method == "heuristic" and any("ILP skipped" in n for n in skipped.notes)
     assert skipped.bound == pytest.approx(bound + shrunk.constant_time) and skipped.bound <= result.objective + 1e-9
+    # "auto" bounds it by the elimination's optimum without the limit too: no lower, still a bound
+    bounded = solve(problem, SolveOptions(max_ilp_variables=10))
+    assert skipped.bound - 1e-9 <= bounded.bound <= result.objective + 1e-9
 
 
 def test_a_pair_no_strategies_can_join_leaves_no_plan_not_a_crash_or_a_plan_of_infinite_time():

@@ -5,8 +5,9 @@ Everything here consumes plain numbers (DESIGN.md, invariant 3). Modules:
 - ``problem``: ``SolveProblem`` / ``SolveResult`` dataclasses and evaluation;
 - ``shrink``: followers, ties, fixed nodes and separable edges eliminated;
 - ``chain_dp``: exact DP for chain-shaped problems, with and without memory;
+- ``elimination``: exact variable elimination for narrow graphs, memory by a Lagrangian price;
 - ``ilp``: Alpa's intra-op ILP in CP-SAT (the mathematics is in its docstring);
-- ``intra_op``: ``solve``, which picks the DP or the ILP and guards with hints;
+- ``intra_op``: ``solve``, which picks the DP, elimination or the ILP and guards with hints;
 - ``stages``: pipeline stage cuts (min-max DP), in-flight micro-batches, step time;
 - ``pipeline_search``: search over (stages, micro-batches, schedule).
 

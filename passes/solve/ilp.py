@@ -4,7 +4,7 @@ Variables
     ``x[v][i]`` (bool): decision node ``v`` takes strategy ``i``;
     ``y[e][i, j]`` (bool): edge ``e = (a, b)`` sees ``a`` in ``i`` and ``b`` in ``j``.
     A strategy with infinite time, or whose memory alone exceeds the budget left after
-    every other node takes its least memory (``_allowed_by_memory``), gets no variable;
+    every other node takes its least memory (``allowed_by_memory``), gets no variable;
     neither does a pair with infinite resharding time.
 
 Objective (``_add_objective``), in integer time units:
@@ -101,7 +101,7 @@ def solve_ilp(
     edge_offset = {e: _finite_min(r) for e, r in shrunk.edges.items()}
     constant = sum(node_offset) + sum(edge_offset.values())
     model = _Model(cp_model.CpModel(), [], {})
-    _add_node_choices(model, shrunk, _allowed_by_memory(shrunk))
+    _add_node_choices(model, shrunk, allowed_by_memory(shrunk))
     _add_edge_products(model, shrunk)
     _add_memory_limit(model, shrunk)
     unit, num_terms = _add_objective(model, shrunk, node_offset, edge_offset, incumbent - constant)
@@ -186,7 +186,7 @@ def _add_memory_limit(model: _Model, shrunk: ShrunkProblem) -> None:
     model.cp.add(cp_model.LinearExpr.weighted_sum(variables, coefficients) <= MEMORY_UNITS)
 
 
-def _allowed_by_memory(shrunk: ShrunkProblem) -> list[np.ndarray]:
+def allowed_by_memory(shrunk: ShrunkProblem) -> list[np.ndarray]:
     """Strategies whose memory alone (over the least of every other node and edge) fits."""
     budget, shifted = _shifted_memory(shrunk)
     if budget is None:

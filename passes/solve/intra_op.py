@@ -2,9 +2,11 @@
 
 Steps: shrink the problem (``shrink.py``); evaluate the hints and the two
 least-memory plans on the full problem; stop early when nothing fits; run the exact
-chain DP when the shrunk graph is a chain (``chain_dp.py``) and otherwise the CP-SAT
-ILP (``ilp.py``), warm-started from the best of the hints and a chain-relaxation plan
-(``heuristics.py``); expand the decisions back to every original node; and return
+chain DP when the shrunk graph is a chain (``chain_dp.py``); otherwise eliminate the
+nodes one by one, memory aside (``elimination.py``), which is exact when the graph is
+narrow enough and its plan fits; and otherwise the CP-SAT ILP (``ilp.py``), warm-started
+from the best of the hints and a chain-relaxation plan (``heuristics.py``), bounded below
+by the elimination's optimum where it ran; expand the decisions back to every original node; and return
 whichever of the solver's plan and the candidates is fastest among those that fit, so
 the result is never worse than the best hint that fits.
 """
@@ -18,12 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_chain
+from autopar.passes.solve.elimination import lagrangian
 from autopar.passes.solve.heuristics import least_edge_memory, chain_relaxation_plan
-from autopar.passes.solve.ilp import count_variables, solve_ilp
+from autopar.passes.solve.ilp import allowed_by_memory, count_variables, solve_ilp
 from autopar.passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 
 METHODS = ("auto", "ilp", "chain_dp")
+ROUNDING = 1e-12  # a relative gap below this is float rounding: the bound is reached
 BROKEN_RESTRICTIONS = "ties and followers leave no plan within memory_limit; a plan that breaks them fits"
 
 
@@ -54,7 +58,7 @@ class SolveOptions:
     time_limit_s: float = 60.0
     num_workers: int = 2
     relative_gap_limit: float = 1e-4  # CP-SAT stops once proven this close
-    method: str = "auto"  # "auto": chain DP on chains, else ILP
+    method: str = "auto"  # "auto": chain DP on chains, else elimination where narrow and it fits, else ILP
     max_labels: int = 20000  # Pareto labels per DP state before thinning (then not proven)
     # Above this many booleans CP-SAT finds nothing useful in a minute (8000 x 8 DAG:
     # 746k booleans, 20 s to build, no solution): return the warm-start plan instead.
@@ -126,12 +130,21 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
             "method='auto' or 'ilp'."
         )
     deadline = started + WALL_CLOCK_FACTOR * options.time_limit_s
+    eliminated = _run_elimination(problem, shrunk, options) if order is None and options.method == "auto" else None
     if order is not None:
         outcome = _run_chain_dp(shrunk, order, incumbent, options, deadline=deadline)
+    elif eliminated is not None and eliminated.proven:
+        outcome = eliminated
     else:
+        if eliminated is not None and eliminated.warm_start is not None:
+            if best is None or eliminated.warm_start.time < best.time:
+                best = eliminated.warm_start  # the ILP's hint and cutoff, and a candidate
         outcome = _run_ilp(problem, shrunk, best, options, deadline=deadline)
         warm = outcome.warm_start
         best = warm if warm is not None and math.isfinite(warm.time) else best
+        if eliminated is not None:  # the relaxation's bound holds for every plan that fits
+            outcome.bound = max(outcome.bound, eliminated.bound)
+            outcome.notes.extend(eliminated.notes)
     bound = outcome.bound + shrunk.constant_time
     notes = outcome.notes
     if outcome.clock_cut:
@@ -174,6 +187,26 @@ def _run_chain_dp(shrunk: ShrunkProblem, order, incumbent: float, options: Solve
     chain = solve_chain(shrunk, order, incumbent, options.max_labels, deadline=deadline,
                         work_budget=options.time_limit_s * WORK_PER_SECOND)
     return _Outcome("chain_dp", chain.decisions or None, chain.proven_optimal, chain.bound, clock_cut=chain.clock_cut)
+
+
+def _run_elimination(problem: SolveProblem, shrunk: ShrunkProblem, options: SolveOptions) -> _Outcome | None:
+    """Variable elimination, the memory limit kept by Lagrangian relaxation, over the strategies
+    that may fit: proven when its plan fits within the gap limit of its bound; else its plan is
+    a candidate (``warm_start``) and its bound holds; None when the graph is too wide."""
+    allowed = [np.isfinite(t) & fits for t, fits in zip(shrunk.node_time, allowed_by_memory(shrunk))]
+    relaxed = lagrangian(shrunk, allowed, relative_gap=options.relative_gap_limit)
+    if relaxed is None:
+        return None
+    found = None if relaxed.decisions is None else _candidate(problem, "elimination", shrunk.expand(relaxed.decisions))
+    if found is not None and not (fits_memory(found.memory, problem.memory_limit) and math.isfinite(found.time)):
+        found = None
+    proven = found is not None and relaxed.objective - relaxed.bound <= options.relative_gap_limit * abs(relaxed.objective)
+    if proven:
+        return _Outcome("elimination", relaxed.decisions, True, relaxed.bound)
+    where = f"its best plan {found.time:.6g} s" if found else "no plan that fits"
+    note = (f"elimination with a Lagrangian memory price ({relaxed.rounds} rounds): {where}, "
+            f"bound {relaxed.bound + shrunk.constant_time:.6g} s")
+    return _Outcome("elimination", None, False, relaxed.bound, warm_start=found, notes=[note])
 
 
 def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate | None, options: SolveOptions,
@@ -240,4 +273,5 @@ def _gap(objective: float, bound: float) -> float:
         return math.inf
     if not math.isfinite(bound):
         return math.inf  # no bound known (or the restricted problem has no plan)
-    return max(0.0, (objective - bound) / max(abs(objective), 1e-300))
+    gap = (objective - bound) / max(abs(objective), 1e-300)
+    return 0.0 if gap < ROUNDING else gap  # an exact bound summed in another order differs in its last bits
