@@ -4,6 +4,7 @@ out and why, what the clock cut), and ``explain()`` says it in words, the intra-
 the plan's own pipeline, never an infinite gap. The small GPT (2 repeated layers) on a preset
 mesh plans in seconds; the search's own functions are wrapped to see what it tried."""
 
+import dataclasses
 import json
 import math
 import re
@@ -11,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.costmodels import Schedule
@@ -19,6 +21,7 @@ from autopar.passes.capture import capture
 from autopar.passes.planner import layouts, pipeline, search
 from autopar.passes.planner.constraints import Constraints
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.placements import parse_spec
 from autopar.passes.planner.searched import merged, stage_search_record
 from autopar.passes.solve.pipeline_search import PipelineOption
 from autopar.planning import plan
@@ -186,3 +189,28 @@ def test_depths_merge_a_schedule_ruled_out_at_one_depth_and_fitting_at_another()
     assert both["schedules"] == {"tried": ["1F1B", "Interleaved1F1B"], "ruled_out": {},
                                  "skipped": {"GPipe": "the pins leave it out"}}, both
     assert both["chunks_per_rank"] == {"Interleaved1F1B": [2, 4]} and both["micro_batches"] == [1, 2, 4]
+
+
+def test_a_manual_layout_that_wins_inside_the_pipeline_gives_its_own_axes_reason(monkeypatch):
+    """Where a manual layout's pipeline beats the solver's choice inside the pipeline, the plan's
+    axes reason describes the layout the stages run, not the solver's choice they do not run."""
+    searched, original = [], pipeline.search
+
+    def slower_solver_choice(num, *args, **kwargs):
+        found = original(num, *args, **kwargs)
+        searched.append(num)
+        if len(searched) == 1 and found is not None:  # the solver's own choice is searched first
+            best, result = found
+            return dataclasses.replace(best, step_time=best.step_time * 100), result
+        return found
+
+    monkeypatch.setattr(pipeline, "search", slower_solver_choice)
+    p, _ = _planned((4, 2))
+    assert p.pipeline is not None and any(r.endswith("layout's pipeline beat the solver's intra-op choice inside "
+                                                     "the pipeline") for r in p.reasons), p.reasons
+    axes = next(r for r in p.reasons if r.startswith("axes: "))
+    roles = re.findall(r"\) as ([^,]+)", axes)
+    assert len(roles) == len(p.mesh_shape) - 1, axes  # the axes inside the pipeline
+    for axis, role in enumerate(roles):
+        split = any(isinstance(parse_spec(spec)[axis], Shard) for spec in p.params.values())
+        assert ("weights" in role) == split, (axis, role, p.params)

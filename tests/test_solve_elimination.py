@@ -88,7 +88,8 @@ def test_a_graph_too_wide_for_the_tables_is_refused():
     sizes = [len(t) for t in shrunk.node_time]
     assert elimination_order(shrunk, sizes, max_entries=10**6) is None
     assert eliminate(shrunk, [np.ones(k, dtype=bool) for k in sizes], max_entries=10**6) is None
-    assert elimination_order(shrunk, sizes, max_entries=6**12) is not None
+    assert elimination_order(shrunk, sizes, max_entries=6**12, max_work=7**12) is not None
+    assert elimination_order(shrunk, sizes, max_entries=6**12, max_work=6**12 - 1) is None  # all the tables together
 
 
 def test_solve_proves_the_optimum_by_elimination_where_no_limit_binds():

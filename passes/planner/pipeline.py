@@ -47,6 +47,7 @@ from autopar.passes.planner.assemble import chosen, node_breakdown, param_layers
 from autopar.passes.planner.constraints import MeshRoles, micro_batch_roles, pinned_schedules
 from autopar.passes.planner.intra_op import PlanningError, pinned_recompute, plan_intra_op
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
+from autopar.passes.planner.reasons import planning_reasons
 from autopar.passes.planner.request import DoesNotFit, PlanRequest
 from autopar.passes.planner.searched import stage_search_record
 from autopar.passes.planner.stage_io import StageIO, no_stage_io, output_bytes, stage_io
@@ -472,7 +473,11 @@ def pipeline_plan(captured, p: int, intra: tuple[int, ...], request: PlanRequest
     out.solver = dict(plan.solver)
     out.solver["searched"] = stage_search_record((o for result, *_ in found.values() for o in result[1].options),
                                                  schedules, left_out)
-    out.reasons = [r for r in plan.reasons if r.startswith(("axes: ", "layer "))] + out.reasons
+    # the axes and costliest layer of the layout the stages run: a manual one that won says its own
+    laid = plan.reasons if label == "auto" else planning_reasons(
+        costs, assignment, {"the solver's intra-op choice": solved.result.assignment,
+                            **{h.name: costs.assignment(h.choice, h.zero) for h in hints}})
+    out.reasons = [r for r in laid if r.startswith(("axes: ", "layer "))] + out.reasons
     if label != "auto":
         out.reasons.append(f"the {label} layout's pipeline beat the solver's intra-op choice inside the pipeline")
     return out, f"{duration(out.predicted.step_time)} ({out.pipeline.schedule}, M={out.pipeline.micro_batches})"

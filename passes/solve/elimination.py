@@ -13,7 +13,7 @@ The work is the size of the tables built, the product of the strategy counts of 
 ``N(v)``. ``elimination_order`` picks greedily the node whose elimination adds the fewest
 new table entries (min-fill, weighted by strategy counts; ties by the table's size, then
 the node's index: the same problem, the same order), and gives up (None) when a table
-would pass ``max_entries``: then the ILP solves the problem. Measured on a two-layer Qwen3
+would pass ``max_entries`` or all of them ``MAX_WORK``: then the ILP solves the problem. Measured on a two-layer Qwen3
 on 2 x 2 (81 decisions, 1,951 strategies, 99 edges): the largest table holds 14.3 M
 entries, 33 M in all.
 
@@ -42,13 +42,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.passes.solve.problem import fits_memory
+from autopar.passes.solve.problem import ROUNDING, fits_memory
 from autopar.passes.solve.shrink import ShrunkProblem
 
 # The largest table one elimination may build: 16.8 M float64 entries, 134 MB (its argmin,
 # one int32 per entry of the table left, is smaller by the eliminated node's strategy count).
 MAX_ENTRIES = 1 << 24
-ROUNDING = 1e-12  # relative: two sums of the same terms in other orders differ by less
+# The entries of all its tables together: one elimination at most about 0.3 s here (Qwen3's
+# above: 33 M entries, 0.2 s), as each Lagrangian round runs one.
+MAX_WORK = 1 << 26
 
 
 @dataclass
@@ -72,9 +74,11 @@ class _Table:
     values: np.ndarray
 
 
-def elimination_order(shrunk: ShrunkProblem, sizes: list[int], max_entries: int = MAX_ENTRIES) -> list[int] | None:
+def elimination_order(shrunk: ShrunkProblem, sizes: list[int], max_entries: int = MAX_ENTRIES,
+                      max_work: int = MAX_WORK) -> list[int] | None:
     """Nodes in the order to eliminate them (greedy weighted min-fill), or None when some
-    elimination would build a table of more than ``max_entries`` entries."""
+    elimination would build a table of more than ``max_entries`` entries, or all of them
+    more than ``max_work``."""
     neighbours = [set() for _ in range(shrunk.num_nodes)]
     for a, b in shrunk.edges:
         neighbours[a].add(b)
@@ -89,12 +93,14 @@ def elimination_order(shrunk: ShrunkProblem, sizes: list[int], max_entries: int 
     heap = list(current.values())
     heapq.heapify(heap)
     order: list[int] = []
+    work = 0
     while heap:
         entry = heapq.heappop(heap)
         v = entry[2]
         if current.get(v) != entry:
             continue  # scored again since
-        if entry[1] > max_entries:
+        work += entry[1]
+        if entry[1] > max_entries or work > max_work:
             return None
         order.append(v)
         del current[v]

@@ -23,11 +23,11 @@ from autopar.passes.solve.chain_dp import WORK_PER_SECOND, chain_order, solve_ch
 from autopar.passes.solve.elimination import lagrangian
 from autopar.passes.solve.heuristics import least_edge_memory, chain_relaxation_plan
 from autopar.passes.solve.ilp import allowed_by_memory, count_variables, solve_ilp
-from autopar.passes.solve.problem import SolveProblem, SolveResult, evaluate_memory, evaluate_time, fits_memory
+from autopar.passes.solve.problem import (ROUNDING, SolveProblem, SolveResult, evaluate_memory, evaluate_time,
+                                           fits_memory)
 from autopar.passes.solve.shrink import ShrunkProblem, shrink_problem
 
 METHODS = ("auto", "ilp", "chain_dp")
-ROUNDING = 1e-12  # a relative gap below this is float rounding: the bound is reached
 BROKEN_RESTRICTIONS = "ties and followers leave no plan within memory_limit; a plan that breaks them fits"
 
 

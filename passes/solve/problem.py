@@ -33,6 +33,9 @@ from autopar.costmodels.overlap import excess as stream_excess
 # Feasibility allows this relative slack so that summing the same floats in another
 # order (DP versus node order) never flips a verdict.
 MEMORY_RELATIVE_TOLERANCE = 1e-9
+# A relative difference below this between two sums of the same terms is float rounding
+# (summed in other orders): a bound that close is reached.
+ROUNDING = 1e-12
 
 
 @dataclass(frozen=True)
