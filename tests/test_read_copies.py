@@ -13,6 +13,7 @@ from autopar import costmodels
 from autopar.passes.costing import Costs
 from autopar.passes.capture import capture
 from autopar.passes.planner.assemble import Solved, build_plan, chosen
+from autopar.passes.planner import intra_op
 from autopar.passes.planner.intra_op import solve_graph
 from autopar.passes.strategy_graph import build_strategy_graph
 
@@ -91,8 +92,19 @@ def test_a_plan_its_copies_put_over_the_limit_is_solved_again_within_it(monkeypa
         limit = sum(fastest.predicted.memory.values())
         copies = (limit - sum(smallest.predicted.memory.values())) / 2
         monkeypatch.setattr(Costs, "read_copy_bytes", lambda self, choice: {0: copies})
+        solves, solve_graph = [], intra_op.solve_graph
+
+        def recorded(*args, **kwargs):  # (the prices it was given, the prices it used)
+            solved = solve_graph(*args, **kwargs)
+            solves.append((kwargs.get("pricer"), solved.costs.pricer))
+            return solved
+
+        monkeypatch.setattr(intra_op, "solve_graph", recorded)
         planned = autopar.plan(model, MESH, inputs, hardware="h100", pipeline=False, time_limit_s=2,
                                memory_limit=limit)
     assert sum(planned.predicted.memory.values()) <= limit  # the copies included
     assert planned.predicted.step_time > fastest.predicted.step_time  # a slower plan, that fits
     assert any("solved within" in r for r in planned.reasons)
+    # the solves again price nothing anew: the limit changes no price
+    assert len(solves) >= 2 and solves[0][0] is None
+    assert all(given is solves[0][1] and used is solves[0][1] for given, used in solves[1:]), solves

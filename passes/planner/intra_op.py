@@ -218,10 +218,11 @@ def plan_intra_op(graph: StrategyGraph, request: PlanRequest, *, solver_time_s: 
     # below what that plan's solve saw, less twice as much each round (the new plan may read in
     # other placements, gather other buckets). A pipeline's
     # intra-op part is not held to its loose limit: the stage search fits every rank with them.
-    budget = limit
+    budget, pricer = limit, None
     for attempt in range(4 if copies_fit else 1):
         solved = _solve_within(graph, request, hints, budget, solver_time_s, masks, layouts_within=limit,
-                               one_stage=copies_fit)
+                               one_stage=copies_fit, pricer=pricer)
+        pricer = solved.costs.pricer  # the prices do not depend on the limit: a new solve reuses them
         seen = _assignment_memory(solved.costs.problem, solved.result.assignment)
         over = seen + _unseen(solved.costs, solved.result.assignment, copies_fit) - (limit or math.inf)
         if over <= 0 or budget is None or not copies_fit:
@@ -273,12 +274,13 @@ def recompute_arg(policy: str | tuple[int, ...] | None) -> bool | list[int]:
 
 def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: float | None,
                   solver_time_s: float, masks: PinMasks | None = None,
-                  layouts_within: float | None = None, one_stage: bool = True) -> Solved:
+                  layouts_within: float | None = None, one_stage: bool = True, pricer=None) -> Solved:
     """The fastest of the solve within ``limit`` (every repeated layer recomputed, then the
     fewest, where nothing fits without) and the manual layouts that fit ``layouts_within``
     (default ``limit``) with what the solve cannot see of each (``_unseen``; a pipeline
     stage's, ``one_stage`` False: its copies alone, the stage search prices its gathers);
-    with recomputation pinned, that recomputation only."""
+    with recomputation pinned, that recomputation only. ``pricer``: an earlier solve's on this
+    graph and profile (``costing.Pricer``), whose prices this one reuses."""
     # Each solve gets a fixed search budget (deterministic: the same call, the same plan),
     # never what the wall clock left over.
     policy = pinned_recompute(request)
@@ -290,7 +292,7 @@ def _solve_within(graph: StrategyGraph, request: PlanRequest, hints, limit: floa
         return layouts_within - _unseen(solved.costs, solved.costs.assignment(hint.choice, hint.zero), one_stage)
 
     solved = solve_graph(graph, request.profile, hints, memory_limit=limit, time_limit_s=solver_time_s,
-                         recompute=recompute_arg(policy), masks=masks)
+                         recompute=recompute_arg(policy), masks=masks, pricer=pricer)
     if policy is not None:
         check_recompute(request.constraints, len(set(solved.costs.layer_of.values())))
         if not solved.result.feasible:
