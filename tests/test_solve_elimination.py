@@ -147,3 +147,16 @@ def test_a_closed_relaxation_proves_the_optimum_without_the_ilp():
     assert result.method == "elimination" and result.status == "optimal" and result.gap == 0.0
     assert result.objective == pytest.approx(_brute_force(problem)) == pytest.approx(5.01)
     assert solve(problem, SolveOptions(method="ilp", **EXACT)).objective == pytest.approx(result.objective)
+
+
+def test_of_plans_alike_in_time_the_one_holding_fewer_bytes_is_taken():
+    # node 0 holds a value whole (strategy 0, 8 bytes) or split (1 byte); beside its readers'
+    # best choices (strategy 0 each) both cost nothing, elsewhere they differ: elimination's
+    # first index would hold it whole
+    problem = SolveProblem([np.array([0.0, 0.0]), np.array([1.0, 1.0]), np.array([1.0, 2.0])],
+                           [np.array([8.0, 1.0]), np.array([1.0, 1.0]), np.array([1.0, 1.0])],
+                           [(0, 1, np.array([[0.0, 2.0], [0.0, 0.0]])), (1, 2, np.array([[0.0, 1.0], [1.0, 0.0]])),
+                            (0, 2, np.array([[0.0, 3.0], [0.0, 0.0]]))])
+    result = solve(problem, SolveOptions(**EXACT))
+    assert result.method == "elimination" and result.objective == pytest.approx(_brute_force(problem)) == 2.0
+    assert result.assignment == [1, 0, 0] and result.memory == pytest.approx(3.0)

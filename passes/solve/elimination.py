@@ -27,8 +27,9 @@ lower bound ``min(time + lam * memory) - lam * B`` on every plan that fits. It s
 the plan of least time (``lam = 0``) and the plan of least memory, and moves ``lam`` to
 where the best plan that does not fit and the best that fits cost the same
 (``lam = (t_fit - t_over) / (m_over - m_fit)``); a plan found there replaces one of the
-two, and when none is better the bound is the best this relaxation gives. Each plan that
-fits is a candidate. On Llama-70B's three pipelined problems on 8 x 8 (80 decisions) the
+two, and when none is better the bound is the best this relaxation gives. ``intra_op.solve``
+takes its plan where it is within the gap limit of the bound, and else keeps the bound only.
+On Llama-70B's three pipelined problems on 8 x 8 (80 decisions) the
 ILP, at its budget, ended 4-14% above the plans this finds in 0.6-1.4 s; its bound was better
 on one of them (4.231 s against 4.194 s), within 0.05% on the other two.
 """
@@ -181,11 +182,13 @@ def lagrangian(shrunk: ShrunkProblem, allowed: list[np.ndarray], *, max_rounds: 
     limit = shrunk.memory_limit
 
     def plan_at(time_weight: float, memory_weight: float) -> tuple[list[int], float, float] | None:
-        found = eliminate(_weighted(shrunk, time_weight, memory_weight), allowed, max_entries)
+        weighted = _weighted(shrunk, time_weight, memory_weight)
+        found = eliminate(weighted, allowed, max_entries)
         if found is None:
             return None
-        time, memory = shrunk.evaluate(found.decisions)
-        return found.decisions, time - shrunk.constant_time, memory
+        decisions = fewer_bytes_alike(weighted, shrunk, found.decisions, allowed)
+        time, memory = shrunk.evaluate(decisions)
+        return decisions, time - shrunk.constant_time, memory
 
     fastest = plan_at(1.0, 0.0)
     if fastest is None:
@@ -213,6 +216,32 @@ def lagrangian(shrunk: ShrunkProblem, allowed: list[np.ndarray], *, max_rounds: 
         else:
             over = found
     return Relaxed(best[0], best[1], min(bound, best[1]), rounds)
+
+
+def fewer_bytes_alike(costed: ShrunkProblem, shrunk: ShrunkProblem, decisions: list[int],
+                      allowed: list[np.ndarray]) -> list[int]:
+    """``decisions`` with each node in turn moved to the strategy of least memory (``shrunk``'s)
+    among the allowed ones that cost what its own does beside its neighbours' (``costed``'s
+    tables): the objective is unchanged, and where strategies tie (an input held whole or split
+    where its reader splits it anyway) the one holding fewer bytes is taken, not the first."""
+    decisions = list(decisions)
+    around: list[list[tuple[int, np.ndarray, np.ndarray | None, bool]]] = [[] for _ in decisions]
+    for (a, b), cost in costed.edges.items():
+        held = shrunk.edge_memory.get((a, b))
+        around[a].append((b, cost, held, True))
+        around[b].append((a, cost, held, False))
+    for v, mine in enumerate(decisions):
+        time = costed.node_time[v].copy()
+        memory = shrunk.node_memory[v].copy()
+        for u, cost, held, rows in around[v]:
+            time += cost[:, decisions[u]] if rows else cost[decisions[u], :]
+            if held is not None:
+                memory += held[:, decisions[u]] if rows else held[decisions[u], :]
+        alike = allowed[v] & (np.abs(time - time[mine]) <= ROUNDING * abs(time[mine]))
+        best = int(np.flatnonzero(alike)[np.argmin(memory[alike])])
+        if memory[best] < memory[mine]:
+            decisions[v] = best
+    return decisions
 
 
 def _weighted(shrunk: ShrunkProblem, time_weight: float, memory_weight: float) -> ShrunkProblem:

@@ -3,10 +3,10 @@
 Steps: shrink the problem (``shrink.py``); evaluate the hints and the two
 least-memory plans on the full problem; stop early when nothing fits; run the exact
 chain DP when the shrunk graph is a chain (``chain_dp.py``); otherwise eliminate the
-nodes one by one, memory aside (``elimination.py``), which is exact when the graph is
-narrow enough and its plan fits; and otherwise the CP-SAT ILP (``ilp.py``), warm-started
-from the best of the hints and a chain-relaxation plan (``heuristics.py``), bounded below
-by the elimination's optimum where it ran; expand the decisions back to every original node; and return
+nodes one by one, the memory limit by a price on memory (``elimination.py``), which is exact when the graph is
+narrow enough and its plan fits within the gap limit; and otherwise the CP-SAT ILP
+(``ilp.py``), warm-started from the best of the hints and a chain-relaxation plan
+(``heuristics.py``), bounded below by the elimination's bound where it ran; expand the decisions back to every original node; and return
 whichever of the solver's plan and the candidates is fastest among those that fit, so
 the result is never worse than the best hint that fits.
 """
@@ -136,9 +136,6 @@ def solve(problem: SolveProblem, options: SolveOptions | None = None, *,
     elif eliminated is not None and eliminated.proven:
         outcome = eliminated
     else:
-        if eliminated is not None and eliminated.warm_start is not None:
-            if best is None or eliminated.warm_start.time < best.time:
-                best = eliminated.warm_start  # the ILP's hint and cutoff, and a candidate
         outcome = _run_ilp(problem, shrunk, best, options, deadline=deadline)
         warm = outcome.warm_start
         best = warm if warm is not None and math.isfinite(warm.time) else best
@@ -191,8 +188,10 @@ def _run_chain_dp(shrunk: ShrunkProblem, order, incumbent: float, options: Solve
 
 def _run_elimination(problem: SolveProblem, shrunk: ShrunkProblem, options: SolveOptions) -> _Outcome | None:
     """Variable elimination, the memory limit kept by Lagrangian relaxation, over the strategies
-    that may fit: proven when its plan fits within the gap limit of its bound; else its plan is
-    a candidate (``warm_start``) and its bound holds; None when the graph is too wide."""
+    that may fit: proven when its plan fits within the gap limit of its bound; else only its
+    bound is kept beside the ILP's, and the ILP searches from the candidates as before (its
+    plans, faster by the model where memory binds, would change plans whose memory the
+    dry-run checks were set against); None when the graph is too wide."""
     allowed = [np.isfinite(t) & fits for t, fits in zip(shrunk.node_time, allowed_by_memory(shrunk))]
     relaxed = lagrangian(shrunk, allowed, relative_gap=options.relative_gap_limit)
     if relaxed is None:
@@ -206,7 +205,7 @@ def _run_elimination(problem: SolveProblem, shrunk: ShrunkProblem, options: Solv
     where = f"its best plan {found.time:.6g} s" if found else "no plan that fits"
     note = (f"elimination with a Lagrangian memory price ({relaxed.rounds} rounds): {where}, "
             f"bound {relaxed.bound + shrunk.constant_time:.6g} s")
-    return _Outcome("elimination", None, False, relaxed.bound, warm_start=found, notes=[note])
+    return _Outcome("elimination", None, False, relaxed.bound, notes=[note])
 
 
 def _run_ilp(problem: SolveProblem, shrunk: ShrunkProblem, best: _Candidate | None, options: SolveOptions,
