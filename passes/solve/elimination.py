@@ -58,7 +58,6 @@ MAX_WORK = 1 << 26
 class Eliminated:
     decisions: list[int]  # per shrunk node, indices into its strategies
     objective: float  # node and edge times of the plan, without the shrunk problem's constants
-    largest_table: int  # entries of the largest table built
 
 
 @dataclass
@@ -134,7 +133,6 @@ def eliminate(shrunk: ShrunkProblem, allowed: list[np.ndarray], max_entries: int
             by_node[v].append(table)
     constant = 0.0
     way_back: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    largest = 0
     for v in order:
         mentioning = by_node[v]
         rest = tuple(sorted({u for t in mentioning for u in t.scope} - {v}))
@@ -142,7 +140,6 @@ def eliminate(shrunk: ShrunkProblem, allowed: list[np.ndarray], max_entries: int
         joint = np.zeros([kept[u].size for u in axes])
         for table in mentioning:
             joint += _aligned(table, axes)
-        largest = max(largest, joint.size)
         argmin = joint.argmin(axis=-1)
         best = np.take_along_axis(joint, argmin[..., None], axis=-1)[..., 0]
         way_back.append((v, rest, argmin.astype(np.int32)))
@@ -162,7 +159,7 @@ def eliminate(shrunk: ShrunkProblem, allowed: list[np.ndarray], max_entries: int
     for v, rest, argmin in reversed(way_back):
         chosen[v] = int(argmin[tuple(chosen[u] for u in rest)])
     decisions = [int(kept[v][chosen[v]]) for v in range(len(kept))]
-    return Eliminated(decisions, constant, largest)
+    return Eliminated(decisions, constant)
 
 
 def _aligned(table: _Table, axes: tuple[int, ...]) -> np.ndarray:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import warnings
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

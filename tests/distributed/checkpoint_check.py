@@ -47,7 +47,7 @@ from torch import nn
 from autopar.runtime import checkpoint
 from autopar.runtime.checkpoint import Checkpointer
 from autopar.models import GPT, GPTConfig
-from tests.distributed import train_check
+from tests.distributed import ending, train_check
 from tests.distributed.train_check import DTYPE, lm_loss
 
 STEPS = 6
@@ -471,8 +471,7 @@ def main(root: str, cases: list[str]) -> None:
             os._exit(1)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result, default=str), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.passes.collective_matmul import AxisLink, gather_linear, linear_scatter
 from autopar.passes.exchange import MeshExchange
+from tests.distributed import ending
 
 DTYPE = torch.float64
 # (x shape, rows dim, output features, bias): rows by batch and by sequence; 12 rows a rank
@@ -89,7 +90,7 @@ def main() -> None:
     dist.all_gather_object(everyone, diffs)
     if rank == 0:
         print("RESULT " + json.dumps({k: max(d[k] for d in everyone) for k in diffs}), flush=True)
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from autopar.passes.node_keys import node_keys
 from autopar.passes.placements import spec_str
 from autopar.passes.plan import Pipeline, Plan
 from autopar.passes.strategy_graph import build_strategy_graph
+from tests.distributed import ending
 
 STEPS = 4
 BATCH, SEQ = 8, 12  # the batch differs from the sequence, so that the export tells batch rows from positions
@@ -265,7 +266,7 @@ def main(cases: list[str]) -> None:
         if rank == 0:
             print("RESULT " + json.dumps(result), flush=True)
         dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.passes.explain import expert_axes, expert_parallel
 from autopar.passes.plan import Plan
+from tests.distributed import ending
 from tests.distributed.train_check import adamw
 from tests.layout_models import LAYOUT_MODELS
 
@@ -117,8 +118,7 @@ def main(cases: list[str]) -> None:
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps({"case": spec, "seconds": time.perf_counter() - started, **result}),
                   flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

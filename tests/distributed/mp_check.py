@@ -43,6 +43,7 @@ from autopar.models import GPT, GPTConfig, WideMLP
 from autopar.passes.lowering.recompute import Recomputed
 from autopar.passes.plan import Plan
 from autopar.runtime.precision import MixedGather
+from tests.distributed import ending
 from tests.distributed.plans import case_plan, pipeline_plan, planned
 
 STEPS = 3
@@ -385,8 +386,7 @@ def main(cases: list[str]) -> None:
             os._exit(1)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps({**result, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import MODELS as REGISTRY
+from tests.distributed import ending
 from tests.distributed.plans import made_once
 from tests.models import BATCH, SEQ, TINY, gpt2, llama, mixtral
 
@@ -157,8 +158,7 @@ def main(cases: list[str]) -> None:
             os._exit(1)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps({**result, "seconds": time.perf_counter() - started}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from autopar.passes.capture import capture
 from autopar.passes.explain import stage_starts
 from autopar.passes.lowering.codegen import LocalKernel
 from autopar.passes.plan import Pipeline, Plan
-from tests.distributed import dropout_check, mp_check
+from tests.distributed import dropout_check, ending, mp_check
 from tests.distributed.plans import case_plan, layout_plan, pipeline_plan, planned
 
 STEPS = 5
@@ -935,8 +935,7 @@ def main(cases: list[str]) -> None:
             os._exit(1)
         if dist.get_rank() == 0:  # seconds: where a launch's time goes
             print("RESULT " + json.dumps({**result, "seconds": time.perf_counter() - started}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    ending.leave()
 
 
 if __name__ == "__main__":
