@@ -99,13 +99,26 @@ def _collective_fn(collective: str):
     return compiled(f"collective.{collective}")
 
 
+_BASES: dict[type, type | None] = {}  # a placement's type -> its base, worked out once per type
+
+
+def _kind(placement: Placement) -> type | None:
+    """Shard, Replicate or Partial: the base ``placement`` moves as (subclasses, DTensor's
+    MaskPartial..., move as their base); None for anything else. By type, as torch's
+    placements check ``isinstance`` in Python, and a reshard plan asks it many times."""
+    kind = type(placement)
+    if kind not in _BASES:
+        _BASES[kind] = next((base for base in (Shard, Replicate, Partial) if isinstance(placement, base)), None)
+    return _BASES[kind]
+
+
 def _base(placement: Placement) -> type:
-    for base in (Shard, Replicate, Partial):  # subclasses (DTensor's MaskPartial, ...) move as their base
-        if isinstance(placement, base):
-            return base
-    raise TypeError(
-        f"autopar: expected a placement Shard(dim), Replicate() or Partial(); found {placement!r}."
-    )
+    base = _kind(placement)
+    if base is None:
+        raise TypeError(
+            f"autopar: expected a placement Shard(dim), Replicate() or Partial(); found {placement!r}."
+        )
+    return base
 
 
 def short(placement: Placement) -> str:
@@ -126,8 +139,7 @@ def _check(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], what: st
             f"mesh {tuple(mesh_shape)} has {len(mesh_shape)} axes; give one placement per axis."
         )
     for pl in spec:
-        short(pl)
-        if isinstance(pl, Shard) and not -len(shape) <= pl.dim < len(shape):
+        if _base(pl) is Shard and not -len(shape) <= pl.dim < len(shape):
             raise ValueError(
                 f"autopar: {what} placement {short(pl)} shards dim {pl.dim} of a tensor of shape "
                 f"{tuple(shape)}; the dim must be in [0, {len(shape)})."
@@ -135,14 +147,17 @@ def _check(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], what: st
 
 
 def _norm(spec: Spec, ndim: int) -> Spec:
-    return tuple(Shard(pl.dim % ndim) if isinstance(pl, Shard) else pl for pl in spec)
+    """``spec`` with each shard a plain ``Shard`` of a dim counted from 0 (made only where it
+    is not one already: making placements is slow)."""
+    return tuple(Shard(pl.dim % ndim) if _kind(pl) is Shard and not (type(pl) is Shard and 0 <= pl.dim < ndim)
+                 else pl for pl in spec)
 
 
 def local_numel(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int:
     """Elements of the largest local shard (uneven splits round up, as DTensor pads)."""
     local = list(shape)
     for pl, n in zip(spec, mesh_shape):
-        if isinstance(pl, Shard):
+        if _kind(pl) is Shard:
             local[pl.dim] = -(-local[pl.dim] // n)
     return math.prod(local)
 
@@ -203,12 +218,12 @@ def _reshard_plan(
             steps.append(Step(kind, axis, buffer * itemsize))
         cur[axis] = to
 
-    if any(isinstance(pl, Shard) for pl in cur):
+    if any(_kind(pl) is Shard for pl in cur):
         for axis in reversed(range(len(cur))):
             to = tgt[axis]
-            if isinstance(to, Shard):
-                outer_cur = [i for i in range(axis) if cur[i] == Shard(to.dim)]
-                outer_tgt = [i for i in range(axis) if tgt[i] == Shard(to.dim)]
+            if _kind(to) is Shard:  # a plain Shard (``_norm``)
+                outer_cur = [i for i in range(axis) if cur[i] == to]
+                outer_tgt = [i for i in range(axis) if tgt[i] == to]
                 if outer_cur != outer_tgt:
                     to = Replicate()
             if cur[axis] != to:
@@ -236,7 +251,7 @@ def grad_target(src: Spec, grad: Spec) -> Spec:
     own placement, except that a Partial input gets a Replicate gradient unless the
     gradient arrives Partial (DTensor's ``_redistribute_backward``)."""
     return tuple(
-        Replicate() if isinstance(t, Partial) and not isinstance(g, Partial) else t for g, t in zip(grad, src)
+        Replicate() if _kind(t) is Partial and _kind(g) is not Partial else t for g, t in zip(grad, src)
     )
 
 

@@ -198,6 +198,10 @@ class EdgePricer:
         self.reduce_itemsize = reduce_itemsize
         self.reshard: dict[tuple, EdgePrice] = {}
         self.tables: dict[tuple, np.ndarray] = {}
+        # a number per distinct placement made or read, so a pair's price is looked up by
+        # numbers: hashing torch's placements was most of a cached price's cost
+        self.numbers: dict = {}
+        self.pairs: dict[tuple, EdgePrice] = {}  # by shape, numbered pair, shares, regather
         self.sides: dict[tuple, bool] = {}  # per edge table: whether one end's strategy alone sets it
 
     def move(self, meta: TensorMeta, src: Spec, dst: Spec, grad: Spec | None, shares: Shares = UNPACKED,
@@ -253,10 +257,14 @@ class EdgePricer:
         """The forward reshard ``have`` -> ``need``, the gradient's (arriving as ``grad``), and
         for a parameter gathered where its consumer needs it whole (FSDP frees the gathered
         copy) the gather again in backward; ``alike`` consumers share it."""
+        return self._moved(edge, have, need, grad).shared(edge.alike)
+
+    def _moved(self, edge: EdgeInput, have: Spec, need: Spec, grad: Spec | None) -> EdgePrice:
+        """``_price`` before ``alike`` consumers share it."""
         price = self.move(edge.meta, have, need, grad, edge.shares, bucketed=edge.regather)
         if edge.regather and have != need:
             price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True, regather=True)
-        return price.shared(edge.alike)
+        return price
 
     def working_copy(self, edge: EdgeInput, mixed: MixedPrecision, readers: int) -> np.ndarray:
         """Bytes per pair of strategies of a parameter's working copy that this reading edge
@@ -299,16 +307,23 @@ class EdgePricer:
         if key not in self.tables:
             # price each distinct (placement held, placement read) pair once: many strategies
             # of a node make or read a value alike
-            held, have = self._distinct(("made", id(edge.producer.strategies), edge.output),
-                                        lambda: [s.outputs[edge.output] for s in edge.producer.strategies])
-            read, reads = self._distinct(("read", id(edge.consumer.strategies), edge.position, edge.grad),
-                                         lambda: [_read(s, edge.position, edge.grad) for s in edge.consumer.strategies])
+            held, have, have_numbers = self._distinct(
+                ("made", id(edge.producer.strategies), edge.output),
+                lambda: [s.outputs[edge.output] for s in edge.producer.strategies])
+            read, reads, read_numbers = self._distinct(
+                ("read", id(edge.consumer.strategies), edge.position, edge.grad),
+                lambda: [_read(s, edge.position, edge.grad) for s in edge.consumer.strategies])
+            moved = (edge.meta.shape, edge.meta.dtype, edge.shares, edge.regather)
             priced = np.zeros((len(have), len(reads)))
             for a in np.unique(held if rows is None else held[rows]):
                 for b in np.unique(read if cols is None else read[cols]):
                     need, g = reads[b]
-                    if need is not None:
-                        priced[a, b] = value(self._price(edge, have[a], need, g))
+                    if need is None:
+                        continue
+                    pair = (*moved, have_numbers[a], read_numbers[b])
+                    if pair not in self.pairs:
+                        self.pairs[pair] = self._moved(edge, have[a], need, g)
+                    priced[a, b] = value(self.pairs[pair].shared(edge.alike))
             table = priced[np.ix_(held, read)]
             if rows is not None:
                 table[~rows, :] = np.inf
@@ -317,13 +332,14 @@ class EdgePricer:
             self.tables[key] = table
         return self.tables[key]
 
-    def _distinct(self, key: tuple, values) -> tuple[np.ndarray, list]:
-        """(per strategy, the index of its value among the distinct ones; the distinct values)
-        of a strategy table, ``values()`` giving one per strategy; worked out once per table."""
+    def _distinct(self, key: tuple, values) -> tuple[np.ndarray, list, list[int]]:
+        """(per strategy, the index of its value among the distinct ones; the distinct values;
+        their numbers, ``self.numbers``) of a strategy table, ``values()`` giving one per
+        strategy; worked out once per table."""
         if key not in self.tables:
             index: dict = {}
             of = np.array([index.setdefault(v, len(index)) for v in values()], dtype=np.int64)
-            self.tables[key] = (of, list(index))
+            self.tables[key] = (of, list(index), [self.numbers.setdefault(v, len(self.numbers)) for v in index])
         return self.tables[key]
 
     def _one_sided(self, key: tuple, edge: EdgeInput) -> bool:

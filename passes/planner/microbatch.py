@@ -122,20 +122,25 @@ def batch_split(graph: StrategyGraph, choice: dict[fx.Node, int], batch: int,
     ``dims`` (the choices of one graph's candidate plans differ in few nodes)."""
     dims = batch_dims(graph, batch) if dims is None else dims
     known = {} if known is None else known
+    inputs = graph.once(("tensor inputs",),
+                        lambda: {node: tensor_inputs(node) for node in graph.captured.gm.graph.nodes})
     need = 1
     for node, ns in graph.nodes.items():
         if ns.follows is not None or node not in choice:
             continue  # a getitem's placement is its producer's output
         if (key := (node, choice[node])) not in known:
-            known[key] = _strategy_split(node, ns.strategies[choice[node]], dims, batch, graph.mesh_shape)
+            known[key] = _strategy_split(node, inputs[node], ns.strategies[choice[node]], dims, batch,
+                                         graph.mesh_shape)
         need = math.lcm(need, known[key])
     return need
 
 
-def _strategy_split(node: fx.Node, strategy, dims: dict, batch: int, mesh: Sequence[int]) -> int:
-    """``batch_split``'s number for ``node`` alone, as ``strategy`` makes and reads its values."""
+def _strategy_split(node: fx.Node, inputs: list[fx.Node], strategy, dims: dict, batch: int,
+                    mesh: Sequence[int]) -> int:
+    """``batch_split``'s number for ``node`` alone (``inputs``: its ``tensor_inputs``), as
+    ``strategy`` makes and reads its values."""
     specs = [(node, i, spec) for i, spec in enumerate(strategy.outputs)]
-    specs += [(u, 0, spec) for u, spec in zip(tensor_inputs(node), strategy.inputs) if spec is not None]
+    specs += [(u, 0, spec) for u, spec in zip(inputs, strategy.inputs) if spec is not None]
     return math.lcm(*(sequences_split(source, i, spec, dims, batch, mesh) for source, i, spec in specs))
 
 

@@ -63,18 +63,19 @@ def stage_io(costs: Costs, choice: Mapping[fx.Node, int], where: Mapping[fx.Node
     graph = costs.graph
     crossing, crossing_fixed = np.zeros(count), np.zeros(count)
     held, held_fixed, credit = (np.zeros((count + 1, count + 1)) for _ in range(3))
-    charged = _charged_by_layer(costs, choice, where, count)
     a = np.arange(count + 1)[:, None]
     b = np.arange(count + 1)[None, :]
     user_inputs = set(graph.captured.user_inputs)
+    crossers = []  # (value, layer made, last layer reading it, bytes): what crosses a boundary
     for value in graph.nodes:
         if value not in where or (value.op == "placeholder" and value.name not in user_inputs):
             continue  # state stays in the stage that reads it
         made = -1 if value.op == "placeholder" else where[value]  # the user's inputs reach stage 0
         last = max((where[u] for u in value.users if u in where), default=made)
-        nbytes = output_bytes(costs, value, choice)
-        if last <= max(made, 0) or not nbytes:
-            continue
+        if last > max(made, 0) and (nbytes := output_bytes(costs, value, choice)):
+            crossers.append((value, made, last, nbytes))
+    charged = _charged_by_layer(costs, choice, where, count, {value for value, *_ in crossers})
+    for value, made, last, nbytes in crossers:
         batched = not dims or bool(dims.get(value) and dims[value][0])
         (crossing if batched else crossing_fixed)[max(made, 0):last] += nbytes
         received = (made < a) & (a <= last) & (a < b)
@@ -103,10 +104,10 @@ def output_bytes(costs: Costs, node: fx.Node, choice: Mapping[fx.Node, int]) -> 
     return costs.pricer.tables[key]
 
 
-def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, np.ndarray]:
-    """Value -> bytes per layer its activation memory charges for the value as it lies: the
-    shares of readers that save it in its own placement (or a view of it that keeps its size),
-    and its producer's, where the producer keeps it."""
+def _charged_by_layer(costs: Costs, choice, where, count: int, values: set[fx.Node]) -> dict[fx.Node, np.ndarray]:
+    """Of ``values``, value -> bytes per layer its activation memory charges for the value as
+    it lies: the shares of readers that save it in its own placement (or a view of it that
+    keeps its size), and its producer's, where the producer keeps it."""
     graph = costs.graph
     out: dict[fx.Node, np.ndarray] = {}
 
@@ -114,11 +115,11 @@ def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, 
         out.setdefault(value, np.zeros(count))[layer] += nbytes
 
     for value in costs.kept:
-        if value in where and value in graph.nodes and value.op != "placeholder":
+        if value in values and value in where and value in graph.nodes and value.op != "placeholder":
             add(value, where[value], output_bytes(costs, value, choice))
     user_inputs = set(graph.captured.user_inputs)
     for value in graph.captured.nodes("placeholder"):  # the user's inputs: charged where first read
-        if value.name in user_inputs and value in where and value in graph.nodes:
+        if value in values and value.name in user_inputs and value in where and value in graph.nodes:
             add(value, where[value], output_bytes(costs, value, choice))
     for reader, reads in costs.saved_reads.items():
         if reader not in where or reader not in graph.nodes:
@@ -128,7 +129,7 @@ def _charged_by_layer(costs: Costs, choice, where, count: int) -> dict[fx.Node, 
             # per byte of the value: a share of it (at most 1), or all of it and the statistics
             # the op makes from it (a norm's mean and rstd: 1 to 2); 2 or more is a wider copy
             # the op makes instead (a boolean mask in the query's dtype), a tensor of its own
-            if per_byte >= 2.0 or src not in graph.nodes or position >= len(inputs):
+            if per_byte >= 2.0 or src not in graph.nodes or position >= len(inputs) or root(src) not in values:
                 continue
             if inputs[position] != output_spec(graph, src, choice[src]):
                 continue  # moved for the reader: the saved copy is another tensor
