@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.bench.workloads import lm_loss
 from autopar.models import GPT, GPTConfig
+from autopar.passes import loss_memory as loss_memory_module
 from autopar.passes.capture import capture
 from autopar.passes.loss_memory import best_target_layout, loss_memory
 from autopar.passes.state_costs import at_peak
@@ -63,6 +64,25 @@ def test_the_loss_of_vocab_split_logits_holds_more_than_of_batch_split_ones():
     assert batch_split["temporary"] < vocab_split["temporary"]
     logits = 8 * 256 * 8192 * 2  # bytes of the whole bf16 logits: the kept log-softmax is as large
     assert whole["activations"] == pytest.approx(logits, rel=0.01)
+
+
+def test_placements_alike_in_local_shapes_are_measured_once(monkeypatch):
+    """The loss run under placements that mirror each other over two axes of one size
+    reads and moves the same local shapes: it is measured once, and each placement's price
+    is what measuring it alone gives."""
+    model, inputs = _language_model()
+    priced = loss_memory(capture(model, inputs), (2, 2))
+    measured = []
+    measure = loss_memory_module._measure
+    monkeypatch.setattr(loss_memory_module, "_measure", lambda graph, choice: measured.append(1) or measure(
+        graph, choice))
+    specs = [(Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(2), Replicate())]
+    prices = [priced.of(spec) for spec in specs]
+    assert len(measured) == 2  # the mirrored batch splits once, the vocabulary split once
+    assert prices[0] == prices[1] != prices[2]
+    for spec, price in zip(specs, prices):
+        alone = measure(priced.graph, best_target_layout(priced.graph, {priced.output: spec}, priced.target))
+        assert price == alone, spec
 
 
 def test_a_whole_output_leaves_its_target_split():
