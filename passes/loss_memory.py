@@ -192,22 +192,29 @@ def _measure(graph: StrategyGraph, choice: dict[fx.Node, int]) -> dict[str, floa
 
 def _local_run(graph: StrategyGraph, choice: dict[fx.Node, int]) -> tuple:
     """What ``_measure`` runs under ``choice``, in local shapes: each input's, and per op the
-    shape each input is moved to (None: read as it lies). Two choices alike in it run the same
-    ops on the same shapes (``_moved`` makes a moved value from the shapes alone), so they
-    measure alike: measured once (placements that mirror each other over mesh axes of one
-    size, most often)."""
+    inputs it reads moved, with the shapes they are moved to (``_moves``, as ``_run`` moves
+    them). Two choices alike in it run the same ops on the same shapes (``_moved`` makes a
+    moved value from the shapes alone), so they measure alike: measured once (placements
+    that mirror each other over mesh axes of one size, most often)."""
     mesh = graph.mesh_shape
     run = []
     for node in graph.captured.gm.graph.nodes:
         if node.op == "placeholder":
             run.append(local_shape(tuple(node.meta["val"].shape), output_spec(graph, node, choice[node]), mesh))
-        elif node.op == "call_function" and node in graph.nodes:
-            chosen = graph[node].strategies[choice[node]]
-            run.append(tuple(
-                local_shape(tuple(src.meta["val"].shape), need, mesh)
-                if need is not None and need != output_spec(graph, src, choice[src]) else None
-                for src, need in zip(tensor_inputs(node), chosen.inputs)))
+        elif node.op == "call_function":
+            run.append(tuple(_moves(graph, choice, node)))
     return tuple(run)
+
+
+def _moves(graph: StrategyGraph, choice: dict[fx.Node, int], node: fx.Node) -> list[tuple[fx.Node, tuple[int, ...]]]:
+    """(input, the local shape it is moved to) for each input ``node``'s chosen strategy
+    reads in another placement than its producer's."""
+    if node not in graph.nodes:
+        return []
+    chosen = graph[node].strategies[choice[node]]
+    return [(src, local_shape(tuple(src.meta["val"].shape), need, graph.mesh_shape))
+            for src, need in zip(tensor_inputs(node), chosen.inputs)
+            if need is not None and need != output_spec(graph, src, choice[src])]
 
 
 def _by_kind(snapshot: dict) -> dict[str, float]:
@@ -217,16 +224,10 @@ def _by_kind(snapshot: dict) -> dict[str, float]:
 
 
 def _run(graph: StrategyGraph, choice: dict, order: list[fx.Node], env: dict, last_use: dict) -> torch.Tensor:
-    mesh = graph.mesh_shape
     for i, node in enumerate(order):
         if node.op != "call_function":
             continue
-        chosen = graph[node].strategies[choice[node]] if node in graph.nodes else None
-        moved = {}
-        if chosen is not None:
-            for src, need in zip(tensor_inputs(node), chosen.inputs):
-                if need is not None and need != output_spec(graph, src, choice[src]):
-                    moved[src] = _moved(env[src], local_shape(tuple(src.meta["val"].shape), need, mesh))
+        moved = {src: _moved(env[src], shape) for src, shape in _moves(graph, choice, node)}
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: moved.get(n, env.get(n)), (node.args, node.kwargs))
         env[node] = node.target(*args, **kwargs)
         for src in node.all_input_nodes:
