@@ -107,8 +107,12 @@ class Schedule(str, Enum):
         return ranks - 1 - position if self.v_shaped and (stage // ranks) % 2 else position
 
     def stages_of(self, rank: int, ranks: int, chunks: int = 1) -> list[int]:
-        """The (virtual) stages pipeline ``rank`` runs, ascending (``rank_of``): its chunks in order."""
-        return [s for s in range(ranks * self.chunks(chunks)) if self.rank_of(s, ranks) == rank]
+        """The (virtual) stages pipeline ``rank`` runs, ascending (``rank_of``): its chunks in order,
+        chunk ``c`` in the ``c``-th round of ``ranks`` stages (none for a rank not in ``0..ranks-1``)."""
+        if not 0 <= rank < ranks:
+            return []
+        back = ranks - 1 - rank  # a V's odd rounds run back up the ranks
+        return [c * ranks + (back if self.v_shaped and c % 2 else rank) for c in range(self.chunks(chunks))]
 
     @property
     def torch_class(self) -> type:

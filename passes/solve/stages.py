@@ -88,7 +88,7 @@ schedule's own (``costmodels.Schedule.step_time``):
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache, partial
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -390,48 +390,118 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
     temporaries and rebuilt layer; a stage's first backward frees one micro-batch as its
     gradients appear (``stage_peak``'s two instants), later ones make a gradient before adding
     it to the accumulated one (``adding``). A split backward's micro-batch keeps what its
-    weight gradients start from (``awaiting``) from its input-gradient part (I) to its W."""
-    v = Schedule.parse(schedule).chunks(chunks)
-    ranks = len(cut.starts) // v
-    out = []
-    for rank, actions in enumerate(schedule_actions(schedule, ranks, micro_batches, v)):
-        base = sum(cut.held_always[s] for s in Schedule.parse(schedule).stages_of(rank, ranks, v))
-        in_flight, with_gradients, gradients = 0.0, set(), 0.0  # with_gradients: stages past their first backward
-        awaiting = 0.0  # what micro-batches awaiting their weight gradients keep (a temporary: freed at their W)
-        best = RankPeak(base, 0.0, 0.0)
+    weight gradients start from (``awaiting``) from its input-gradient part (I) to its W.
+    The first instant of a rank's highest peak is its peak (``_Replay``)."""
+    schedule = Schedule.parse(schedule)
+    return _replay(schedule, len(cut.starts) // schedule.chunks(chunks), micro_batches,
+                   schedule.chunks(chunks)).peaks(cut)
 
-        def at(temporary: float, rebuilt: float = 0.0) -> RankPeak:
-            return RankPeak(base + gradients + in_flight + awaiting + temporary + rebuilt, gradients,
-                            temporary + awaiting)
 
+@dataclass(frozen=True)
+class _Replay:
+    """One schedule's replay, worked out once and applied to any cut with numpy. Every instant
+    a rank is checked at (``_replay``) reads three running sums (micro-batches in flight,
+    gradients, what split backwards await) and one stage's temporaries. Each sum is kept as its
+    own sequence of updates, added up in order (``np.cumsum`` is sequential), so every instant's
+    bytes are the same floats an action-by-action replay adds up.
+
+    Per rank (rows, padded; pads point at a zero past the last stage): ``flight`` and
+    ``flight_sign`` the in-flight updates (stage, +1 or -1), ``grads`` the gradient updates,
+    ``waits`` and ``wait_sign`` the awaited ones; per instant, how many of each sum's updates it
+    follows (``*_count``), its ``stage``, ``kind`` (0 a forward, 1 a backward, 2 a backward
+    adding a gradient), whether a rebuilt layer is held (``rebuilt``) and whether it is real
+    (``real``); ``stages``: the rank's stages (its always-held bytes)."""
+
+    flight: np.ndarray
+    flight_sign: np.ndarray
+    grads: np.ndarray
+    waits: np.ndarray
+    wait_sign: np.ndarray
+    flight_count: np.ndarray
+    grad_count: np.ndarray
+    wait_count: np.ndarray
+    stage: np.ndarray
+    kind: np.ndarray
+    rebuilt: np.ndarray
+    real: np.ndarray
+    stages: tuple[tuple[int, ...], ...]
+
+    def peaks(self, cut: StageCut) -> list[RankPeak]:
+        parts = lambda values: np.append(np.asarray(values, dtype=np.float64), 0.0)  # noqa: E731
+        empty = [0.0] * len(cut.starts)
+        in_forward, in_backward, adding, rebuilt = (parts(cut.in_forward or empty), parts(cut.in_backward),
+                                                    parts(cut.adding), parts(cut.rebuilt))
+        awaited = parts(cut.awaiting or empty)
+        awaited[0] = 0.0  # torch's stage 0 runs its whole backward at W: nothing awaits
+        flight = _running(self.flight_sign * parts(cut.per_micro_batch)[self.flight], self.flight_count)
+        grads = _running(parts(cut.gradient_bytes)[self.grads], self.grad_count)
+        waits = _running(self.wait_sign * awaited[self.waits], self.wait_count)
+        during = in_backward[self.stage]
+        temporary = np.where(self.kind == 0, in_forward[self.stage],
+                             np.where(self.kind == 2, during + adding[self.stage], during))
+        base = np.array([[sum(cut.held_always[s] for s in stages)] for stages in self.stages])
+        total = base + grads + flight + waits + temporary + np.where(self.rebuilt, rebuilt[self.stage], 0.0)
+        total = np.where(self.real, total, -np.inf)
+        at = np.argmax(total, axis=1)
+        out = []
+        for rank, i in enumerate(at):
+            if total[rank, i] > base[rank, 0]:
+                out.append(RankPeak(float(total[rank, i]), float(grads[rank, i]),
+                                    float(temporary[rank, i] + waits[rank, i])))
+            else:
+                out.append(RankPeak(float(base[rank, 0]), 0.0, 0.0))
+        return out
+
+
+def _running(updates: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Per rank and instant, the sum of the first ``count`` of the rank's ``updates``, added in order."""
+    sums = np.concatenate([np.zeros((updates.shape[0], 1)), np.cumsum(updates, axis=1)], axis=1)
+    return np.take_along_axis(sums, count, axis=1)
+
+
+@lru_cache(maxsize=64)
+def _replay(schedule: Schedule, ranks: int, micro_batches: int, v: int) -> _Replay:
+    """``rank_peaks``' instants per rank: a forward once its micro-batch is in flight; an input-
+    gradient part (I) once it awaits its W; a stage's first backward before its gradients appear
+    and again after, one micro-batch freed; a later backward as it adds its gradient, before its
+    micro-batch is freed; a W's micro-batch stops awaiting after it."""
+    pad = ranks * v  # the zero ``_Replay.peaks`` appends to each part, past the last stage
+    rows = []
+    for actions in schedule_actions(schedule, ranks, micro_batches, v):
+        flight, grads, waits, instants, first_done = [], [], [], [], set()
+        mark = lambda s, kind, rebuilt: instants.append(  # noqa: E731
+            (len(flight), len(grads), len(waits), s, kind, rebuilt))
         for kind, s in actions:
             if kind == "F":
-                in_flight += cut.per_micro_batch[s]
-                best = _higher(best, at(cut.in_forward[s] if cut.in_forward else 0.0))
+                flight.append((s, 1.0))
+                mark(s, 0, False)
                 continue
-            during, rebuilt = cut.in_backward[s], cut.rebuilt[s]
-            keeps = cut.awaiting[s] if cut.awaiting and s else 0.0  # torch's stage 0 runs its whole backward at W
-            if kind == "I":  # input gradients: the micro-batch is held on, with the gradients its W starts from
-                awaiting += keeps
-                best = _higher(best, at(during, rebuilt))
+            if kind == "I":
+                waits.append((s, 1.0))
+                mark(s, 1, True)
                 continue
-            if s not in with_gradients:  # its first backward: before any gradient, then with them, one micro-batch freed
-                best = _higher(best, at(during, rebuilt))
-                with_gradients.add(s)
-                gradients += cut.gradient_bytes[s]
-                in_flight -= cut.per_micro_batch[s]
-                best = _higher(best, at(during + cut.adding[s], rebuilt))
+            if s not in first_done:
+                mark(s, 1, True)
+                first_done.add(s)
+                grads.append(s)
+                flight.append((s, -1.0))
+                mark(s, 2, True)
             else:
-                best = _higher(best, at(during + cut.adding[s], rebuilt))
-                in_flight -= cut.per_micro_batch[s]
+                mark(s, 2, True)
+                flight.append((s, -1.0))
             if kind == "W":
-                awaiting -= keeps
-        out.append(best)
-    return out
-
-
-def _higher(best: RankPeak, candidate: RankPeak) -> RankPeak:
-    return candidate if candidate.total > best.total else best
+                waits.append((s, -1.0))
+        rows.append((flight, grads, waits, instants))
+    width = lambda i: max(1, max(len(row[i]) for row in rows))  # noqa: E731
+    table = lambda i, pick, fill: np.array([[pick(x) for x in row[i]] + [fill] * (width(i) - len(row[i]))  # noqa: E731
+                                             for row in rows])
+    instant = lambda j, fill: table(3, lambda x: x[j], fill)  # noqa: E731
+    return _Replay(
+        flight=table(0, lambda x: x[0], pad), flight_sign=table(0, lambda x: x[1], 0.0),
+        grads=table(1, lambda x: x, pad), waits=table(2, lambda x: x[0], pad), wait_sign=table(2, lambda x: x[1], 0.0),
+        flight_count=instant(0, 0), grad_count=instant(1, 0), wait_count=instant(2, 0), stage=instant(3, pad),
+        kind=instant(4, 0), rebuilt=instant(5, False), real=table(3, lambda x: True, False),
+        stages=tuple(tuple(schedule.stages_of(rank, ranks, v)) for rank in range(ranks)))
 
 
 def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=None):
