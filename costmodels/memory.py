@@ -125,7 +125,7 @@ _KINDS = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
           _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def schedule_actions(schedule: str | Schedule, stages: int, micro_batches: int,
                      chunks: int = 1) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Per pipeline rank, the (kind, virtual stage) of each compute action it runs, in the order
@@ -162,7 +162,7 @@ def _computations(actions) -> list:
     return out
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def schedule_order(schedule: str | Schedule, stages: int, micro_batches: int,
                    chunks: int = 1) -> tuple[tuple[tuple[bool, int], ...], ...]:
     """Per pipeline rank, the (forward?, virtual stage) of each forward and backward it runs, in

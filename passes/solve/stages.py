@@ -265,25 +265,38 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
     sent = np.concatenate([[0.0], costs.boundary_time, [0.0]])  # sent[b]: the send after layer b - 1
     span_time = time_prefix[b] - time_prefix[a]
     span_recompute_time = recompute_prefix[b] - recompute_prefix[a]
+    # the spans [a, b) a stage may be (a < b), flat: what one recomputes and whether it fits
+    # depend on the stage by its in-flight counts alone, so stages that share them (a rank's
+    # chunks, GPipe's stages) share one pricing
+    ia, ib = np.triu_indices(num_layers + 1, k=1)
     spans = StageSums(
         # a ZeRO-3 gather or reduce-scatter running, held throughout
-        static=static_prefix[b] - static_prefix[a] + _span_max(np.maximum(costs.gather_memory, costs.scatter_memory)),
-        gradients=gradient_prefix[b] - gradient_prefix[a],
-        activation=activation_prefix[b] - activation_prefix[a] + costs.stage_io,
-        saving=saving_prefix[b] - saving_prefix[a] + costs.io_credit,
-        largest_saving=_span_max(costs.recompute_saving),
-        layers=np.maximum(b - a, 1),
-        adding=_span_max(costs.accumulating),
-        awaiting=weight_prefix[b] - weight_prefix[a],
+        static=(static_prefix[ib] - static_prefix[ia]
+                + _span_max(np.maximum(costs.gather_memory, costs.scatter_memory))[ia, ib]),
+        gradients=gradient_prefix[ib] - gradient_prefix[ia],
+        activation=activation_prefix[ib] - activation_prefix[ia] + costs.stage_io[ia, ib],
+        saving=saving_prefix[ib] - saving_prefix[ia] + costs.io_credit[ia, ib],
+        largest_saving=_span_max(costs.recompute_saving)[ia, ib],
+        layers=ib - ia,
+        adding=_span_max(costs.accumulating)[ia, ib],
+        awaiting=weight_prefix[ib] - weight_prefix[ia],
     )
+    fitted: dict[tuple[float, float, float], tuple[np.ndarray, np.ndarray]] = {}
     for s in range(stages):
         last = s == stages - 1
         ends = (b == num_layers) if last else ((b >= s + 1) & (b <= num_layers - (stages - 1 - s)))
         starts = (a == 0) if s == 0 else ((a >= s) & (a < b))
-        k, memory, _ = stage_peak(spans, in_flight.stage(s), cap)
-        stage = span_time + k * span_recompute_time / spans.layers + (0.0 if last else sent[b])
+        counts = in_flight.stage(s)
+        if (key := (float(counts.peak), float(counts.with_gradients), float(counts.awaiting))) not in fitted:
+            k, memory, _ = stage_peak(spans, counts, cap)
+            recompute, fits = np.zeros_like(span_time), np.zeros(span_time.shape, dtype=bool)
+            recompute[ia, ib] = k * span_recompute_time[ia, ib] / spans.layers
+            fits[ia, ib] = memory <= cap
+            fitted[key] = recompute, fits
+        recompute, fits = fitted[key]
+        stage = span_time + recompute + (0.0 if last else sent[b])
         before = best[s - 1][:, None] if s else np.zeros((num_layers + 1, 1))
-        value = np.where(starts & ends & (memory <= cap), np.maximum(before, stage), np.inf)
+        value = np.where(starts & ends & fits, np.maximum(before, stage), np.inf)
         k = np.argmin(value, axis=0)
         best[s] = value[k, np.arange(num_layers + 1)]
         choice[s] = k
@@ -407,19 +420,20 @@ class _Replay:
 
     Per rank (rows, padded; pads point at a zero past the last stage): ``flight`` and
     ``flight_sign`` the in-flight updates (stage, +1 or -1), ``grads`` the gradient updates,
-    ``waits`` and ``wait_sign`` the awaited ones; per instant, how many of each sum's updates it
-    follows (``*_count``), its ``stage``, ``kind`` (0 a forward, 1 a backward, 2 a backward
-    adding a gradient), whether a rebuilt layer is held (``rebuilt``) and whether it is real
-    (``real``); ``stages``: the rank's stages (its always-held bytes)."""
+    ``waits`` and ``wait_sign`` the awaited ones; per instant, where it reads each sum's
+    flattened running totals (``*_at``: its rank's row, after the updates before it), its
+    ``stage``, ``kind`` (0 a forward, 1 a backward, 2 a backward adding a gradient), whether a
+    rebuilt layer is held (``rebuilt``) and whether it is real (``real``); ``stages``: the
+    rank's stages (its always-held bytes)."""
 
     flight: np.ndarray
     flight_sign: np.ndarray
     grads: np.ndarray
     waits: np.ndarray
     wait_sign: np.ndarray
-    flight_count: np.ndarray
-    grad_count: np.ndarray
-    wait_count: np.ndarray
+    flight_at: np.ndarray
+    grad_at: np.ndarray
+    wait_at: np.ndarray
     stage: np.ndarray
     kind: np.ndarray
     rebuilt: np.ndarray
@@ -433,75 +447,87 @@ class _Replay:
                                                     parts(cut.adding), parts(cut.rebuilt))
         awaited = parts(cut.awaiting or empty)
         awaited[0] = 0.0  # torch's stage 0 runs its whole backward at W: nothing awaits
-        flight = _running(self.flight_sign * parts(cut.per_micro_batch)[self.flight], self.flight_count)
-        grads = _running(parts(cut.gradient_bytes)[self.grads], self.grad_count)
-        waits = _running(self.wait_sign * awaited[self.waits], self.wait_count)
+        flight = _running(self.flight_sign * parts(cut.per_micro_batch)[self.flight], self.flight_at)
+        grads = _running(parts(cut.gradient_bytes)[self.grads], self.grad_at)
+        waits = _running(self.wait_sign * awaited[self.waits], self.wait_at)
         during = in_backward[self.stage]
         temporary = np.where(self.kind == 0, in_forward[self.stage],
                              np.where(self.kind == 2, during + adding[self.stage], during))
-        base = np.array([[sum(cut.held_always[s] for s in stages)] for stages in self.stages])
-        total = base + grads + flight + waits + temporary + np.where(self.rebuilt, rebuilt[self.stage], 0.0)
+        base = np.array([sum(cut.held_always[s] for s in stages) for stages in self.stages])
+        total = base[:, None] + grads + flight + waits + temporary + np.where(self.rebuilt, rebuilt[self.stage], 0.0)
         total = np.where(self.real, total, -np.inf)
-        at = np.argmax(total, axis=1)
-        out = []
-        for rank, i in enumerate(at):
-            if total[rank, i] > base[rank, 0]:
-                out.append(RankPeak(float(total[rank, i]), float(grads[rank, i]),
-                                    float(temporary[rank, i] + waits[rank, i])))
-            else:
-                out.append(RankPeak(float(base[rank, 0]), 0.0, 0.0))
-        return out
+        rows, at = np.arange(len(base)), np.argmax(total, axis=1)
+        above = total[rows, at] > base  # else the rank's peak is what it always holds
+        return [RankPeak(*peak) for peak in zip(np.where(above, total[rows, at], base).tolist(),
+                                                np.where(above, grads[rows, at], 0.0).tolist(),
+                                                np.where(above, temporary[rows, at] + waits[rows, at], 0.0).tolist())]
 
 
-def _running(updates: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Per rank and instant, the sum of the first ``count`` of the rank's ``updates``, added in order."""
-    sums = np.concatenate([np.zeros((updates.shape[0], 1)), np.cumsum(updates, axis=1)], axis=1)
-    return np.take_along_axis(sums, count, axis=1)
+def _running(updates: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Per rank and instant, the sum of the rank's ``updates`` before it, added in order: ``at``
+    indexes the flattened rows of running sums that start at 0."""
+    sums = np.zeros((updates.shape[0], updates.shape[1] + 1))
+    np.cumsum(updates, axis=1, out=sums[:, 1:])
+    return sums.ravel()[at]
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _replay(schedule: Schedule, ranks: int, micro_batches: int, v: int) -> _Replay:
     """``rank_peaks``' instants per rank: a forward once its micro-batch is in flight; an input-
     gradient part (I) once it awaits its W; a stage's first backward before its gradients appear
     and again after, one micro-batch freed; a later backward as it adds its gradient, before its
     micro-batch is freed; a W's micro-batch stops awaiting after it."""
     pad = ranks * v  # the zero ``_Replay.peaks`` appends to each part, past the last stage
+    names = ("flight", "flight_sign", "grads", "waits", "wait_sign",
+             "flight_count", "grad_count", "wait_count", "stage", "kind", "rebuilt")
     rows = []
     for actions in schedule_actions(schedule, ranks, micro_batches, v):
-        flight, grads, waits, instants, first_done = [], [], [], [], set()
-        mark = lambda s, kind, rebuilt: instants.append(  # noqa: E731
-            (len(flight), len(grads), len(waits), s, kind, rebuilt))
+        row = {name: [] for name in names}
+        flight, flight_sign, grads, waits, wait_sign = (row[name] for name in names[:5])
+        first_done: set[int] = set()
+
+        def mark(s: int, kind: int, rebuilt: bool) -> None:
+            for name, value in zip(names[5:], (len(flight), len(grads), len(waits), s, kind, rebuilt)):
+                row[name].append(value)
+
         for kind, s in actions:
             if kind == "F":
-                flight.append((s, 1.0))
+                flight.append(s), flight_sign.append(1.0)
                 mark(s, 0, False)
                 continue
             if kind == "I":
-                waits.append((s, 1.0))
+                waits.append(s), wait_sign.append(1.0)
                 mark(s, 1, True)
                 continue
             if s not in first_done:
                 mark(s, 1, True)
                 first_done.add(s)
                 grads.append(s)
-                flight.append((s, -1.0))
+                flight.append(s), flight_sign.append(-1.0)
                 mark(s, 2, True)
             else:
                 mark(s, 2, True)
-                flight.append((s, -1.0))
+                flight.append(s), flight_sign.append(-1.0)
             if kind == "W":
-                waits.append((s, -1.0))
-        rows.append((flight, grads, waits, instants))
-    width = lambda i: max(1, max(len(row[i]) for row in rows))  # noqa: E731
-    table = lambda i, pick, fill: np.array([[pick(x) for x in row[i]] + [fill] * (width(i) - len(row[i]))  # noqa: E731
-                                             for row in rows])
-    instant = lambda j, fill: table(3, lambda x: x[j], fill)  # noqa: E731
-    return _Replay(
-        flight=table(0, lambda x: x[0], pad), flight_sign=table(0, lambda x: x[1], 0.0),
-        grads=table(1, lambda x: x, pad), waits=table(2, lambda x: x[0], pad), wait_sign=table(2, lambda x: x[1], 0.0),
-        flight_count=instant(0, 0), grad_count=instant(1, 0), wait_count=instant(2, 0), stage=instant(3, pad),
-        kind=instant(4, 0), rebuilt=instant(5, False), real=table(3, lambda x: True, False),
-        stages=tuple(tuple(schedule.stages_of(rank, ranks, v)) for rank in range(ranks)))
+                waits.append(s), wait_sign.append(-1.0)
+        rows.append(row)
+    fills = {"flight": pad, "grads": pad, "waits": pad, "stage": pad, "flight_sign": 0.0, "wait_sign": 0.0,
+             "rebuilt": False}
+    table = {name: _padded([row[name] for row in rows], fills.get(name, 0)) for name in names}
+    table["real"] = _padded([[True] * len(row["stage"]) for row in rows], False)
+    for count, updates in (("flight_count", "flight"), ("grad_count", "grads"), ("wait_count", "waits")):
+        # where each instant reads its rank's row of running sums (``_running``: one more column)
+        table[count.replace("count", "at")] = (table.pop(count)
+                                                + np.arange(ranks)[:, None] * (table[updates].shape[1] + 1))
+    return _Replay(**table, stages=tuple(tuple(schedule.stages_of(rank, ranks, v)) for rank in range(ranks)))
+
+
+def _padded(rows: list[list], fill) -> np.ndarray:
+    """Rows of numbers as one array, each padded with ``fill`` to the longest (one column at least)."""
+    out = np.full((len(rows), max(1, max(map(len, rows)))), fill)
+    for r, row in enumerate(rows):
+        out[r, :len(row)] = row
+    return out
 
 
 def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=None):
