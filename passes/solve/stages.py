@@ -414,48 +414,42 @@ def rank_peaks(cut: StageCut, schedule: str | Schedule, micro_batches: int, chun
 class _Replay:
     """One schedule's replay, worked out once and applied to any cut with numpy. Every instant
     a rank is checked at (``_replay``) reads three running sums (micro-batches in flight,
-    gradients, what split backwards await) and one stage's temporaries. Each sum is kept as its
-    own sequence of updates, added up in order (``np.cumsum`` is sequential), so every instant's
-    bytes are the same floats an action-by-action replay adds up.
+    gradients, what split backwards await), one stage's temporaries and its rebuilt layer or
+    none. Each sum is kept as its own sequence of updates, added up in order (``np.cumsum`` is
+    sequential), so every instant's bytes are the same floats an action-by-action replay adds up.
 
-    Per rank (rows, padded; pads point at a zero past the last stage): ``flight`` and
-    ``flight_sign`` the in-flight updates (stage, +1 or -1), ``grads`` the gradient updates,
-    ``waits`` and ``wait_sign`` the awaited ones; per instant, where it reads each sum's
-    flattened running totals (``*_at``: its rank's row, after the updates before it), its
-    ``stage``, ``kind`` (0 a forward, 1 a backward, 2 a backward adding a gradient), whether a
-    rebuilt layer is held (``rebuilt``) and whether it is real (``real``); ``stages``: the
-    rank's stages (its always-held bytes)."""
+    ``peaks`` lays a cut's parts out as the rows of one table (``_PARTS``, a zero past the last
+    stage), and every index here points into it flattened: ``updates`` (with ``signs``) the
+    sums' updates (in flight, gradients, awaited), a row per rank (pads read the zero); per
+    rank and instant, ``flight_at``, ``grads_at`` and ``waits_at`` where it reads each sum's
+    flattened running totals (after the updates before it), ``temporary_at`` and
+    ``rebuilt_at`` its parts; ``floor`` is 0, or -inf at pads; ``stages``: each rank's stages
+    (what it always holds)."""
 
-    flight: np.ndarray
-    flight_sign: np.ndarray
-    grads: np.ndarray
-    waits: np.ndarray
-    wait_sign: np.ndarray
+    updates: tuple[np.ndarray, np.ndarray, np.ndarray]
+    signs: tuple[np.ndarray, np.ndarray, np.ndarray]
     flight_at: np.ndarray
-    grad_at: np.ndarray
-    wait_at: np.ndarray
-    stage: np.ndarray
-    kind: np.ndarray
-    rebuilt: np.ndarray
-    real: np.ndarray
+    grads_at: np.ndarray
+    waits_at: np.ndarray
+    temporary_at: np.ndarray
+    rebuilt_at: np.ndarray
+    floor: np.ndarray
     stages: tuple[tuple[int, ...], ...]
 
     def peaks(self, cut: StageCut) -> list[RankPeak]:
-        parts = lambda values: np.append(np.asarray(values, dtype=np.float64), 0.0)  # noqa: E731
-        empty = [0.0] * len(cut.starts)
-        in_forward, in_backward, adding, rebuilt = (parts(cut.in_forward or empty), parts(cut.in_backward),
-                                                    parts(cut.adding), parts(cut.rebuilt))
-        awaited = parts(cut.awaiting or empty)
-        awaited[0] = 0.0  # torch's stage 0 runs its whole backward at W: nothing awaits
-        flight = _running(self.flight_sign * parts(cut.per_micro_batch)[self.flight], self.flight_at)
-        grads = _running(parts(cut.gradient_bytes)[self.grads], self.grad_at)
-        waits = _running(self.wait_sign * awaited[self.waits], self.wait_at)
-        during = in_backward[self.stage]
-        temporary = np.where(self.kind == 0, in_forward[self.stage],
-                             np.where(self.kind == 2, during + adding[self.stage], during))
+        width = len(cut.starts) + 1
+        empty = [0.0] * (width - 1)
+        parts = np.zeros((len(_PARTS), width))
+        parts[:-1, :-1] = [cut.per_micro_batch, cut.gradient_bytes, cut.awaiting or empty, cut.in_forward or empty,
+                           cut.in_backward, cut.rebuilt, cut.adding]
+        parts[_PARTS.index("awaiting"), 0] = 0.0  # torch's stage 0 runs its whole backward at W: nothing awaits
+        parts[-1] = parts[_PARTS.index("in_backward")] + parts[_PARTS.index("adding")]
+        table = parts.ravel()
+        flight, grads, waits = (_running(table[updates] * signs, at) for updates, signs, at in zip(
+            self.updates, self.signs, (self.flight_at, self.grads_at, self.waits_at)))
+        temporary = table[self.temporary_at]
         base = np.array([sum(cut.held_always[s] for s in stages) for stages in self.stages])
-        total = base[:, None] + grads + flight + waits + temporary + np.where(self.rebuilt, rebuilt[self.stage], 0.0)
-        total = np.where(self.real, total, -np.inf)
+        total = base[:, None] + grads + flight + waits + temporary + table[self.rebuilt_at] + self.floor
         rows, at = np.arange(len(base)), np.argmax(total, axis=1)
         above = total[rows, at] > base  # else the rank's peak is what it always holds
         return [RankPeak(*peak) for peak in zip(np.where(above, total[rows, at], base).tolist(),
@@ -463,6 +457,8 @@ class _Replay:
                                                 np.where(above, temporary[rows, at] + waits[rows, at], 0.0).tolist())]
 
 
+# the rows of ``_Replay.peaks``' table: the cut's parts per stage, then a backward's temporaries
+# while it adds a gradient (in_backward + adding)
 def _running(updates: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Per rank and instant, the sum of the rank's ``updates`` before it, added in order: ``at``
     indexes the flattened rows of running sums that start at 0."""
@@ -471,58 +467,59 @@ def _running(updates: np.ndarray, at: np.ndarray) -> np.ndarray:
     return sums.ravel()[at]
 
 
+_PARTS = ("per_micro_batch", "gradient_bytes", "awaiting", "in_forward", "in_backward", "rebuilt", "adding",
+          "adding_in_backward")
+_FORWARD, _INPUT, _BACKWARD, _WEIGHT = range(4)  # the kinds of torch's compute actions, as numbered here
+_CODES = {"F": _FORWARD, "I": _INPUT, "B": _BACKWARD, "W": _WEIGHT}
+
+
 @lru_cache(maxsize=256)
 def _replay(schedule: Schedule, ranks: int, micro_batches: int, v: int) -> _Replay:
     """``rank_peaks``' instants per rank: a forward once its micro-batch is in flight; an input-
     gradient part (I) once it awaits its W; a stage's first backward before its gradients appear
     and again after, one micro-batch freed; a later backward as it adds its gradient, before its
     micro-batch is freed; a W's micro-batch stops awaiting after it."""
-    pad = ranks * v  # the zero ``_Replay.peaks`` appends to each part, past the last stage
-    names = ("flight", "flight_sign", "grads", "waits", "wait_sign",
-             "flight_count", "grad_count", "wait_count", "stage", "kind", "rebuilt")
-    rows = []
+    width = ranks * v + 1  # a row of ``_Replay.peaks``' table
+    row = {name: i * width for i, name in enumerate(_PARTS)}
+    zero = width - 1  # each row's last column
+    updates, signs, instants = ([], [], []), ([], [], []), []  # updates and signs: per sum, a row per rank
     for actions in schedule_actions(schedule, ranks, micro_batches, v):
-        row = {name: [] for name in names}
-        flight, flight_sign, grads, waits, wait_sign = (row[name] for name in names[:5])
-        first_done: set[int] = set()
-
-        def mark(s: int, kind: int, rebuilt: bool) -> None:
-            for name, value in zip(names[5:], (len(flight), len(grads), len(waits), s, kind, rebuilt)):
-                row[name].append(value)
-
-        for kind, s in actions:
-            if kind == "F":
-                flight.append(s), flight_sign.append(1.0)
-                mark(s, 0, False)
-                continue
-            if kind == "I":
-                waits.append(s), wait_sign.append(1.0)
-                mark(s, 1, True)
-                continue
-            if s not in first_done:
-                mark(s, 1, True)
-                first_done.add(s)
-                grads.append(s)
-                flight.append(s), flight_sign.append(-1.0)
-                mark(s, 2, True)
-            else:
-                mark(s, 2, True)
-                flight.append(s), flight_sign.append(-1.0)
-            if kind == "W":
-                waits.append(s), wait_sign.append(-1.0)
-        rows.append(row)
-    fills = {"flight": pad, "grads": pad, "waits": pad, "stage": pad, "flight_sign": 0.0, "wait_sign": 0.0,
-             "rebuilt": False}
-    table = {name: _padded([row[name] for row in rows], fills.get(name, 0)) for name in names}
-    table["real"] = _padded([[True] * len(row["stage"]) for row in rows], False)
-    for count, updates in (("flight_count", "flight"), ("grad_count", "grads"), ("wait_count", "waits")):
-        # where each instant reads its rank's row of running sums (``_running``: one more column)
-        table[count.replace("count", "at")] = (table.pop(count)
-                                                + np.arange(ranks)[:, None] * (table[updates].shape[1] + 1))
-    return _Replay(**table, stages=tuple(tuple(schedule.stages_of(rank, ranks, v)) for rank in range(ranks)))
+        kind = np.array([_CODES[k] for k, _ in actions], dtype=np.int64)
+        stage = np.array([s for _, s in actions], dtype=np.int64)
+        backward = np.flatnonzero(kind >= _BACKWARD)  # a whole backward or a W: gradients made
+        first = np.zeros(len(kind), dtype=bool)  # a stage's first such: before and after its gradients
+        first[backward[np.unique(stage[backward], return_index=True)[1]]] = True
+        moves = kind != _INPUT  # every action but I frees or adds a micro-batch in flight
+        waits = (kind == _INPUT) | (kind == _WEIGHT)
+        for i, (index, sign) in enumerate(((row["per_micro_batch"] + stage[moves], np.where(kind[moves] == _FORWARD, 1.0, -1.0)),
+                                           (row["gradient_bytes"] + stage[first], np.ones(int(first.sum()))),
+                                           (row["awaiting"] + stage[waits], np.where(kind[waits] == _INPUT, 1.0, -1.0)))):
+            updates[i].append(index)
+            signs[i].append(sign)
+        # each action's instants: a first backward's two, one for any other, in order
+        action = np.repeat(np.arange(len(kind)), 1 + first)
+        second = np.zeros(len(action), dtype=bool)
+        second[1:] = action[1:] == action[:-1]
+        k, s = kind[action], stage[action]
+        before = lambda flags: (np.cumsum(flags) - flags)[action]  # noqa: E731  (updates before the action)
+        temporary = np.where(k == _FORWARD, row["in_forward"],
+                             np.where((k == _INPUT) | (first[action] & ~second), row["in_backward"],
+                                      row["adding_in_backward"])) + s
+        instants.append((before(moves) + (k == _FORWARD) + second, before(first) + second,
+                         before(waits) + (k == _INPUT), temporary,
+                         np.where(k == _FORWARD, zero, row["rebuilt"] + s)))
+    updates, signs = tuple(_padded(rows, zero) for rows in updates), tuple(_padded(rows, 0.0) for rows in signs)
+    # a rank's row of running sums starts at 0: one column more than its updates
+    sums_at = lambda i: (_padded([inst[i] for inst in instants], 0)  # noqa: E731
+                         + np.arange(ranks)[:, None] * (updates[i].shape[1] + 1))
+    return _Replay(updates=updates, signs=signs, flight_at=sums_at(0), grads_at=sums_at(1),
+                   waits_at=sums_at(2), temporary_at=_padded([inst[3] for inst in instants], zero),
+                   rebuilt_at=_padded([inst[4] for inst in instants], zero),
+                   floor=_padded([np.zeros(len(inst[0])) for inst in instants], -np.inf),
+                   stages=tuple(tuple(schedule.stages_of(rank, ranks, v)) for rank in range(ranks)))
 
 
-def _padded(rows: list[list], fill) -> np.ndarray:
+def _padded(rows: list, fill) -> np.ndarray:
     """Rows of numbers as one array, each padded with ``fill`` to the longest (one column at least)."""
     out = np.full((len(rows), max(1, max(map(len, rows)))), fill)
     for r, row in enumerate(rows):
