@@ -234,3 +234,19 @@ def test_stage_cut_with_gradients_equals_brute_force(seed):
         return
     assert cut.slowest == pytest.approx(best, rel=1e-12)
     assert all(0 <= g <= gradients.sum() for g in cut.gradients)
+
+
+def test_without_a_limit_no_span_recomputes_and_every_span_fits():
+    """``cut_stages`` without a memory limit does not price spans with ``stage_peak``: it holds
+    that stage_peak would recompute nothing and find every memory within an infinite limit,
+    here on spans of zeros, negatives, infinities and NaNs."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        pick = lambda: rng.choice([0.0, 1.0, 1e9, np.inf, -np.inf, np.nan, -5.0], size=40) * rng.random(40)  # noqa: E731
+        spans = StageSums(static=pick(), gradients=pick(), activation=pick(), saving=pick(), largest_saving=pick(),
+                          layers=rng.integers(1, 10, size=40), adding=pick(), awaiting=pick())
+        counts = InFlight(np.array(rng.choice([0.0, 1.0, 7.5])), np.array(rng.choice([0.0, 2.0])),
+                          np.array(rng.choice([0.0, 1.0])))
+        with np.errstate(all="ignore"):
+            k, memory, _ = stage_peak(spans, counts, math.inf)
+        assert (k == 0).all() and (memory <= math.inf).all()

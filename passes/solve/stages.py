@@ -288,10 +288,11 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
         starts = (a == 0) if s == 0 else ((a >= s) & (a < b))
         counts = in_flight.stage(s)
         if (key := (float(counts.peak), float(counts.with_gradients), float(counts.awaiting))) not in fitted:
-            k, memory, _ = stage_peak(spans, counts, cap)
+            # without a limit stage_peak recomputes nothing, and every memory is at most inf
+            k, memory, _ = stage_peak(spans, counts, cap) if cap < math.inf else (np.zeros(len(ia)), None, None)
             recompute, fits = np.zeros_like(span_time), np.zeros(span_time.shape, dtype=bool)
             recompute[ia, ib] = k * span_recompute_time[ia, ib] / spans.layers
-            fits[ia, ib] = memory <= cap
+            fits[ia, ib] = True if memory is None else memory <= cap
             fitted[key] = recompute, fits
         recompute, fits = fitted[key]
         stage = span_time + recompute + (0.0 if last else sent[b])
