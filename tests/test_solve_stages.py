@@ -8,8 +8,8 @@ import pytest
 
 from autopar import costmodels
 from autopar.passes.solve.pipeline_search import evaluate_pipeline, search_pipeline
-from autopar.passes.solve.stages import (InFlight, LayerCosts, StageSums, cut_stages, describe_cut, pipeline_step_time,
-                                         stage_peak)
+from autopar.passes.solve.stages import (InFlight, LayerCosts, StageSums, cut_stages, describe_cut, fastest_starts,
+                                         pipeline_step_time, stage_peak)
 
 
 def brute_force_cut(costs, in_flight, limit, num_stages):
@@ -250,3 +250,29 @@ def test_without_a_limit_no_span_recomputes_and_every_span_fits():
         with np.errstate(all="ignore"):
             k, memory, _ = stage_peak(spans, counts, math.inf)
         assert (k == 0).all() and (memory <= math.inf).all()
+
+
+def test_schedules_sharing_the_cuts_without_a_limit_get_what_each_gets_alone():
+    """``search_pipeline`` keeps the cuts with no memory limit (``fastest_starts``) for every
+    schedule of as many stages; each option is the one ``evaluate_pipeline`` finds on its own,
+    here with layers of uneven time and memory whose limit makes ``rank_fit`` recompute."""
+    rng = np.random.default_rng(1)
+    layers = 24
+    costs = LayerCosts(time=rng.uniform(0.5, 2.0, layers), static_memory=rng.uniform(1.0, 3.0, layers),
+                       activation_memory=rng.uniform(1.0, 4.0, layers), recompute_saving=rng.uniform(0.5, 3.0, layers),
+                       recompute_time=rng.uniform(0.1, 0.5, layers), gradient_memory=rng.uniform(0.1, 0.5, layers))
+    schedules = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+    limit = 60.0
+    result = search_pipeline({(4, 8): costs}, stage_counts=[4], micro_batch_counts=[8], schedules=schedules,
+                             chunks_per_rank=(2, 3), memory_limit=limit)
+    assert any(o.cut is not None and any(o.cut.recomputed) for o in result.options)
+    for option in result.options:
+        alone = evaluate_pipeline(costs, 4, 8, option.schedule, option.chunks_per_rank, limit)
+        assert (alone.step_time, alone.rejected, alone.rank_memory) == (
+            option.step_time, option.rejected, option.rank_memory)
+        assert (alone.cut is None) == (option.cut is None)
+        if alone.cut is not None:
+            assert (alone.cut.starts, alone.cut.recomputed) == (option.cut.starts, option.cut.recomputed)
+    for schedule, v in (("interleaved_1f1b", 2), ("zbv_zero_bubble", 2), ("interleaved_zero_bubble", 3)):
+        # without a limit the DP reads no in-flight count
+        assert cut_stages(costs, 4 * v, InFlight.of(schedule, 4, 8, v)).starts == fastest_starts(costs, 4 * v)

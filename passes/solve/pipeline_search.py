@@ -28,7 +28,8 @@ import numpy as np
 
 from autopar.costmodels import Schedule
 from autopar.passes.solve.rank_fit import recompute_to_fit
-from autopar.passes.solve.stages import InFlight, LayerCosts, RankPeak, StageCut, cut_stages, describe_cut, rank_peaks
+from autopar.passes.solve.stages import (InFlight, LayerCosts, RankPeak, StageCut, cut_stages, describe_cut,
+                                         fastest_starts, rank_peaks)
 
 
 @dataclass
@@ -65,9 +66,10 @@ def search_pipeline(
     for p in stage_counts:
         for m in micro_batch_counts:
             costs = lookup((p, m)) if lookup else layer_costs(p, m)
+            unlimited: dict = {}  # the cuts without a memory limit the schedules of (p, m) share
             for schedule in map(Schedule.parse, schedules):
                 for v in chunks_per_rank if schedule.interleaved else (1,):
-                    options.append(evaluate_pipeline(costs, p, m, schedule, v, memory_limit))
+                    options.append(evaluate_pipeline(costs, p, m, schedule, v, memory_limit, unlimited))
     return _fastest_first(options)
 
 
@@ -114,9 +116,10 @@ def deeper_while_faster(found: PipelineSearchResult, depths: Sequence[int],
 
 def evaluate_pipeline(
     costs: LayerCosts, stages: int, micro_batches: int, schedule: str | Schedule, chunks_per_rank: int = 1,
-    memory_limit: float | None = None,
+    memory_limit: float | None = None, unlimited: dict | None = None,
 ) -> PipelineOption:
-    """Best cut and predicted step time of one (P, M, schedule, v)."""
+    """Best cut and predicted step time of one (P, M, schedule, v). ``unlimited``: where the
+    cuts of ``costs`` with no memory limit (``_fitting_starts``) are kept for its other schedules."""
     schedule = Schedule.parse(schedule)
     v = schedule.chunks(chunks_per_rank)
     option = PipelineOption(stages, micro_batches, schedule, v, math.inf, None)
@@ -137,7 +140,7 @@ def evaluate_pipeline(
         # the DP held each chunk to its share of the limit at an even spread of its rank's
         # in-flight count; recomputation fitted to the ranks' replayed peaks may fit where it
         # found no cut, or recompute less (``rank_fit``)
-        for start in _fitting_starts(costs, cut, in_flight):
+        for start in _fitting_starts(costs, cut, in_flight, {} if unlimited is None else unlimited):
             describe = partial(_described, costs, start.starts, in_flight)
             fitted = recompute_to_fit(start, describe, schedule, micro_batches, v, memory_limit,
                                       costs.recompute_saving)
@@ -149,18 +152,24 @@ def evaluate_pipeline(
     return option
 
 
-def _fitting_starts(costs: LayerCosts, dp_cut: StageCut | None, in_flight: InFlight) -> Iterator[StageCut]:
+def _fitting_starts(costs: LayerCosts, dp_cut: StageCut | None, in_flight: InFlight,
+                    unlimited: dict) -> Iterator[StageCut]:
     """The cuts ``rank_fit`` starts from, made as they are asked for: the fastest with no memory
     limit, nothing recomputed; the DP's; and the fastest where every layer recomputed, every layer
     recomputed (``rank_fit`` then gives back each one its rank does not need: the chunks stay
-    balanced around the rest)."""
+    balanced around the rest). The two without a limit read no in-flight count (``fastest_starts``):
+    their starts are kept in ``unlimited`` for the other schedules of as many stages."""
     stages = len(in_flight.peak)
-    yield cut_stages(costs, stages, in_flight)
+    if (stages, "as is") not in unlimited:
+        unlimited[stages, "as is"] = fastest_starts(costs, stages)
+    yield describe_cut(costs, unlimited[stages, "as is"], in_flight)
     if dp_cut is not None:
         yield dp_cut
     if costs.recomputable:
-        all_recomputed = replace(costs, time=costs.time + costs.recompute_time)
-        starts = cut_stages(all_recomputed, stages, in_flight).starts
+        if (stages, "all recomputed") not in unlimited:
+            unlimited[stages, "all recomputed"] = fastest_starts(
+                replace(costs, time=costs.time + costs.recompute_time), stages)
+        starts = unlimited[stages, "all recomputed"]
         yield _described(costs, starts, in_flight, np.diff(starts + [costs.layers]).tolist())
 
 

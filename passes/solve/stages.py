@@ -243,18 +243,33 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
     """The contiguous cut of ``costs``' layers into ``stages`` stages minimising the slowest,
     each stage recomputing the fewest layers that fit ``memory_limit`` with ``in_flight``
     micro-batches (None: one per stage); ``None`` when no cut fits (module docstring)."""
-    num_layers = costs.layers
-    if not 1 <= stages <= num_layers:
-        raise ValueError(
-            f"autopar: cut_stages expected 1 <= stages <= number of layers ({num_layers}), "
-            f"found stages={stages}; use fewer pipeline stages."
-        )
+    _check_stages(costs, stages, "cut_stages")
     in_flight = _for_stages(in_flight, stages, "cut_stages")
+    cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
+    starts = _cut_starts(costs, stages, in_flight, cap)
+    return None if starts is None else describe_cut(costs, starts, in_flight, memory_limit=cap)
+
+
+def fastest_starts(costs: LayerCosts, stages: int) -> list[int]:
+    """The starts of ``cut_stages``' cut with no memory limit: nothing recomputes and every span
+    fits, so the DP reads no in-flight count and one cut serves every schedule of ``stages``."""
+    _check_stages(costs, stages, "fastest_starts")
+    return _cut_starts(costs, stages, InFlight(np.ones(stages)), math.inf)
+
+
+def _check_stages(costs: LayerCosts, stages: int, caller: str) -> None:
+    if not 1 <= stages <= costs.layers:
+        raise ValueError(f"autopar: {caller} expected 1 <= stages <= number of layers ({costs.layers}), "
+                         f"found stages={stages}; use fewer pipeline stages.")
+
+
+def _cut_starts(costs: LayerCosts, stages: int, in_flight: InFlight, cap: float) -> list[int] | None:
+    """``cut_stages``' DP: the first layer of each stage of the best cut (None: none fits ``cap``)."""
+    num_layers = costs.layers
     time_prefix, static_prefix, activation_prefix, saving_prefix, recompute_prefix, gradient_prefix, weight_prefix = (
         np.concatenate([[0.0], np.cumsum(x)]) for x in (
             costs.time, costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
             costs.gradient_memory, costs.weight_grad_memory))
-    cap = math.inf if memory_limit is None else memory_limit * (1 + 1e-12)
 
     # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b); each stage
     # s is one step over every (start a, end b) at once, a on rows and b on columns.
@@ -308,7 +323,7 @@ def cut_stages(costs: LayerCosts, stages: int, in_flight: InFlight | None = None
         starts.append(int(choice[s][b]))
         b = starts[-1]
     starts.reverse()
-    return describe_cut(costs, starts, in_flight, memory_limit=cap)
+    return starts
 
 
 def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight | None = None, *,
