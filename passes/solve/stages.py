@@ -507,9 +507,10 @@ def _replay(schedule: Schedule, ranks: int, micro_batches: int, v: int) -> _Repl
         first[backward[np.unique(stage[backward], return_index=True)[1]]] = True
         moves = kind != _INPUT  # every action but I frees or adds a micro-batch in flight
         waits = (kind == _INPUT) | (kind == _WEIGHT)
-        for i, (index, sign) in enumerate(((row["per_micro_batch"] + stage[moves], np.where(kind[moves] == _FORWARD, 1.0, -1.0)),
-                                           (row["gradient_bytes"] + stage[first], np.ones(int(first.sum()))),
-                                           (row["awaiting"] + stage[waits], np.where(kind[waits] == _INPUT, 1.0, -1.0)))):
+        made = ((row["per_micro_batch"] + stage[moves], np.where(kind[moves] == _FORWARD, 1.0, -1.0)),
+                (row["gradient_bytes"] + stage[first], np.ones(int(first.sum()))),
+                (row["awaiting"] + stage[waits], np.where(kind[waits] == _INPUT, 1.0, -1.0)))
+        for i, (index, sign) in enumerate(made):  # in flight, gradients, awaited
             updates[i].append(index)
             signs[i].append(sign)
         # each action's instants: a first backward's two, one for any other, in order
