@@ -3,7 +3,7 @@ what the loss's backward keeps of them and the gradients it makes), against the 
 dry run. Interleaved 1F1B gives that rank other chunks too: the chunk holding the loss runs
 each micro-batch's backward right after its forward, while the rank's other chunks fill,
 so the rank's peak is one loss micro-batch plus the others' in flight at that instant, not
-each chunk's own peak added up (``autopar.passes.solve.stages.rank_peaks``)."""
+each chunk's own peak added up (``autopar.passes.solve.rank_replay.rank_peaks``)."""
 
 import warnings
 
@@ -17,7 +17,8 @@ from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.solve.stages import InFlight, LayerCosts, StageCut, cut_stages, rank_peaks
+from autopar.passes.solve.rank_replay import rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, StageCut, cut_stages
 
 
 def test_the_loss_ranks_interleaved_peak_is_predicted_within_ten_percent():

@@ -23,7 +23,8 @@ from autopar.passes.capture import capture
 from autopar.passes.lowering.buckets import GatherBucket
 from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
-from autopar.passes.solve.stages import InFlight, LayerCosts, describe_cut, rank_peaks
+from autopar.passes.solve.rank_replay import rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, describe_cut
 from autopar.runtime.precision import MixedGather, Precision
 
 BF16_FP32_REDUCE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

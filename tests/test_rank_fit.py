@@ -13,7 +13,8 @@ import pytest
 
 from autopar.costmodels import Schedule
 from autopar.passes.solve.pipeline_search import evaluate_pipeline
-from autopar.passes.solve.stages import InFlight, LayerCosts, cut_stages, describe_cut, rank_peaks
+from autopar.passes.solve.rank_replay import rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, cut_stages, describe_cut
 
 INTERLEAVED = Schedule.parse("interleaved_1f1b")
 RANKS, MICRO_BATCHES, CHUNKS = 2, 4, 2

@@ -8,7 +8,8 @@ import pytest
 
 from autopar.costmodels import Schedule
 from autopar.costmodels.memory import schedule_actions
-from autopar.passes.solve.stages import RankPeak, StageCut, rank_peaks
+from autopar.passes.solve.rank_replay import RankPeak, rank_peaks
+from autopar.passes.solve.stages import StageCut
 
 
 def _replayed_action_by_action(cut: StageCut, schedule: Schedule, micro_batches: int, v: int) -> list[RankPeak]:

@@ -10,7 +10,7 @@ it was rejected, so a plan can explain why it chose what it did.
 Exact for GPipe and 1F1B (the DP minimises the slowest stage, and the step time is
 that times M + P - 1). For interleaved 1F1B it balances chunks (min-max over P * v
 virtual stages) with each chunk held to ``memory_limit / v`` at an even spread of its rank's
-in-flight count, then checks each rank's peak (``stages.rank_peaks``: torch's order of its chunks
+in-flight count, then checks each rank's peak (``rank_replay.rank_peaks``: torch's order of its chunks
 replayed). torch's order does not spread them evenly, so that share can reject cuts whose ranks
 fit; ``rank_fit`` re-fits the recomputation of the DP's cut and of two time-optimal cuts (with
 nothing and with every layer recomputed) to the ranks' replayed peaks, and the fastest that fits
@@ -28,8 +28,8 @@ import numpy as np
 
 from autopar.costmodels import Schedule
 from autopar.passes.solve.rank_fit import recompute_to_fit
-from autopar.passes.solve.stages import (InFlight, LayerCosts, RankPeak, StageCut, cut_stages, describe_cut,
-                                         fastest_starts, rank_peaks)
+from autopar.passes.solve.rank_replay import RankPeak, rank_peaks
+from autopar.passes.solve.stages import InFlight, LayerCosts, StageCut, cut_stages, describe_cut, fastest_starts
 
 
 @dataclass

@@ -9,7 +9,7 @@ no cut or recomputes far more than the rank needs.
 
 ``recompute_to_fit`` starts from a cut and its recomputed counts (``pipeline_search`` gives it
 the DP's, the time-optimal one with nothing recomputed, and the one balanced with every layer
-recomputed) and works on each rank's replayed peak (``stages.rank_peaks``), the number the
+recomputed) and works on each rank's replayed peak (``rank_replay.rank_peaks``), the number the
 search accepts a cut by:
 
 1. while a rank is over the limit, recompute one more layer in the rank's chunk that takes the
@@ -30,7 +30,8 @@ import math
 from typing import Callable, Sequence
 
 from autopar.costmodels import Schedule
-from autopar.passes.solve.stages import StageCut, rank_peaks
+from autopar.passes.solve.rank_replay import rank_peaks
+from autopar.passes.solve.stages import StageCut
 
 Describe = Callable[[Sequence[int]], StageCut]  # per-stage recomputed counts -> the cut described
 
