@@ -50,7 +50,7 @@ class PlanRequest:
     # the pins' roles on this request's mesh (one of ``constraints.mesh_roles``' ways), set by the
     # search for each mesh it plans; None: no axis pinned
     roles: MeshRoles | None = None
-    # processes the search's independent plans are made in at once (``workers.run_forked``);
+    # processes the search's independent plans are made in at once (``workers.ForkedJobs``);
     # None: one per core, 1: this process alone
     workers: int | None = None
     profile: costmodels.HardwareProfile = field(init=False, repr=False, compare=False)  # ``hardware`` resolved

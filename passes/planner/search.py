@@ -53,7 +53,7 @@ from autopar.passes.planner.pipeline import pipeline_plan, repeated_layer_count
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.searched import Coverage, merged
 from autopar.passes.planner.stage_starts import start_layers
-from autopar.passes.planner.workers import run_forked, worker_count
+from autopar.passes.planner.workers import ForkedJobs, worker_count
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -316,19 +316,32 @@ def _depth_coverage(tried: dict[str, str], depth_of: dict[str, int], fitted: set
     return coverage
 
 
-def _ahead(graphs: Graphs, jobs: dict, asked: int | None) -> tuple[dict, float]:
-    """({key: its ``workers.Done``}, the workers' CPU seconds) of ``jobs`` (key -> (the mesh it
-    plans on, the job)) run in forked worker processes, or ({}, 0) where one process runs them
-    (``request.workers`` 1, one job, one core): the search then makes each in its turn. The
-    strategy graphs are built here first: their warnings (an op replicated) are this process's,
-    and the search reuses them after."""
-    workers = worker_count(asked, len(jobs))
-    if workers == 1:
-        return {}, 0.0
-    for mesh, _ in jobs.values():
+def _start(pool: ForkedJobs, graphs: Graphs, meshes: dict) -> None:
+    """The jobs ``meshes`` keys (key -> the mesh it plans on) started in ``pool``'s workers, their
+    strategy graphs built here first: their warnings (an op replicated) are this process's, and
+    the search reuses them after. Nothing where one process runs the search."""
+    if pool.workers == 1:
+        return
+    for mesh in meshes.values():
         graphs.on(mesh)
-    done, cpu = run_forked([job for _, job in jobs.values()], workers)
-    return dict(zip(jobs, done)), cpu
+    pool.start(*meshes)
+
+
+def _step_time(candidate: Plan | None) -> float:
+    """A planned depth's predicted step seconds (inf: nothing fits)."""
+    return candidate.predicted.step_time if candidate is not None else math.inf
+
+
+def next_guesses(options: Sequence[tuple[int, tuple[int, ...]]], results: dict[int, float],
+                 pending: Sequence[int], budget: int) -> list[int]:
+    """The depths ``next_factorisation`` may ask for once the ``pending`` ones (planned, their
+    step times not known yet) are known: first as if none of them were the best, then as if
+    they were; none where the budget ends with them."""
+    if len(results) + len(pending) >= budget:
+        return []
+    lowest = min((t for t in results.values() if math.isfinite(t)), default=0.0)
+    found = [next_factorisation(options, results | {i: t for i in pending}) for t in (math.inf, lowest - 1.0)]
+    return [i for i in dict.fromkeys(found) if i is not None]
 
 
 def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
@@ -370,41 +383,64 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
                                         solver_time_s=solver_time, graph=graphs.on(options[i][1]),
                                         roles=roles.get(options[i][0]))
     # The plan without a pipeline and the depths planned whatever the others give (all of them
-    # within the budget, else its first seeds) are independent: made in worker processes at
-    # once, each to its budget (a safety net that has cut already leaves them to this process)
+    # within the budget, else its first seeds) are independent: started in worker processes at
+    # once, each to its budget (a safety net that has cut already leaves them to this process).
+    # A worker that would idle meanwhile plans a guess of the depth asked for next.
     first = range(len(options)) if budget == len(options) else seed_factorisations(len(options))[:budget]
-    jobs = ({None: (shape, flat_job)} if flat else {}) | {i: (options[i][1], partial(depth_job, i)) for i in first}
-    ahead, workers_cpu = _ahead(graphs, jobs, request.workers) if not net.cut() else ({}, 0.0)
-    if flat:
-        report("no pipeline", 0, total)
-        try:
-            best = ahead.pop(None).result() if ahead else flat_job()
-            tried["no pipeline"] = duration(best.predicted.step_time)
-            candidates.update(best.candidates)
-        except PlanningError as exc:
-            error, tried["no pipeline"] = exc, str(exc)
+    jobs = ({None: flat_job} if flat else {}) | {i: partial(depth_job, i) for i in range(len(options))}
+    pool = ForkedJobs(jobs, worker_count(request.workers, int(flat) + budget))
     results: dict[int, float] = {}  # option index -> predicted step seconds (inf: none fits)
-    outcome: dict[int, str] = {}
-    stage_searches: list[dict] = []  # what each planned depth's stage search covered
-    cut_solves: list[str] = []  # the intra-op solves the wall clock stopped
-    if best is not None and best.solver.get("clock_cut"):
-        cut_solves.append("the intra-op solve without a pipeline")
-    clock_cut = ""
-    while len(results) < budget and (i := next_factorisation(options, results)) is not None:
-        p, intra = options[i]
-        report(where_of(p, intra), len(results) + int(flat), total)
-        if i not in ahead and (clock_cut := net.cut()):  # a safety net: the deterministic budget did not run out
-            break
-        candidate, outcome[i] = ahead[i].result() if i in ahead else depth_job(i)
-        results[i] = candidate.predicted.step_time if candidate is not None else math.inf
-        if candidate is None:
-            continue
-        stage_searches.append(candidate.solver["searched"])
-        if candidate.solver.get("clock_cut"):
-            cut_solves.append(f"the intra-op solve of the {p}-stage pipeline")
-        candidates.update({f"{k_}[{where_of(p, intra)}]": t for k_, t in candidate.candidates.items()})
-        if best is None or candidate.predicted.step_time < best.predicted.step_time:
-            best = candidate
+
+    def guesses() -> list[int]:
+        """The depths asked for next as ``next_guesses`` sees them from the depths planned
+        (those finished but not taken read), likeliest first: the next if none pending is the
+        best, the one after it, and so on to the budget; then the other ways."""
+        known, pending = dict(results), []
+        for i in (k for k in pool.pending() if k is not None):
+            done = pool.peek(i)
+            if done is not None and done.error is None:
+                known[i] = _step_time(done.value[0])
+            else:
+                pending.append(i)
+        likeliest, other = [], []
+        while not net.cut() and (found := next_guesses(options, known, pending, budget)):
+            likeliest.append(found[0])
+            other.extend(found[1:])
+            pending.append(found[0])
+        return list(dict.fromkeys(likeliest + other))
+
+    with pool:
+        if not net.cut():
+            _start(pool, graphs, ({None: shape} if flat else {}) | {i: options[i][1] for i in first})
+        if flat:
+            report("no pipeline", 0, total)
+            try:
+                best = pool.result(None, guesses).result()
+                tried["no pipeline"] = duration(best.predicted.step_time)
+                candidates.update(best.candidates)
+            except PlanningError as exc:
+                error, tried["no pipeline"] = exc, str(exc)
+        outcome: dict[int, str] = {}
+        stage_searches: list[dict] = []  # what each planned depth's stage search covered
+        cut_solves: list[str] = []  # the intra-op solves the wall clock stopped
+        if best is not None and best.solver.get("clock_cut"):
+            cut_solves.append("the intra-op solve without a pipeline")
+        clock_cut = ""
+        while len(results) < budget and (i := next_factorisation(options, results)) is not None:
+            p, intra = options[i]
+            report(where_of(p, intra), len(results) + int(flat), total)
+            if not pool.started(i) and (clock_cut := net.cut()):
+                break  # a safety net: the deterministic budget did not run out
+            candidate, outcome[i] = pool.result(i, guesses).result()
+            results[i] = _step_time(candidate)
+            if candidate is None:
+                continue
+            stage_searches.append(candidate.solver["searched"])
+            if candidate.solver.get("clock_cut"):
+                cut_solves.append(f"the intra-op solve of the {p}-stage pipeline")
+            candidates.update({f"{k_}[{where_of(p, intra)}]": t for k_, t in candidate.candidates.items()})
+            if best is None or candidate.predicted.step_time < best.predicted.step_time:
+                best = candidate
     for i, (p, intra) in enumerate(options):
         tried[where_of(p, intra)] = outcome.get(i) or (
             f"not tried: out of time ({clock_cut}: a safety net, not the budget)" if clock_cut else
@@ -431,7 +467,7 @@ def _search(captured, request: PlanRequest, graphs: Graphs) -> Plan:
     best.hardware = request.preset or request.profile.machine
     best.solver["planning_seconds"] = time.perf_counter() - started
     # this process's, solver threads included, and its worker processes'
-    best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started + workers_cpu
+    best.solver["planning_cpu_seconds"] = time.process_time() - net.cpu_started + pool.cpu
     best.solver["memory_limit"] = limit
     report("done", total, total)
     return best
