@@ -59,11 +59,10 @@ class Done:
         return self.value
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
     process: Any  # a forked multiprocessing.Process, serving jobs in turn (``_serve``)
     end: Any  # this process's end of the pipe to it
-    busy: bool = False  # running a job
 
 
 class ForkedJobs:
@@ -80,7 +79,7 @@ class ForkedJobs:
     def __init__(self, jobs: Mapping[Hashable, Callable[[], Any]], workers: int):
         self.jobs, self.workers = dict(jobs), workers
         self.queued: list[Hashable] = []  # started, waiting for a worker
-        self.running: dict[Hashable, _Worker] = {}
+        self.running: dict[Hashable, _Worker] = {}  # the workers' jobs; a worker in none idles
         self.guessed: set[Hashable] = set()  # started as guesses, not asked for yet
         self.finished: dict[Hashable, Done] = {}
         self.cpu = 0.0  # CPU seconds the worker processes used (on leaving)
@@ -161,10 +160,10 @@ class ForkedJobs:
 
     def _launch(self) -> None:
         while self.queued and len(self.running) < self.workers:
-            worker = next((w for w in self._forked if not w.busy), None) or self._fork()
+            busy = set(self.running.values())
+            worker = next((w for w in self._forked if w not in busy), None) or self._fork()
             key = self.queued.pop(0)
             worker.end.send(key)
-            worker.busy = True
             self.running[key] = worker
 
     def _fork(self) -> _Worker:
@@ -180,7 +179,6 @@ class ForkedJobs:
         worker = self.running.pop(key)
         try:
             self.finished[key] = worker.end.recv()
-            worker.busy = False
             return
         except EOFError:
             self._end(worker)
