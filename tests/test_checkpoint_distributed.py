@@ -178,6 +178,7 @@ def _exit_times(processes: list[subprocess.Popen], timeout: float) -> list[float
     return [times[i] for i in range(len(processes))]
 
 
+@pytest.mark.alone  # it bounds seconds: nothing runs beside it (pyproject's markers)
 def test_rank_dies_or_hangs_others_exit_bounded():
     launches = {mode: _launch_without_torchrun(mode) for mode in ("die", "hang")}  # both at once: start-up is slow
     try:

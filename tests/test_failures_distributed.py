@@ -19,6 +19,8 @@ import pytest
 
 from tests.distributed.failure_check import LINGER_S, SCENARIOS, WORLD
 
+pytestmark = pytest.mark.alone  # it bounds seconds: nothing runs beside it (pyproject's markers)
+
 ALL_EXIT_S = 30.0  # every process of a scenario, from the failure
 PEER_EXIT_S = LINGER_S - 2.0  # every other rank: before the failing process ends (its connections close)
 
