@@ -88,9 +88,10 @@ class ForkedJobs:
     def __enter__(self) -> ForkedJobs:
         if self.workers > 1:
             # A fork copies one thread: an object the workers inherit and collect could wait in
-            # its finaliser on a thread left behind (a gloo process group). Garbage is collected
-            # here and the rest frozen while workers are forked, never collected by one.
-            gc.collect()
+            # its finaliser on a thread left behind (a gloo process group). What this process
+            # tracks is frozen while workers are forked, garbage included, so no worker ever
+            # collects it (collecting it here first took a fifth of a second on a heap holding
+            # torch and transformers, on every plan, and kept no worker safer).
             gc.freeze()
         self._cpu_before = _children_cpu()
         return self
