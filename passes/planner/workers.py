@@ -90,8 +90,8 @@ class ForkedJobs:
             # A fork copies one thread: an object the workers inherit and collect could wait in
             # its finaliser on a thread left behind (a gloo process group). What this process
             # tracks is frozen while workers are forked, garbage included, so no worker ever
-            # collects it (collecting it here first took a fifth of a second on a heap holding
-            # torch and transformers, on every plan, and kept no worker safer).
+            # collects it. A collection here would walk the whole heap (torch, transformers, the
+            # captured model: a fifth of a second per plan) and keep no worker safer.
             gc.freeze()
         self._cpu_before = _children_cpu()
         return self
