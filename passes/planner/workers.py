@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import warnings
-import multiprocessing.connection
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -83,6 +83,7 @@ class ForkedJobs:
         self.guessed: set[Hashable] = set()  # started as guesses, not asked for yet
         self.finished: dict[Hashable, Done] = {}
         self.cpu = 0.0  # CPU seconds the worker processes used (on leaving)
+        self._cpu_before = 0.0  # this process's children's CPU seconds on entering
         self._forked: list[_Worker] = []
 
     def __enter__(self) -> ForkedJobs:
