@@ -8,8 +8,9 @@ For each published run, on the meta device with the preset of its machine (``Row
 mixed precision where autopar runs it as the run did (``Row.mp_policy``: float32 masters, bf16
 compute, float32 gradient reductions; ``--bf16-throughout`` prices every row without it):
 
-- published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published,
-  with FLOPs per token = 6 * parameters + 12 * layers * hidden * sequence);
+- published tokens/s/GPU (converted from TFLOP/s/GPU where that is what was published, with
+  the FLOPs per token its publisher counted: ``Row.counted``, Megatron-LM's own count for its
+  rows; else 6 * parameters + 12 * layers * hidden * sequence);
 - predicted tokens/s/GPU of the PUBLISHED layout, planned through the public path
   (``autopar.plan(..., layout=, constraints=)``, ``published_pins``): its layout's placements
   and ZeRO levels, its stages, micro-batches, schedule and interleaving depth pinned, with its
@@ -105,6 +106,9 @@ class Row:
     # the run's mixed precision (float32 masters) where autopar runs it as the run did; None:
     # the model trained in bf16 throughout (see ``published_rows`` for Megatron's rows)
     mp_policy: MixedPrecisionPolicy | None = None
+    # the model FLOPs per token (of the model, the sequence) its publisher divided by, where it
+    # published TFLOP/s/GPU: they convert that back to tokens; None: ``flops_per_token``
+    counted: Callable[[torch.nn.Module, int], float] | None = None
     note: str = ""
 
     @property
@@ -161,13 +165,17 @@ def published_rows() -> list[Row]:
             note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="mlm-7.1b", source=mlm, build=lambda: megatron_gpt("7.1b"), gpus=96, batch=192, seq=4096,
             mesh=(48, 2), pinned=Pinned(layout=tp), layout_text="TP 2, PP 1, DP 48", tflops_per_gpu=465.9,
-            note=mlm_note),
+            counted=megatron_flops_per_token,
+            note=mlm_note + "; without a pipeline priced as one forward and backward of each rank's 4 sequences, "
+                 "not 4 accumulated micro-batches: autopar's planner does not price accumulation"),
         Row(key="mlm-177b", source=mlm, build=lambda: megatron_gpt("177b"), gpus=2304, batch=1152, seq=4096,
             mesh=(288, 8), pinned=Pinned(layout=tp, stages=6, micro_batches=24, schedule="1f1b"),
-            layout_text="TP 8, PP 6, DP 48 (M=24)", tflops_per_gpu=432.8, note=mlm_note),
+            layout_text="TP 8, PP 6, DP 48 (M=24)", tflops_per_gpu=432.8, counted=megatron_flops_per_token,
+            note=mlm_note),
         Row(key="mlm-462b", source=mlm, build=lambda: megatron_gpt("462b"), gpus=6144, batch=3072, seq=4096,
             mesh=(768, 8), pinned=Pinned(layout=tp, stages=16, micro_batches=64, schedule="1f1b"),
-            layout_text="TP 8, PP 16, DP 48 (M=64)", tflops_per_gpu=459.9, note=mlm_note),
+            layout_text="TP 8, PP 16, DP 48 (M=64)", tflops_per_gpu=459.9, counted=megatron_flops_per_token,
+            note=mlm_note),
         Row(key="llama3-8k", source=herd, build=l405, gpus=8192, batch=2048, seq=8192, mesh=(1024, 8),
             pinned=Pinned(layout="fsdp+tp", stages=LLAMA3_STAGES, micro_batches=32, schedule="interleaved_1f1b",
                           chunks=LLAMA3_CHUNKS, recompute=LLAMA3_RECOMPUTE),
@@ -200,8 +208,27 @@ def flops_per_token(params: int, layers: int, hidden: int, seq: int) -> float:
     return 6.0 * params + 12.0 * layers * hidden * seq
 
 
+def megatron_flops_per_token(model: torch.nn.Module, seq: int) -> float:
+    """Model FLOPs per token as Megatron-LM counts them for the TFLOP/s/GPU it logs and publishes
+    (megatron/training/training.py ``num_floating_point_operations`` at core_r0.8.0), for its
+    GPT (multi-head attention, an MLP of ``mlp_ratio`` x hidden without gating):
+    12 L h^2 (1 + 1 + s / h + ffn / h + V / (2 L h)). It counts one vocabulary-wide matmul, the
+    logits, and no input embedding (a lookup): 6 V h fewer than 6 * parameters, 7% of a
+    7.1B's count."""
+    cfg = model.cfg
+    layers, hidden, vocab, ffn = cfg.n_layers, cfg.dim, cfg.vocab_size, cfg.mlp_ratio * cfg.dim
+    return 12.0 * layers * hidden**2 * (2 + seq / hidden + ffn / hidden + vocab / (2 * layers * hidden))
+
+
 def published_tokens(row: Row, per_token: float) -> float:
+    """The run's tokens/s/GPU: as published, or its TFLOP/s/GPU over ``per_token``, the FLOPs
+    per token its publisher counted (``publisher_flops_per_token``)."""
     return row.tokens_per_gpu if row.tokens_per_gpu is not None else row.tflops_per_gpu * 1e12 / per_token
+
+
+def publisher_flops_per_token(row: Row, model: torch.nn.Module, ours: float) -> float:
+    """The FLOPs per token ``row``'s publisher counted: ``Row.counted``, else ``ours``."""
+    return row.counted(model, row.seq) if row.counted is not None else ours
 
 
 def tokens_per_gpu(row: Row, step_time: float) -> float:
@@ -360,7 +387,7 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
     model, inputs = cache[shared]
     params, layers, hidden = model_shape(model)
     per_token = flops_per_token(params, layers, hidden, row.seq)
-    published = published_tokens(row, per_token)
+    published = published_tokens(row, publisher_flops_per_token(row, model, per_token))
     out = {"row": row, "params": params, "flops_per_token": per_token, "published": published}
     started = time.perf_counter()
     # priced as the run was made: its own recomputation, whatever memory that needs (where it

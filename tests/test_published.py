@@ -38,7 +38,13 @@ def test_megatron_7b_published_rate_by_hand():
     # by hand: 6 * 7,131,922,432 + 12 * 30 * 4096 * 4096 = 42,791,534,592 + 6,039,797,760
     per_token = published.flops_per_token(params, layers, hidden, row.seq)
     assert per_token == 48_831_332_352
-    assert published.published_tokens(row, per_token) == pytest.approx(9541.0, abs=0.5)  # 465.9e12 / per_token
+    # Megatron-LM's own count, which its published 465.9 TFLOP/s/GPU divides by: 12 L h^2 (1 + 1 +
+    # s/h + 4 + V/(2 L h)) = 72 L h^2 + 12 L h s + 6 V h = 36,238,786,560 + 6,039,797,760 + 3,221,225,472
+    counted = published.publisher_flops_per_token(row, model, per_token)
+    assert counted == 45_499_809_792
+    assert published.published_tokens(row, counted) == pytest.approx(10239.6, abs=0.5)  # 465.9e12 / counted
+    # a row whose publisher's count is not known converts with ours
+    assert published.publisher_flops_per_token(replace(row, counted=None), model, per_token) == per_token
 
 
 def test_fewest_recomputed_layers_that_fit(captured):
