@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autopar
 from autopar import layouts
@@ -91,3 +92,31 @@ def test_a_pipeline_rank_is_charged_its_rows_of_the_batch_not_the_whole_batch():
     for rank in result.ranks[:-1]:
         predicted = by_rank[rank.coordinate[0]]["activations"]
         assert predicted / rank.memory["activations"] == pytest.approx(1.0, abs=0.10), (rank.where(), result.table())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+def test_under_a_policy_each_micro_batch_in_flight_keeps_its_own_working_copies(schedule):
+    """Under a mixed-precision policy a stage casts its float32 weights once per call, and each
+    micro-batch in flight keeps the bf16 copies its matmuls save, until its backward. Weights
+    large against the activations, so the copies are most of a rank's activations: every
+    pipeline rank within 10%. (A recomputed layer keeps none: it casts again when it reruns;
+    here the optimizer step's temporaries would set such a plan's peak.)"""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=8, dim=512, n_heads=4, n_layers=4))
+    inputs = (torch.zeros(16, 8, dtype=torch.long, device="meta"),)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    pins = autopar.Constraints(pp=2, micro_batches=8, schedule=schedule, recompute="none",
+                               chunks=2 if schedule == "interleaved_1f1b" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (2, 2), inputs, hardware="h100", layout="pp+dp", constraints=pins,
+                            mp_policy=policy, memory_limit=80e9)
+        result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    by_rank = plan.predicted.memory_by_rank
+    copies = 2 * 12 * 512 * 512 * 2  # bf16 copies of one rank's two layers' linear weights: 12.6 MB
+    # more than one set in flight (the activations themselves are about 1.3 MB a micro-batch)
+    assert result.ranks[0].memory["activations"] > 2 * copies, result.table()
+    for rank in result.ranks:
+        predicted = sum(by_rank[rank.coordinate[0]].values())
+        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())

@@ -95,9 +95,17 @@ class LayerNumbers:
     # until its weight-gradient part starts from them (``saved.weight_gradient_starts``' outputs);
     # None: none
     weight_grads: np.ndarray | None = None
+    # bytes per micro-batch in flight: the working copies of parameters (a mixed-precision
+    # policy's cast) that the layer's consumers keep for backward. A stage casts once per call,
+    # so each micro-batch in flight keeps its own; and of them, ``recomputable_copies`` those
+    # the layer's recomputation does not keep (read inside the repeated layer, cast again when
+    # it reruns). None: none
+    copies: np.ndarray | None = None
+    recomputable_copies: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads"):
+        for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads", "copies",
+                     "recomputable_copies"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
         if self.io is None:
@@ -133,6 +141,12 @@ class LayerNumbers:
     def recompute_saving(self) -> np.ndarray:
         """Bytes (whole batch) a layer keeps less when recomputed: its own activations less its inputs."""
         return np.maximum(self.recomputable - self.inputs, 0.0)
+
+    def per_micro_batch(self, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes each layer keeps per micro-batch in flight, bytes of them its recomputation
+        does not keep): its share of the batch's activations and its working copies whole."""
+        return (self.activation / micro_batches + self.copies,
+                self.recompute_saving / micro_batches + self.recomputable_copies)
 
 
 def node_layers(costs: Costs) -> tuple[dict, int]:
@@ -174,7 +188,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     gathered = [{"layer": ZeroThreeBucket(), "between": ZeroThreeBucket()} for _ in range(count)]
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
-    weight_grads = [0.0] * count
+    weight_grads, copied, recomputable_copies = [0.0] * count, [0.0] * count, [0.0] * count
     starts = weight_gradient_starts_of(graph)
     choice, zero = costs.choice(assignment)
     saved_twice = costs.read_copy_bytes(choice)  # a value its readers save in two placements
@@ -217,11 +231,13 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     params = graph.captured.params
     kept_by: dict = {}  # a tensor read by recomputed layers is kept once, by its first reader's layer
     user_inputs = set(graph.captured.user_inputs)
-    copies = costs.problem.edge_memory  # working copies of parameters, held with them (as on ZeRO nodes)
+    copies = costs.problem.edge_memory  # working copies of parameters, kept per call (``LayerNumbers.copies``)
     for e, ((src, dst, _), (u, v, table)) in enumerate(zip(costs.edge_inputs, costs.problem.edges)):
-        if e in copies:
-            static[where[dst]] += float(copies[e][assignment[u], assignment[v]])
-            kinds[where[dst]][0] += float(copies[e][assignment[u], assignment[v]])
+        if e in copies and repeated.get(dst) not in costs.recompute:  # a recomputed layer casts again
+            copy = float(copies[e][assignment[u], assignment[v]])
+            copied[where[dst]] += copy
+            if dst in repeated:
+                recomputable_copies[where[dst]] += copy
         t = float(table[assignment[u], assignment[v]])
         if src.name in params:
             param[where[dst]] += t
@@ -239,7 +255,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                         array(recomputable), array(inputs), array(temporary), array(largest),
                         forward_gather_memory([g.values() for g in gathered], costs.precision),
                         array([max(b.working(costs.precision)[1] for b in g.values()) for g in gathered]), io=io,
-                        weight_grads=array(weight_grads))
+                        weight_grads=array(weight_grads), copies=array(copied),
+                        recomputable_copies=array(recomputable_copies))
 
 
 def weight_gradient_starts_of(graph) -> set:
@@ -276,18 +293,18 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
     (``stages.cut_stages``): such a layer keeps its inputs for every micro-batch in flight
     and runs its forward again, and backward rebuilds one layer of one micro-batch at a time."""
     count = len(num.act_time)
-    saving = num.recompute_saving
     barred = np.zeros(max(count - 1, 0))  # per layer: 0 where a stage may end after it, inf where not
     if starts is not None:
         allowed = set(starts)
         barred[[layer for layer in range(count - 1) if layer + 1 not in allowed]] = np.inf
 
     def layer_costs(p: int, m: int) -> LayerCosts:
+        kept, saved = num.per_micro_batch(m)
         return LayerCosts(
-            time=num.act_time / m, static_memory=num.held_once(m), activation_memory=num.activation / m,
+            time=num.act_time / m, static_memory=num.held_once(m), activation_memory=kept,
             boundary_time=np.asarray(num.send_times(pp_profile, m)) + barred if count > 1 else None,
             step_overhead=num.step_overhead(p),
-            recompute_saving=saving / m if recompute else None, recompute_time=num.forward / m if recompute else None,
+            recompute_saving=saved if recompute else None, recompute_time=num.forward / m if recompute else None,
             gradient_memory=num.gradients,
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
@@ -342,9 +359,10 @@ def rank_memory(num: LayerNumbers, option) -> list[dict[str, float]]:
     return out
 
 
-def recomputed_layers(num: LayerNumbers, cut) -> list[int]:
-    """The layers each stage recomputes: its ``cut.recomputed[s]`` with the largest saving."""
-    saving = num.recompute_saving
+def recomputed_layers(num: LayerNumbers, cut, micro_batches: int) -> list[int]:
+    """The layers each stage recomputes: its ``cut.recomputed[s]`` with the largest saving per
+    micro-batch in flight."""
+    saving = num.per_micro_batch(micro_batches)[1]
     out = []
     for s, k in enumerate(cut.recomputed):
         ranked = sorted(cut.layers(s), key=lambda layer: (-saving[layer], layer))
@@ -544,7 +562,7 @@ def _to_plan(costs: Costs, assignment, num: LayerNumbers, found, p: int, intra, 
     bubble = option.schedule.bubble_time(option.cut.stage_time, v)
     overhead = num.step_overhead(p)
     by_rank = rank_memory(num, option)
-    recomputed = sorted(set(recomputed_layers(num, option.cut)) | set(costs.recompute))  # a pinned policy's too
+    recomputed = sorted(set(recomputed_layers(num, option.cut, m)) | set(costs.recompute))  # a pinned policy's too
     busy = option.step_time - bubble - overhead
     frac = float(num.compute.sum() / max(num.act_time.sum(), 1e-300))
     optimizer = float(num.optimizer.sum()) / p
