@@ -1,7 +1,7 @@
 """Predictions against published H100 training runs (each ``Row`` cites its source).
 
     python -m benchmarks.published [--rows tt-8b mlm-7.1b ...] [--time-limit 60] [--dry-run] [--no-auto]
-                                   [--bf16-throughout] [--plans DIR [--reuse-plans]]
+                                   [--bf16-throughout] [--plans DIR [--reuse-plans]] [--counterfactuals]
 
 For each published run, on the meta device with the preset of its machine (``Row.hardware``:
 ``h100``, or ``h100-96gb-500w`` for torchtitan's 96 GB HBM2e H100s at 500 W), under the run's
@@ -26,6 +26,12 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   memory as the limit, as the published layout gets): one line, its predicted
   tokens/s/GPU and MFU (model FLOPs against 989 TFLOP/s dense bf16), planning seconds,
   and, with ``--dry-run`` where ``autopar.dry_run`` exists, the full-scale dry run's verdict.
+
+With ``--counterfactuals``, what the overlap-aware cost model and the zero-bubble schedules
+changed in each auto plan (``counterfactuals``): the auto plan again with no communication
+hidden (the preset's overlap off), and the best plan without a zero-bubble schedule (one stage;
+1F1B and interleaved 1F1B pinned in turn: GPipe has 1F1B's bubble and more memory), each with
+whether its layout differs from the auto plan's and the auto plan's predicted gain over it.
 
 Prints a markdown table, and the published layouts' predicted step by where it goes
 (``Plan.predicted``: compute, exposed communication, pipeline bubble; and the communication that
@@ -374,12 +380,14 @@ def compared_tokens(row: Row, r: dict) -> float:
 
 
 def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None = None,
-             auto_plan: bool = True, plans: Path | None = None, reuse: bool = False) -> dict:
+             auto_plan: bool = True, plans: Path | None = None, reuse: bool = False,
+             what_changed: bool = False) -> dict:
     """One table row's numbers (see the module docstring). ``cache``: kept between rows, so
     rows of the same model and batch share its capture, and of the same GPUs its auto plan.
     ``auto_plan`` False: the published layout only (the auto columns say "skipped").
     ``plans``: a folder to save the auto plan in (``<row>.json``), to dry-run or inspect again;
-    ``reuse``: load the plan saved there instead of planning again, where there is one."""
+    ``reuse``: load the plan saved there instead of planning again, where there is one.
+    ``what_changed``: the auto plan's ``counterfactuals`` too."""
     cache = {} if cache is None else cache
     shared = (row.build, row.batch, row.seq, row.mp_policy)
     if shared not in cache:
@@ -422,11 +430,14 @@ def evaluate(row: Row, *, time_limit_s: float, dry_run: bool, cache: dict | None
             auto["auto_seconds"] = time.perf_counter() - started
             if saved is not None:
                 plan.save(saved)
+        auto["auto_plan"] = plan
         auto["auto_line"] = one_line(plan)
         auto["auto_tokens"] = tokens_per_gpu(row, plan.predicted.step_time)
         auto["auto_mfu"] = auto["auto_tokens"] * per_token / PEAK_BF16
         auto["auto_memory"] = sum(plan.predicted.memory.values())
         auto["dry_run"] = dry_run_verdict(plan, model, inputs) if dry_run else "not run"
+        if what_changed:
+            auto.update(counterfactuals(row, model, inputs, plan, time_limit_s=time_limit_s))
     except Exception as exc:  # reported in the table: the row's other numbers still stand
         auto.update(auto_seconds=time.perf_counter() - started, auto_line=f"FAILED: {str(exc)[:120]}",
                     auto_tokens=0.0, auto_mfu=0.0, auto_memory=math.nan, dry_run="not run")
@@ -485,6 +496,71 @@ def auto_against_published(r: dict) -> str:
     return f"{against} (÷ as run, over the card: {as_run:.2f})"
 
 
+# the schedules a plan without zero-bubble ones picks among: no pipeline, or 1F1B or interleaved
+# 1F1B pinned (GPipe has 1F1B's bubble and holds more: never faster under the same memory limit)
+WITHOUT_ZERO_BUBBLE = (Constraints(pp=1), Constraints(schedule="1f1b"), Constraints(schedule="interleaved_1f1b"))
+
+
+def same_layout(a: Plan, b: Plan) -> bool:
+    """Whether two plans lay the model out alike: mesh, placements, ZeRO levels, pipeline, recomputation."""
+    def pipeline(p: Plan):
+        q = p.pipeline
+        return None if q is None else (q.stages, q.micro_batches, q.schedule, q.chunks_per_rank, q.stage_of)
+    return (a.mesh_shape == b.mesh_shape and a.strategies == b.strategies and a.zero == b.zero
+            and pipeline(a) == pipeline(b) and a.recompute == b.recompute)
+
+
+def counterfactuals(row: Row, model, inputs, plan: Plan, *, time_limit_s: float) -> dict:
+    """What overlap and the zero-bubble schedules changed in ``row``'s auto ``plan``: the auto plan
+    with the preset's overlap off (priced with nothing hidden), and, where the plan runs a
+    zero-bubble schedule, the fastest plan of ``WITHOUT_ZERO_BUBBLE`` (priced as the auto plan
+    is). Each as (plan or None where none fits, its tokens/s/GPU)."""
+    profile = autopar.costmodels.preset(row.hardware, row.auto_mesh)
+    kwargs = dict(time_limit_s=time_limit_s, memory_limit=row.device_memory, mp_policy=row.mp_policy)
+
+    def best(hardware, pins_list) -> tuple[Plan | None, float]:
+        found = []
+        for pins in pins_list:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    found.append(plan_auto(model, row.auto_mesh, inputs, hardware=hardware, constraints=pins,
+                                           **kwargs))
+            except ValueError:  # nothing fits under these pins
+                continue
+        if not found:
+            return None, 0.0
+        fastest = min(found, key=lambda p: p.predicted.step_time)
+        return fastest, tokens_per_gpu(row, fastest.predicted.step_time)
+
+    out = {"without_overlap": best(replace(profile, overlap={}), [None])}
+    zero_bubble = plan.pipeline is not None and autopar.costmodels.Schedule.parse(plan.pipeline.schedule).split_backward
+    out["without_zero_bubble"] = best(row.hardware, WITHOUT_ZERO_BUBBLE) if zero_bubble else None
+    return out
+
+
+COUNTERFACTUAL_HEADER = ("| run | auto plan | without overlap: plan | its tok/s/GPU (nothing hidden) | same layout | "
+                         "auto ÷ it | without zero-bubble schedules: best plan | same layout | auto ÷ it |")
+
+
+def counterfactual_row(r: dict) -> str:
+    """One run's auto plan beside the plans made without overlap and without zero-bubble schedules."""
+    plan, auto = r["auto_plan"], r["auto_tokens"]
+
+    def cells(found) -> str:
+        if found is None:
+            return "not zero-bubble: unchanged | — | —"
+        other, tokens = found
+        if other is None:
+            return "none fits | — | —"
+        return f"{plan_line(other)} | {'yes' if same_layout(plan, other) else 'no'} | {auto / tokens:.3f}"
+
+    other, tokens = r["without_overlap"]
+    overlap = (f"{plan_line(other)} | {tokens:,.0f} | {'yes' if same_layout(plan, other) else 'no'} | "
+               f"{auto / tokens:.3f}") if other is not None else "none fits | — | — | —"
+    return f"| {r['row'].key} | {plan_line(plan)} | {overlap} | {cells(r['without_zero_bubble'])} |"
+
+
 BREAKDOWN_HEADER = ("| run | step s | " + " | ".join(BREAKDOWN_PARTS) + " | model TFLOP/s/GPU at compute only |")
 
 
@@ -509,6 +585,10 @@ def table(results: list[dict]) -> str:
         lines.append(breakdown_row(r))
         if r["fitting"] is not None:
             lines.append(breakdown_row({**r, "pinned": r["fitting"]}, label=f"{r['row'].key} within the card"))
+    shown = [r for r in results if "without_overlap" in r]
+    if shown:
+        lines += ["", COUNTERFACTUAL_HEADER, "|" + "---|" * COUNTERFACTUAL_HEADER.count(" | ") + "---|"]
+        lines += [counterfactual_row(r) for r in shown]
     lines.append("")
     lines += [f"- {r['row'].key}: {r['row'].source}; " + "; ".join([r["row"].note] + _notes(r)) for r in results]
     return "\n".join(lines)
@@ -533,6 +613,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results/published.md", help="the table, rewritten after every row")
     add_out_argument(parser, "--table-dir")
     parser.add_argument("--plans", type=Path, default=None, help="save every auto plan here (<row>.json)")
+    parser.add_argument("--counterfactuals", action="store_true",
+                        help="re-plan every auto plan without overlap and without zero-bubble schedules: what they "
+                             "changed (``counterfactuals``)")
     parser.add_argument("--reuse-plans", action="store_true",
                         help="load the auto plan saved in --plans where there is one, instead of planning again")
     args = parser.parse_args(argv)
@@ -546,7 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     for key in args.rows:
         started = time.perf_counter()
         results.append(evaluate(rows[key], time_limit_s=args.time_limit, dry_run=args.dry_run, cache=cache,
-                                auto_plan=not args.no_auto, plans=args.plans, reuse=args.reuse_plans))
+                                auto_plan=not args.no_auto, plans=args.plans, reuse=args.reuse_plans,
+                                what_changed=args.counterfactuals))
         print(f"{key}: {time.perf_counter() - started:.0f} s (published layout priced in "
               f"{results[-1]['pinned_seconds']:.0f} s)", file=sys.stderr, flush=True)
         out.write_text(table(results) + "\n")  # after every row: a long run keeps what it has

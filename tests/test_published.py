@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import published
 from autopar import layouts
+from autopar.costmodels import Schedule
 from autopar.models import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.plan import Plan
@@ -107,6 +108,39 @@ def test_a_dry_run_row_saves_its_plan_and_sets_each_rank_beside_its_prediction(t
     assert "over the device" not in r["dry_run"]  # a tiny GPT on an 80 GB card
     printed = capsys.readouterr().err
     assert printed.count("predicted / dry run") >= 2  # a line per rank, and the whole plan's
+
+
+def test_counterfactuals_replan_without_overlap_and_without_zero_bubble():
+    """``--counterfactuals``: the auto plan again with the preset's overlap off (nothing hidden), and
+    where it runs a zero-bubble schedule the fastest plan without one; each beside the auto plan."""
+    row = published.Row(key="tiny", source="test", build=tiny_gpt, gpus=8, batch=16, seq=64, mesh=(4, 2),
+                        pinned=Pinned(layout="tp+dp", stages=2, micro_batches=4), layout_text="TP 2, PP 2, DP 2",
+                        tflops_per_gpu=1.0)
+    r = published.evaluate(row, time_limit_s=3.0, dry_run=False, what_changed=True)
+    plan = r["auto_plan"]
+    assert published.same_layout(plan, plan)
+    other, tokens = r["without_overlap"]
+    assert other.predicted.hidden_communication == 0.0
+    assert tokens == pytest.approx(published.tokens_per_gpu(row, other.predicted.step_time))
+    zero_bubble = plan.pipeline is not None and Schedule.parse(plan.pipeline.schedule).split_backward
+    if zero_bubble:
+        best, tokens = r["without_zero_bubble"]
+        assert best.pipeline is None or not Schedule.parse(best.pipeline.schedule).split_backward
+    else:
+        assert r["without_zero_bubble"] is None
+    # a plan whose schedule is zero-bubble, forced: the search falls back to those without
+    if plan.pipeline is not None:
+        forced = replace(plan, pipeline=replace(plan.pipeline, schedule="ZBVZeroBubble", chunks_per_rank=2))
+        model, inputs = published._model_and_inputs(row)
+        found = published.counterfactuals(row, model, inputs, forced, time_limit_s=3.0)["without_zero_bubble"]
+        assert found[0] is not None and (found[0].pipeline is None
+                                         or not Schedule.parse(found[0].pipeline.schedule).split_backward)
+    line = published.counterfactual_row(r)
+    assert line.startswith("| tiny | ") and line.count(" | ") == published.COUNTERFACTUAL_HEADER.count(" | ")
+    assert published.COUNTERFACTUAL_HEADER in published.table([r])
+    # a plan laid out otherwise is told apart
+    assert not published.same_layout(plan, replace(plan, zero={k: 3 - v for k, v in plan.zero.items()}) if plan.zero
+                                      else replace(plan, mesh_shape=(8,)))
 
 
 @pytest.mark.parametrize("shape, pinned", [
