@@ -47,6 +47,7 @@ import math
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -510,12 +511,25 @@ def same_layout(a: Plan, b: Plan) -> bool:
             and pipeline(a) == pipeline(b) and a.recompute == b.recompute)
 
 
+@contextmanager
+def overlap_off(name: str):
+    """The preset ``name`` with nothing hidden behind compute, as a preset of its own name while
+    the block runs (yielded): by name, as the auto plan gets its preset, the planner factorises
+    the mesh for pipelines, where a profile object would be taken as measured on the whole mesh."""
+    presets = autopar.costmodels.PRESETS
+    key, build = f"{name}-no-overlap", presets[name]
+    presets[key] = lambda mesh_shape, axis_names=None: replace(build(mesh_shape, axis_names), overlap={})
+    try:
+        yield key
+    finally:
+        del presets[key]
+
+
 def counterfactuals(row: Row, model, inputs, plan: Plan, *, time_limit_s: float) -> dict:
     """What overlap and the zero-bubble schedules changed in ``row``'s auto ``plan``: the auto plan
-    with the preset's overlap off (priced with nothing hidden), and, where the plan runs a
-    zero-bubble schedule, the fastest plan of ``WITHOUT_ZERO_BUBBLE`` (priced as the auto plan
-    is). Each as (plan or None where none fits, its tokens/s/GPU)."""
-    profile = autopar.costmodels.preset(row.hardware, row.auto_mesh)
+    with the preset's overlap off (``overlap_off``: priced with nothing hidden), and, where the
+    plan runs a zero-bubble schedule, the fastest plan of ``WITHOUT_ZERO_BUBBLE`` (priced as the
+    auto plan is). Each as (plan or None where none fits, its tokens/s/GPU)."""
     kwargs = dict(time_limit_s=time_limit_s, memory_limit=row.device_memory, mp_policy=row.mp_policy)
 
     def best(hardware, pins_list) -> tuple[Plan | None, float]:
@@ -533,7 +547,8 @@ def counterfactuals(row: Row, model, inputs, plan: Plan, *, time_limit_s: float)
         fastest = min(found, key=lambda p: p.predicted.step_time)
         return fastest, tokens_per_gpu(row, fastest.predicted.step_time)
 
-    out = {"without_overlap": best(replace(profile, overlap={}), [None])}
+    with overlap_off(row.hardware) as hidden_none:
+        out = {"without_overlap": best(hidden_none, [None])}
     zero_bubble = plan.pipeline is not None and autopar.costmodels.Schedule.parse(plan.pipeline.schedule).split_backward
     out["without_zero_bubble"] = best(row.hardware, WITHOUT_ZERO_BUBBLE) if zero_bubble else None
     return out
