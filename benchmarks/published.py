@@ -562,18 +562,17 @@ def counterfactual_row(r: dict) -> str:
     """One run's auto plan beside the plans made without overlap and without zero-bubble schedules."""
     plan, auto = r["auto_plan"], r["auto_tokens"]
 
-    def cells(found) -> str:
-        if found is None:
-            return "not zero-bubble: unchanged | — | —"
+    def cells(found: tuple[Plan | None, float], with_tokens: bool) -> list[str]:
         other, tokens = found
         if other is None:
-            return "none fits | — | —"
-        return f"{plan_line(other)} | {'yes' if same_layout(plan, other) else 'no'} | {auto / tokens:.3f}"
+            return ["none fits"] + ["—"] * (2 + with_tokens)
+        return ([plan_line(other)] + ([f"{tokens:,.0f}"] if with_tokens else [])
+                + ["yes" if same_layout(plan, other) else "no", f"{auto / tokens:.3f}"])
 
-    other, tokens = r["without_overlap"]
-    overlap = (f"{plan_line(other)} | {tokens:,.0f} | {'yes' if same_layout(plan, other) else 'no'} | "
-               f"{auto / tokens:.3f}") if other is not None else "none fits | — | — | —"
-    return f"| {r['row'].key} | {plan_line(plan)} | {overlap} | {cells(r['without_zero_bubble'])} |"
+    zero_bubble = r["without_zero_bubble"]
+    row = [r["row"].key, plan_line(plan)] + cells(r["without_overlap"], True) + (
+        cells(zero_bubble, False) if zero_bubble is not None else ["not zero-bubble: unchanged", "—", "—"])
+    return "| " + " | ".join(row) + " |"
 
 
 BREAKDOWN_HEADER = ("| run | step s | " + " | ".join(BREAKDOWN_PARTS) + " | model TFLOP/s/GPU at compute only |")
