@@ -120,3 +120,29 @@ def test_under_a_policy_each_micro_batch_in_flight_keeps_its_own_working_copies(
     for rank in result.ranks:
         predicted = sum(by_rank[rank.coordinate[0]].values())
         assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v"])
+def test_a_split_backward_keeps_its_zero3_weights_gathered_again_until_its_weight_gradients(schedule):
+    """A ZeRO-3 stage gathers its weights again for a split backward's input-gradient part, and
+    each micro-batch awaiting its weight-gradient part keeps that copy: a bucket's copy is freed
+    by its gather's own backward, which runs with the weight gradients. Weights large against
+    the activations, so the copies set each rank's peak: every pipeline rank within 10% (charged
+    one stage's weights while gathering, whatever awaited, a rank was at 0.59-0.72)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=8, dim=512, n_heads=4, n_layers=8))
+    inputs = (torch.zeros(64, 8, dtype=torch.long, device="meta"),)
+    pins = autopar.Constraints(pp=2, micro_batches=8, schedule=schedule, chunks=2, recompute="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, (2, 4), inputs, hardware="h100", layout="pp+fsdp", constraints=pins,
+                            memory_limit=80e9)
+        result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    assert set(plan.zero.values()) == {3}, plan.zero
+    stage_weights = 2 * 12 * 512 * 512 * 4  # one stage's two layers' linear weights, float32, whole: 25 MB
+    assert max(rank.memory["temporary"] for rank in result.ranks) > 2 * stage_weights, result.table()
+    by_rank = plan.predicted.memory_by_rank
+    for rank in result.ranks:
+        predicted = sum(by_rank[rank.coordinate[0]].values())
+        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())

@@ -95,6 +95,11 @@ class LayerNumbers:
     # until its weight-gradient part starts from them (``saved.weight_gradient_starts``' outputs);
     # None: none
     weight_grads: np.ndarray | None = None
+    # bytes per micro-batch awaiting its weight gradients: the layer's ZeRO-3 buckets gathered
+    # again for its input-gradient part, kept until its weight-gradient part reduces their
+    # gradients (``autopar.passes.lowering.buckets``: a gather's copy is released by its own
+    # backward, which runs with the weight gradients); None: none
+    regathered: np.ndarray | None = None
     # bytes per micro-batch in flight: the working copies of parameters (a mixed-precision
     # policy's cast) that the layer's consumers keep for backward. A stage casts once per call,
     # so each micro-batch in flight keeps its own; and of them, ``recomputable_copies`` those
@@ -104,8 +109,8 @@ class LayerNumbers:
     recomputable_copies: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads", "copies",
-                     "recomputable_copies"):
+        for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads", "regathered",
+                     "copies", "recomputable_copies"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
         if self.io is None:
@@ -255,7 +260,9 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                         array(recomputable), array(inputs), array(temporary), array(largest),
                         forward_gather_memory([g.values() for g in gathered], costs.precision),
                         array([max(b.working(costs.precision)[1] for b in g.values()) for g in gathered]), io=io,
-                        weight_grads=array(weight_grads), copies=array(copied),
+                        weight_grads=array(weight_grads),
+                        regathered=array([sum(b.wholes(costs.precision) for b in g.values()) for g in gathered]),
+                        copies=array(copied),
                         recomputable_copies=array(recomputable_copies))
 
 
@@ -309,6 +316,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
             io_credit=num.io.credit / m, weight_grad_memory=num.weight_grads / m,
+            regathered_memory=num.regathered,
         )
 
     def run(schedules, depths) -> PipelineSearchResult:

@@ -11,7 +11,9 @@ Inputs
     the accumulated one), ``gather_memory[l]`` and ``scatter_memory[l]`` (what its ZeRO-3 gather,
     and its gradients' reduce-scatter, hold while they run:
     ``costmodels.memory.gather_working_bytes``, ``scatter_working_bytes``), ``weight_grad_memory[l]``
-    (the gradients a split backward keeps for its weight-gradient part); per stage of layers
+    (the gradients a split backward keeps for its weight-gradient part) and ``regathered_memory[l]``
+    (its ZeRO-3 weights, gathered again for the input-gradient part and kept until the weight-
+    gradient part reduces their gradients: per micro-batch awaiting, whatever its size); per stage of layers
     ``[a, b)``, ``stage_io[a, b]`` (bytes per micro-batch of the values it receives and sends,
     which torch's ``PipelineStage`` keeps until that micro-batch's backward, beyond its layers'
     activations) and ``io_credit[a, b]`` (of them, what its recomputed layers' kept inputs
@@ -40,9 +42,9 @@ Constraints (``stage_peak``: every stage, on its sums over its layers ``StageSum
     largest recompute_saving (backward rebuilds one recomputed layer of one micro-batch at a
     time), ``T`` the largest accumulating (each backward after the first makes a gradient
     before adding it to the accumulated one) and ``R`` the largest gather_memory or
-    scatter_memory (one runs at a time; held throughout, as ``T``), ``K`` weight_grad_memory summed
-    (a split backward's micro-batch keeps it from its input-gradient part to its weight-gradient
-    part; ``awaiting[s]`` of them at most, ``InFlight.of``); ``k[s]`` is the fewest that
+    scatter_memory (one runs at a time; held throughout, as ``T``), ``K`` weight_grad_memory and
+    regathered_memory summed (a split backward's micro-batch keeps them from its input-gradient part
+    to its weight-gradient part; ``awaiting[s]`` of them at most, ``InFlight.of``); ``k[s]`` is the fewest that
     fit (``fewest_recomputed``). GPipe's peak is its first backward's start, M in flight and no
     gradient made yet, and each backward frees one micro-batch as the gradients appear
     (``costmodels.memory.in_flight_with_gradients``); without ``with_gradients`` the gradients
@@ -72,7 +74,12 @@ activations exist; a backward gathers it again while they, less those of the lat
 still exist, and reduce-scatters once its own are freed too. So a stage's forward holds
 ``max_l(gather_memory[l] - A[l:])`` beyond its micro-batch's activations, and a backward
 ``max_l max(gather_memory[l] - A[l+1:], scatter_memory[l] - A[l:])`` with ``A[l:]`` the
-micro-batch's activations of layers l onward in the stage (none below 0).
+micro-batch's activations of layers l onward in the stage (none below 0). A split backward
+(zero bubble) frees nothing in its input-gradient part, which gathers layer l again while the
+stage's copies after it are kept (of ``K``) and those up to it are not made yet; its weight-gradient
+part reduce-scatters layer l's gradients once the copies from l on are freed:
+``max_l max(gather_memory[l] - C[:l+1], scatter_memory[l] - A[l:] - C[l:])``, ``C`` the stage's
+regathered_memory.
 
 Step time (``pipeline_step_time``), with ``M`` micro-batches and ``P`` ranks, is the
 schedule's own (``costmodels.Schedule.step_time``):
@@ -99,7 +106,8 @@ from autopar.costmodels.memory import awaiting_weights, in_flight_with_gradients
 
 # LayerCosts' fields with one number per layer (None: zeros), and per stage of layers [a, b)
 _PER_LAYER = ("static_memory", "activation_memory", "recompute_saving", "recompute_time", "gradient_memory",
-              "accumulating", "temporary_memory", "gather_memory", "scatter_memory", "weight_grad_memory")
+              "accumulating", "temporary_memory", "gather_memory", "scatter_memory", "weight_grad_memory",
+              "regathered_memory")
 _PER_SPAN = ("stage_io", "io_credit")
 
 
@@ -125,6 +133,9 @@ class LayerCosts:
     # per micro-batch: the gradients a split backward keeps from its input-gradient part until
     # its weight-gradient part starts from them (``saved.weight_gradient_starts``' outputs')
     weight_grad_memory: Sequence[float] | None = None
+    # per micro-batch awaiting its weight-gradient part: its ZeRO-3 weights gathered again for
+    # the input-gradient part, kept until the weight-gradient part reduces their gradients
+    regathered_memory: Sequence[float] | None = None
     # per stage of layers [a, b) ([L + 1, L + 1]): bytes per micro-batch it holds of the values it
     # receives and sends beyond activation_memory, and of them what its recomputed layers free
     stage_io: np.ndarray | None = None
@@ -147,6 +158,11 @@ class LayerCosts:
     @property
     def layers(self) -> int:
         return len(self.time)
+
+    @property
+    def awaited(self) -> np.ndarray:
+        """Per layer, what one micro-batch awaiting its weight-gradient part keeps (``K``)."""
+        return self.weight_grad_memory + self.regathered_memory
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,7 +285,7 @@ def _cut_starts(costs: LayerCosts, stages: int, in_flight: InFlight, cap: float)
     time_prefix, static_prefix, activation_prefix, saving_prefix, recompute_prefix, gradient_prefix, weight_prefix = (
         np.concatenate([[0.0], np.cumsum(x)]) for x in (
             costs.time, costs.static_memory, costs.activation_memory, costs.recompute_saving, costs.recompute_time,
-            costs.gradient_memory, costs.weight_grad_memory))
+            costs.gradient_memory, costs.awaited))
 
     # best[s][b]: least slowest-stage time of stages 0..s covering layers [0, b); each stage
     # s is one step over every (start a, end b) at once, a on rows and b on columns.
@@ -353,7 +369,7 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
         largest_saving=most(saving),
         layers=sizes,
         adding=largest_adding,
-        awaiting=total(costs.weight_grad_memory),
+        awaiting=total(costs.awaited),
     )
     k, memory, grads = stage_peak(stage, in_flight, memory_limit if recomputed is None else math.inf, recomputed)
     k = k.astype(int)
@@ -369,14 +385,22 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
     suffix = np.append(np.cumsum(kept[::-1])[::-1], 0.0)
     onward = suffix[:n] - np.repeat(suffix[ends], ends - first)  # its stage's layers l onward
     after = onward - kept
+    in_backward = np.maximum(gather - after, scatter - onward)
+    # A split backward (not stage 0's: it runs whole at its W) keeps the weights its input-
+    # gradient part gathers again until its W (``awaiting``): that part gathers layer l while
+    # every activation is kept and the copies of the stage's layers from l back do not exist
+    # yet; its W reduce-scatters layer l's gradients once the copies from l on are freed.
+    copies, repeat = costs.regathered_memory, partial(np.repeat, repeats=ends - first)
+    through = np.cumsum(copies) - repeat(np.cumsum(copies)[first] - copies[first])  # the stage's layers up to l
+    split = np.maximum(gather - through, scatter - onward - (repeat(total(copies)) - through + copies))
+    in_backward = np.where(repeat(in_flight.awaiting > 0), split, in_backward)
     temporary = total(costs.temporary_memory)
     return StageCut(list(starts), stage_time.tolist(), memory.tolist(), n, k.tolist(), grads.tolist(),
                     np.where(grads > 0, largest_adding, 0.0).tolist(),
                     held_always=(total(costs.static_memory) - stage.gradients - temporary).tolist(),
                     gradient_bytes=stage.gradients.tolist(),
                     per_micro_batch=(stage.activation - fewer_kept).tolist(),
-                    in_backward=(temporary + np.maximum(0.0, most(np.maximum(gather - after,
-                                                                             scatter - onward)))).tolist(),
+                    in_backward=(temporary + np.maximum(0.0, most(in_backward))).tolist(),
                     rebuilt=np.where(k > 0, stage.largest_saving, 0.0).tolist(),
                     adding=largest_adding.tolist(),
                     in_forward=np.maximum(0.0, most(gather - onward)).tolist(),
