@@ -102,7 +102,15 @@ def _scatter_axis(grads: list[torch.Tensor], step: Gather) -> InFlight:
     split = [g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0) for g, d in zip(grads, step.dims)]
     if not step.reduce:  # every rank holds the whole gradient: keep this rank's piece
         return InFlight(None, lambda: [s[step.axis.index] for s in split])
-    flat = torch.cat([s.reshape(n, -1) for s in split], dim=1)
+    # each gradient's n pieces copied into their columns of one flat buffer: a gradient split
+    # along a later dim has pieces that are not contiguous, and reshaping them for a cat
+    # would copy every such gradient at once beside the buffer
+    widths = [s[0].numel() for s in split]
+    flat = split[0].new_empty(n, sum(widths))
+    offset = 0
+    for s, width in zip(split, widths):
+        flat[:, offset : offset + width].view(s.shape).copy_(s)
+        offset += width
     out = flat.new_empty(flat.shape[1])
     work = dist.reduce_scatter_single(out, flat.view(-1), group=step.axis.group, async_op=True)
     shapes = [s.shape[1:] for s in split]  # not the views: the whole gradients are freed while it runs
