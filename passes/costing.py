@@ -123,6 +123,9 @@ class Costs:
     # reads them (position, value, bytes per byte with its share); and the values kept where made
     saved_reads: Mapping[fx.Node, tuple] = field(default_factory=dict)
     kept: frozenset[fx.Node] = frozenset()
+    # per problem node inside a recomputed layer: the share of its activations charged (1/R of
+    # R recomputed layers: together one layer's); backward rebuilds the whole of them
+    rebuilt_share: Mapping[int, float] = field(default_factory=dict)
 
     def read_copy_bytes(self, choice: Mapping[fx.Node, int]) -> dict[int, float]:
         """Problem node -> activation bytes beyond its costs where ``choice`` reads a saved value
@@ -422,7 +425,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     groups = read_groups(saved.reads, index, read_memory, kept, scale)
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
-                 groups, saved.reads, frozenset(kept))
+                 groups, saved.reads, frozenset(kept), rebuilt_share=scale)
 
 
 def beside_tables(edge_prices: list[EdgeInput], pricer: "Pricer",

@@ -107,10 +107,15 @@ class LayerNumbers:
     # it reruns). None: none
     copies: np.ndarray | None = None
     recomputable_copies: np.ndarray | None = None
+    # a layer the costs recompute (pinned): what its backward rebuilds, its activations whole
+    # (bytes, whole batch; the costs charge each such layer 1/R of them) and its working copies
+    # cast again (per call); ``rebuilt_per_micro_batch``. None: none
+    rebuilt: np.ndarray | None = None
+    rebuilt_copies: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads", "regathered",
-                     "copies", "recomputable_copies"):
+                     "copies", "recomputable_copies", "rebuilt", "rebuilt_copies"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(len(self.static)))
         if self.io is None:
@@ -146,6 +151,10 @@ class LayerNumbers:
     def recompute_saving(self) -> np.ndarray:
         """Bytes (whole batch) a layer keeps less when recomputed: its own activations less its inputs."""
         return np.maximum(self.recomputable - self.inputs, 0.0)
+
+    def rebuilt_per_micro_batch(self, micro_batches: int) -> np.ndarray:
+        """Bytes a layer the costs recompute rebuilds in one micro-batch's backward (none else)."""
+        return self.rebuilt / micro_batches + self.rebuilt_copies
 
     def per_micro_batch(self, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
         """(bytes each layer keeps per micro-batch in flight, bytes of them its recomputation
@@ -194,6 +203,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     repeated = costs.layer_of
     kinds = [[0.0, 0.0, 0.0] for _ in range(count)]
     weight_grads, copied, recomputable_copies = [0.0] * count, [0.0] * count, [0.0] * count
+    rebuilt, rebuilt_copies = [0.0] * count, [0.0] * count  # layers the costs recompute (pinned)
     starts = weight_gradient_starts_of(graph)
     choice, zero = costs.choice(assignment)
     saved_twice = costs.read_copy_bytes(choice)  # a value its readers save in two placements
@@ -226,6 +236,11 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
         static[layer] += held
         kinds[layer][0] += held
         kept = float(activation_memory[v][s]) + saved_twice.get(v, 0.0)
+        if (share := costs.rebuilt_share.get(v)) is not None:
+            # a pipeline stage rebuilds a recomputed layer in each of its backwards: charged
+            # there whole (``rebuilt``), not a share of it per micro-batch in flight
+            rebuilt[layer] += float(activation_memory[v][s]) / share
+            kept -= float(activation_memory[v][s])
         activation[layer] += kept
         temporary[layer] += float(costs.temporary_memory[v][s])
         if node in starts:
@@ -238,7 +253,9 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
     user_inputs = set(graph.captured.user_inputs)
     copies = costs.problem.edge_memory  # working copies of parameters, kept per call (``LayerNumbers.copies``)
     for e, ((src, dst, _), (u, v, table)) in enumerate(zip(costs.edge_inputs, costs.problem.edges)):
-        if e in copies and repeated.get(dst) not in costs.recompute:  # a recomputed layer casts again
+        if e in copies and repeated.get(dst) in costs.recompute:  # a recomputed layer casts again
+            rebuilt_copies[where[dst]] += float(copies[e][assignment[u], assignment[v]])
+        elif e in copies:
             copy = float(copies[e][assignment[u], assignment[v]])
             copied[where[dst]] += copy
             if dst in repeated:
@@ -263,7 +280,8 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                         weight_grads=array(weight_grads),
                         regathered=array([sum(b.wholes(costs.precision) for b in g.values()) for g in gathered]),
                         copies=array(copied),
-                        recomputable_copies=array(recomputable_copies))
+                        recomputable_copies=array(recomputable_copies), rebuilt=array(rebuilt),
+                        rebuilt_copies=array(rebuilt_copies))
 
 
 def weight_gradient_starts_of(graph) -> set:
@@ -316,7 +334,7 @@ def search(num: LayerNumbers, pp_profile: costmodels.HardwareProfile, stages: in
             accumulating=num.largest_gradient, temporary_memory=num.temporary / m,
             gather_memory=num.gather, scatter_memory=num.scatter, stage_io=num.stage_held(m),
             io_credit=num.io.credit / m, weight_grad_memory=num.weight_grads / m,
-            regathered_memory=num.regathered,
+            regathered_memory=num.regathered, rebuilt_memory=num.rebuilt_per_micro_batch(m),
         )
 
     def run(schedules, depths) -> PipelineSearchResult:

@@ -40,7 +40,8 @@ Constraints (``stage_peak``: every stage, on its sums over its layers ``StageSum
     ``rank_replay.rank_peaks`` tells it apart), ``G`` gradient_memory summed, ``A``
     activation_memory summed + stage_io, ``X`` recompute_saving summed + io_credit, ``Y`` the
     largest recompute_saving (backward rebuilds one recomputed layer of one micro-batch at a
-    time), ``T`` the largest accumulating (each backward after the first makes a gradient
+    time; where the costs recompute layers already, pinned, the largest rebuilt_memory instead
+    of ``(k > 0) * Y``), ``T`` the largest accumulating (each backward after the first makes a gradient
     before adding it to the accumulated one) and ``R`` the largest gather_memory or
     scatter_memory (one runs at a time; held throughout, as ``T``), ``K`` weight_grad_memory and
     regathered_memory summed (a split backward's micro-batch keeps them from its input-gradient part
@@ -107,7 +108,7 @@ from autopar.costmodels.memory import awaiting_weights, in_flight_with_gradients
 # LayerCosts' fields with one number per layer (None: zeros), and per stage of layers [a, b)
 _PER_LAYER = ("static_memory", "activation_memory", "recompute_saving", "recompute_time", "gradient_memory",
               "accumulating", "temporary_memory", "gather_memory", "scatter_memory", "weight_grad_memory",
-              "regathered_memory")
+              "regathered_memory", "rebuilt_memory")
 _PER_SPAN = ("stage_io", "io_credit")
 
 
@@ -136,6 +137,9 @@ class LayerCosts:
     # per micro-batch awaiting its weight-gradient part: its ZeRO-3 weights gathered again for
     # the input-gradient part, kept until the weight-gradient part reduces their gradients
     regathered_memory: Sequence[float] | None = None
+    # per micro-batch: what a layer the costs recompute already (recomputation pinned: its
+    # activations folded in as its inputs) rebuilds in its backward, one layer at a time
+    rebuilt_memory: Sequence[float] | None = None
     # per stage of layers [a, b) ([L + 1, L + 1]): bytes per micro-batch it holds of the values it
     # receives and sends beyond activation_memory, and of them what its recomputed layers free
     stage_io: np.ndarray | None = None
@@ -214,6 +218,7 @@ class StageSums(NamedTuple):
     layers: np.ndarray
     adding: np.ndarray | float = 0.0  # a gradient being added to the accumulated ones
     awaiting: np.ndarray | float = 0.0  # per micro-batch awaiting its weight gradients: what it keeps
+    rebuilt: np.ndarray | float = 0.0  # a layer the costs recompute, rebuilt in backward (pinned)
 
 
 @dataclass
@@ -311,6 +316,7 @@ def _cut_starts(costs: LayerCosts, stages: int, in_flight: InFlight, cap: float)
         layers=ib - ia,
         adding=_span_max(costs.accumulating)[ia, ib],
         awaiting=weight_prefix[ib] - weight_prefix[ia],
+        rebuilt=_span_max(costs.rebuilt_memory)[ia, ib],
     )
     fitted: dict[tuple[float, float, float], tuple[np.ndarray, np.ndarray]] = {}
     for s in range(stages):
@@ -370,6 +376,7 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
         layers=sizes,
         adding=largest_adding,
         awaiting=total(costs.awaited),
+        rebuilt=most(costs.rebuilt_memory),
     )
     k, memory, grads = stage_peak(stage, in_flight, memory_limit if recomputed is None else math.inf, recomputed)
     k = k.astype(int)
@@ -401,7 +408,7 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
                     gradient_bytes=stage.gradients.tolist(),
                     per_micro_batch=(stage.activation - fewer_kept).tolist(),
                     in_backward=(temporary + np.maximum(0.0, most(in_backward))).tolist(),
-                    rebuilt=np.where(k > 0, stage.largest_saving, 0.0).tolist(),
+                    rebuilt=np.maximum(np.where(k > 0, stage.largest_saving, 0.0), stage.rebuilt).tolist(),
                     adding=largest_adding.tolist(),
                     in_forward=np.maximum(0.0, most(gather - onward)).tolist(),
                     awaiting=stage.awaiting.tolist())
@@ -432,7 +439,7 @@ def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=N
     the accumulated ones (module docstring), with the fewest recomputed layers that fit
     ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given. Works on
     arrays (every span, or every stage, at once) and on numbers."""
-    static, gradients, activation, saving, largest_saving, layers, adding, kept = stage
+    static, gradients, activation, saving, largest_saving, layers, adding, kept, pinned = stage
     peak, with_gradients = in_flight.peak, in_flight.with_gradients
     # what micro-batches awaiting their weight gradients keep, at either instant: they wait
     # from a first input-gradient part, before the stage's gradients exist, until its last W
@@ -444,7 +451,7 @@ def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=N
     k = np.maximum(k_before, k_after) if recomputed is None else np.asarray(recomputed, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = np.where(layers > 0, saving / layers, 0.0)
-    rebuild = np.where(k > 0, largest_saving, 0.0)
+    rebuild = np.maximum(np.where(k > 0, largest_saving, 0.0), pinned)
     at_before = before - peak * k * mean + rebuild
     at_after = after - with_gradients * k * mean + rebuild
     memory = np.maximum(at_before, at_after)
