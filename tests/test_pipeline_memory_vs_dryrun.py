@@ -39,6 +39,24 @@ def _planned_and_dry_run(model, inputs, mesh: tuple[int, ...], layout_names, sch
     return plan, result
 
 
+def _pinned_and_dry_run(model, inputs, mesh: tuple[int, ...], layout: str, pins, **options):
+    """``layout`` planned on ``mesh`` under ``pins`` (``autopar.plan``), and its dry run, which passed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, mesh, inputs, hardware="h100", layout=layout, constraints=pins,
+                            memory_limit=80e9, **options)
+        result = autopar.dry_run(plan, model, inputs)
+    assert result.ok, result.table()
+    return plan, result
+
+
+def _every_rank_within_ten_percent(plan, result) -> None:
+    by_rank = plan.predicted.memory_by_rank
+    for rank in result.ranks:
+        predicted = sum(by_rank[rank.coordinate[0]].values())
+        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_every_pipeline_rank_is_predicted_within_ten_percent(model_and_inputs, schedule):
     model, inputs = model_and_inputs
@@ -46,9 +64,7 @@ def test_every_pipeline_rank_is_predicted_within_ten_percent(model_and_inputs, s
     assert plan.pipeline.micro_batches > 1
     by_rank = plan.predicted.memory_by_rank
     assert len(by_rank) == 2 and plan.predicted.memory in by_rank
-    for rank in result.ranks:
-        predicted = sum(by_rank[rank.coordinate[0]].values())
-        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+    _every_rank_within_ten_percent(plan, result)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -107,19 +123,11 @@ def test_under_a_policy_each_micro_batch_in_flight_keeps_its_own_working_copies(
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     pins = autopar.Constraints(pp=2, micro_batches=8, schedule=schedule, recompute="none",
                                chunks=2 if schedule == "interleaved_1f1b" else None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (2, 2), inputs, hardware="h100", layout="pp+dp", constraints=pins,
-                            mp_policy=policy, memory_limit=80e9)
-        result = autopar.dry_run(plan, model, inputs)
-    assert result.ok, result.table()
-    by_rank = plan.predicted.memory_by_rank
+    plan, result = _pinned_and_dry_run(model, inputs, (2, 2), "pp+dp", pins, mp_policy=policy)
     copies = 2 * 12 * 512 * 512 * 2  # bf16 copies of one rank's two layers' linear weights: 12.6 MB
     # more than one set in flight (the activations themselves are about 1.3 MB a micro-batch)
     assert result.ranks[0].memory["activations"] > 2 * copies, result.table()
-    for rank in result.ranks:
-        predicted = sum(by_rank[rank.coordinate[0]].values())
-        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+    _every_rank_within_ten_percent(plan, result)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v"])
@@ -133,19 +141,11 @@ def test_a_split_backward_keeps_its_zero3_weights_gathered_again_until_its_weigh
         model = GPT(GPTConfig(vocab_size=256, max_seq_len=8, dim=512, n_heads=4, n_layers=8))
     inputs = (torch.zeros(64, 8, dtype=torch.long, device="meta"),)
     pins = autopar.Constraints(pp=2, micro_batches=8, schedule=schedule, chunks=2, recompute="none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (2, 4), inputs, hardware="h100", layout="pp+fsdp", constraints=pins,
-                            memory_limit=80e9)
-        result = autopar.dry_run(plan, model, inputs)
-    assert result.ok, result.table()
+    plan, result = _pinned_and_dry_run(model, inputs, (2, 4), "pp+fsdp", pins)
     assert set(plan.zero.values()) == {3}, plan.zero
     stage_weights = 2 * 12 * 512 * 512 * 4  # one stage's two layers' linear weights, float32, whole: 25 MB
     assert max(rank.memory["temporary"] for rank in result.ranks) > 2 * stage_weights, result.table()
-    by_rank = plan.predicted.memory_by_rank
-    for rank in result.ranks:
-        predicted = sum(by_rank[rank.coordinate[0]].values())
-        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+    _every_rank_within_ten_percent(plan, result)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -160,14 +160,6 @@ def test_a_pinned_recomputation_rebuilds_one_whole_layer_in_each_backward(schedu
         model = GPT(GPTConfig(vocab_size=256, max_seq_len=1024, dim=256, n_heads=4, n_layers=8))
     inputs = (torch.zeros(16, 1024, dtype=torch.long, device="meta"),)
     pins = autopar.Constraints(pp=2, micro_batches=8, schedule=schedule, recompute="all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(model, (2, 2), inputs, hardware="h100", layout="pp+dp", constraints=pins,
-                            memory_limit=80e9)
-        result = autopar.dry_run(plan, model, inputs)
-    assert result.ok, result.table()
+    plan, result = _pinned_and_dry_run(model, inputs, (2, 2), "pp+dp", pins)
     assert len(plan.recompute) == 8, plan.recompute
-    by_rank = plan.predicted.memory_by_rank
-    for rank in result.ranks:
-        predicted = sum(by_rank[rank.coordinate[0]].values())
-        assert predicted / rank.peak == pytest.approx(1.0, abs=0.10), (rank.where(), by_rank, result.table())
+    _every_rank_within_ten_percent(plan, result)
