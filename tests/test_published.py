@@ -235,7 +235,7 @@ class OnACard(published.Row):
         return self.card
 
 
-def test_a_layout_over_the_card_is_compared_within_it():
+def test_a_layout_over_the_card_is_compared_within_it(monkeypatch):
     """Build 2: the auto plan (which must fit) is compared with the published layout's fewest
     recomputed layers that fit, where the run's own recomputation does not; the prediction
     check (ratio to published) stays on the run's own, and the table says both. (~3 s)"""
@@ -268,9 +268,24 @@ def test_a_layout_over_the_card_is_compared_within_it():
                                      time_limit_s=3.0,
                                      recompute="full")
     assert full.recomputed == full.layers == 4
-    r = on(full.memory * 1.05)  # the planner's stage search finds no fewer that fit here: every layer, said so
+    r = on(full.memory * 1.05)  # the planner's stage search recomputes every layer itself here
     assert r["fitting"].fits and r["fitting"].recomputed == r["fitting"].layers
-    assert "found none" in r["fitting"].notes[0] and "found none" in published.table([r])
+    assert "found none" not in published.table([r])
+
+    searched = published.price_published
+
+    def search_finds_none(*args, recompute=None, **kwargs):
+        if recompute != "fit":
+            return searched(*args, recompute=recompute, **kwargs)
+        return published.PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=4, fits=False,
+                                    notes=["no stage cut fits"])
+
+    with monkeypatch.context() as patch:  # where the search finds none: every layer recomputed, said so
+        patch.setattr(published, "price_published", search_finds_none)
+        r = on(full.memory * 1.05)
+    assert r["fitting"].fits and r["fitting"].recomputed == r["fitting"].layers
+    assert "found none" in r["fitting"].notes[0] and "no stage cut fits" in r["fitting"].notes[0]
+    assert "found none" in published.table([r])
 
     r = on(1.0)  # nothing fits: said so, and nothing to compare with
     assert not r["fitting"].fits and r["compared"] == 0.0
