@@ -20,7 +20,7 @@ the graph does not show is here, per parameter element:
   depends on the placement and on what the consumer reads: the edge between them holds it
   (``autopar.passes.edge_costs``; ``SolveProblem.edge_memory``), not the parameter's state.
   A pipeline stage casts once per call, so each micro-batch in flight keeps its own copy
-  until its backward, and a recomputed layer none (``passes.planner.pipeline.LayerNumbers.copies``);
+  until its backward, and a recomputed layer none (``passes.planner.layer_numbers.LayerNumbers.copies``);
 - gradient reductions (all-reduce, reduce-scatter): ``reduce`` bytes; the all-gather of a
   ZeRO-2 bucket: ``compute`` bytes; the all-gather of ZeRO-1's updated slices: ``master``
   bytes; the AdamW step: on ``master`` elements;

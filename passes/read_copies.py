@@ -7,7 +7,7 @@ the sequence, k's and v's split on the batch), each placement is a tensor of its
 until its reader's backward. Which placements the readers take is known only once the
 strategies are chosen, so this is priced on an assignment, after the solve: the bytes beyond
 the shares, on the value's first reader (``extra_copy_bytes``), added where a plan's memory is
-summed (``assemble.memory_breakdown``, ``planner.pipeline.layer_numbers``).
+summed (``assemble.memory_breakdown``, ``planner.layer_numbers``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
 from autopar.passes.plan import Pipeline, Plan
 from autopar.passes.planner.microbatch import batch_dims, batch_size, batch_split, valid_counts
-from autopar.passes.planner.pipeline import LayerNumbers, node_layers, pipeline_plan, search
+from autopar.passes.planner.layer_numbers import LayerNumbers, node_layers
+from autopar.passes.planner.pipeline import pipeline_plan, search
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.planner.search import _no_slower_than_layouts
 from autopar.passes.solve.stages import InFlight, LayerCosts, cut_stages, describe_cut

@@ -15,7 +15,8 @@ from autopar.costmodels import preset
 from autopar.models import GPT, MODELS, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.costing import build_costs
-from autopar.passes.planner.pipeline import layer_numbers, node_layers, pipeline_plan
+from autopar.passes.planner.layer_numbers import layer_numbers, node_layers
+from autopar.passes.planner.pipeline import pipeline_plan
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import build_strategy_graph
 

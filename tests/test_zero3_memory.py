@@ -6,8 +6,13 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
+from autopar.passes.lowering.buckets import Gather, _scatter_axis
+from autopar.passes.lowering.collectives import Axis
 from autopar.models import GPT, GPTConfig
 from autopar.passes.zero3_memory import ZeroThreeBucket, forward_gather_memory, in_flight_bytes
 
@@ -105,13 +110,6 @@ def test_a_reduce_scatter_holds_its_flat_buffer_and_shard_not_a_copy_of_each_gra
     by reshaping each for a cat, every such gradient was copied at once beside the buffer
     (0.58 GiB more at the peak of a 405B layer's backward); packed into the buffer's columns,
     nothing more is held."""
-    import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autopar.passes.lowering.buckets import Gather, _scatter_axis
-    from autopar.passes.lowering.collectives import Axis
-
     if dist.is_initialized():
         pytest.skip("a process group is already running in this process")
     grads = [torch.randn(256, 512), torch.randn(512, 256), torch.randn(64)]  # split along dims 1, 1, 0

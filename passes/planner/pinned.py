@@ -15,7 +15,7 @@ with like (``benchmarks/published.py``):
   as the planner costs its own manual candidates);
 - pipelined: the layout completed on the intra-op mesh (the mesh without the ``stages``
   taken out of its outermost axis, as ``planner.factorisations`` splits it), its
-  per-layer numbers (``planner_pipeline.layer_numbers``) cut into stages for exactly
+  per-layer numbers (``layer_numbers``) cut into stages for exactly
   that micro-batch count and schedule by ``planner_pipeline.search``, which recomputes
   the fewest layers that fit, as the auto plan's pipelines do.
 """
@@ -33,7 +33,8 @@ from autopar.passes.planner.intra_op import PlanningError, complete, cost_layout
 from autopar.passes.planner.layout_rules import Hint
 from autopar.passes.planner.microbatch import batch_size, batch_split
 from autopar.passes.solve import PlanCosts, plan_costs
-from autopar.passes.planner.pipeline import LayerNumbers, layer_numbers, pipeline_profile, search
+from autopar.passes.planner.layer_numbers import LayerNumbers, layer_numbers
+from autopar.passes.planner.pipeline import pipeline_profile, search
 from autopar.passes.planner.request import PlanRequest
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 

@@ -408,7 +408,7 @@ def describe_cut(costs: LayerCosts, starts: Sequence[int], in_flight: InFlight |
                     gradient_bytes=stage.gradients.tolist(),
                     per_micro_batch=(stage.activation - fewer_kept).tolist(),
                     in_backward=(temporary + np.maximum(0.0, most(in_backward))).tolist(),
-                    rebuilt=np.maximum(np.where(k > 0, stage.largest_saving, 0.0), stage.rebuilt).tolist(),
+                    rebuilt=rebuilt(stage, k).tolist(),
                     adding=largest_adding.tolist(),
                     in_forward=np.maximum(0.0, most(gather - onward)).tolist(),
                     awaiting=stage.awaiting.tolist())
@@ -439,7 +439,7 @@ def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=N
     the accumulated ones (module docstring), with the fewest recomputed layers that fit
     ``limit`` at both (``fewest_recomputed``), or ``recomputed`` of them where given. Works on
     arrays (every span, or every stage, at once) and on numbers."""
-    static, gradients, activation, saving, largest_saving, layers, adding, kept, pinned = stage
+    static, gradients, activation, saving, largest_saving, layers, adding, kept, _ = stage
     peak, with_gradients = in_flight.peak, in_flight.with_gradients
     # what micro-batches awaiting their weight gradients keep, at either instant: they wait
     # from a first input-gradient part, before the stage's gradients exist, until its last W
@@ -451,12 +451,19 @@ def stage_peak(stage: StageSums, in_flight: InFlight, limit: float, recomputed=N
     k = np.maximum(k_before, k_after) if recomputed is None else np.asarray(recomputed, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = np.where(layers > 0, saving / layers, 0.0)
-    rebuild = np.maximum(np.where(k > 0, largest_saving, 0.0), pinned)
+    rebuild = rebuilt(stage, k)
     at_before = before - peak * k * mean + rebuild
     at_after = after - with_gradients * k * mean + rebuild
     memory = np.maximum(at_before, at_after)
     memory = np.where((k <= layers) & (memory <= limit), memory, np.inf)
     return np.where(np.isfinite(memory), k, 0.0), memory, np.where(at_after >= at_before, gradients, 0.0)
+
+
+def rebuilt(stage: StageSums, k) -> np.ndarray:
+    """What a backward of ``stage`` rebuilds with ``k`` of its layers recomputed: its largest
+    recomputed layer (``Y``), or where the costs recompute layers already (pinned), the largest
+    of those."""
+    return np.maximum(np.where(k > 0, stage.largest_saving, 0.0), stage.rebuilt)
 
 
 def fewest_recomputed(memory, saving, largest_saving, layers, limit):
