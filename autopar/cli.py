@@ -192,15 +192,17 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.inference:
-        if args.pin or args.constraints:
-            raise _UsageError("plan --inference takes no --pin or --constraints (pins are for training plans)")
+        if args.pin or args.constraints or args.accumulate != 1:
+            raise _UsageError("plan --inference takes no --pin, --constraints or --accumulate (they are for training "
+                              "plans)")
         return _plan_serving(args)
     model, inputs = load_model(args.model, args.batch, args.seq)
     hardware = _hardware(args.hardware)
     with _PhaseBar(enabled=not args.no_progress) as bar:
         result = plan(model, args.mesh, inputs, hardware=hardware, time_limit_s=args.time_limit,
                       pipeline=not args.no_pipeline, layout=args.layout, progress=bar.update,
-                      mp_policy=POLICIES[args.mp] if args.mp else None, constraints=_constraints(args))
+                      mp_policy=POLICIES[args.mp] if args.mp else None, constraints=_constraints(args),
+                      accumulate=args.accumulate)
     print(result.explain())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -439,6 +441,9 @@ def _build() -> argparse.ArgumentParser:
                    help=f"cost this manual layout as written (the fewest layers recomputed that fit) instead of "
                    f"searching: {', '.join(LAYOUTS)}")
     p.add_argument("--no-pipeline", action="store_true", help="keep the mesh as given (no pipeline axis)")
+    p.add_argument("--accumulate", type=_positive, default=1, metavar="K",
+                   help="each step accumulates K micro-batches of the batch, one gradient sync (train_step("
+                   "accumulate=K)): the plan lays out one micro-batch and prices the step so (default: 1)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix part of the layout, search the rest (repeatable): tp=8, dp=8, pp=4, axes=pp,dp,tp, "
                    "micro_batches=16, schedule=1f1b, chunks=2, stage_starts=model.layers.16,model.layers.32, zero=1, "

@@ -44,6 +44,7 @@ def compile(  # noqa: A001  (the public name users expect)
     mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
     inference: Inference | None = None,
     constraints: Constraints | None = None,
+    accumulate: int = 1,
 ) -> ParallelModule | PipelineModule | InferenceModule:
     """Capture ``model``, plan it for ``mesh`` (or replay ``plan``) and build this rank's part.
 
@@ -73,6 +74,10 @@ def compile(  # noqa: A001  (the public name users expect)
 
     ``constraints``: pins for the plan made here (``autopar.Constraints``, as ``autopar.plan``
     takes them); a pipeline pinned here takes the mesh's whole outermost axis.
+
+    ``accumulate``: the plan made here is for steps accumulating gradients over this many
+    micro-batches of the example batch (``autopar.plan(..., accumulate=)``); ``train_step`` runs
+    that many by default (``Plan.accumulate``, which a given plan brings with it).
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -81,9 +86,13 @@ def compile(  # noqa: A001  (the public name users expect)
         )
     require_usable(mesh)
     _require_real_weights(model)
+    if accumulate != 1 and plan is not None:
+        raise ValueError(f"autopar: compile(plan=...) runs the plan as it is, with its own accumulate "
+                         f"({plan.accumulate}), and accumulate={accumulate} is for a plan made here; pass one of the "
+                         "two (autopar.plan(..., accumulate=) makes such a plan to pass)")
     if inference is not None or (plan is not None and plan.inference is not None):
         if plan is None:
-            plan = plan_once(model, mesh, (), hardware, inference=inference)
+            plan = plan_once(model, mesh, (), hardware, inference=inference, accumulate=accumulate)
         elif inference is not None and Inference.of(plan.inference) != inference:
             raise ValueError(f"autopar: compile(inference={inference}) was given a plan made for {plan.inference}; "
                              "pass one of the two")
@@ -100,7 +109,7 @@ def compile(  # noqa: A001  (the public name users expect)
         # pipelines take positional inputs and a loss_fn (the model's own loss is not cut into stages yet)
         keywords = {"example_kwargs": example_kwargs, "pipeline": False} if example_kwargs else {}
         plan = plan_once(model, mesh, example_inputs, hardware, mp_policy=mp_policy, constraints=constraints,
-                         **keywords)
+                         accumulate=accumulate, **keywords)
     mesh = plan_mesh(mesh, tuple(plan.mesh_shape), tuple(plan.axis_names))  # the plan's split of the user's axes
     if mp_policy is None:  # a saved plan priced under a policy replays under it
         mp_policy = recorded_policy(plan.mp_policy)

@@ -24,7 +24,8 @@ from autopar.runtime.loss import WithLoss
 from autopar.runtime.precision import Precision, capture_cast, warn_under_autocast
 from autopar.passes.capture import capture
 from autopar.passes.generation import Inference
-from autopar.passes.plan import Plan
+from autopar.passes.plan import Plan, check_accumulate
+from autopar.runtime.batch import split_batch
 from autopar.passes.planner.constraints import Constraints
 from autopar.passes.planner.request import PlanningError, PlanRequest
 from autopar.passes.planner.search import plan_captured
@@ -53,6 +54,7 @@ def plan(
     inference: Inference | None = None,
     constraints: Constraints | None = None,
     workers: int | None = None,
+    accumulate: int = 1,
 ) -> Plan:
     """The fastest predicted Plan that fits in memory (with ``layout``, under that manual layout's placements).
 
@@ -103,7 +105,18 @@ def plan(
     pipeline depth planned whatever the others give) are made in at once, forked from this one
     (``autopar.passes.planner.workers``); None: one per core; 1: this process alone. The plan is
     the same with any number.
+
+    ``accumulate``: the step accumulates gradients over this many micro-batches
+    (``train_step(accumulate=k)``): the example inputs (and ``target``) are the whole batch, cut
+    along dim 0 into k; the plan lays out the program of one micro-batch and is priced as the
+    step runs it, k times each micro-batch's compute and moves (ZeRO-3's gathers and
+    reduce-scatters among them), once its gradient sync and optimizer step
+    (``autopar.passes.costing``). ``plan.accumulate`` records it, and ``train_step`` runs it.
     """
+    check_accumulate(accumulate)
+    if accumulate > 1 and inference is not None:
+        raise ValueError(f"autopar: plan(inference=...) takes no accumulate= (a training step's micro-batches); "
+                         f"found accumulate={accumulate}; leave it out, or plan training")
     if constraints is not None and inference is not None:
         raise ValueError("autopar: plan(inference=...) takes no constraints= (pins are for training plans); "
                          "leave constraints out, or plan training")
@@ -136,6 +149,9 @@ def plan(
         outer_axis_only=_is_device_mesh(mesh_or_shape),  # the plan keeps the mesh's shape (compile runs it)
         progress=progress, constraints=constraints, price_pins=price_pins, workers=workers,
     )
+    if accumulate > 1:  # the program of one micro-batch is what every run of the step lays out
+        ((example_inputs, example_kwargs), target), *_ = split_batch((example_inputs, example_kwargs), target,
+                                                                     accumulate)
     if loss_fn is not None:
         model, example_inputs = WithLoss(model, loss_fn), (*example_inputs, target)
     started = time.perf_counter()
@@ -148,6 +164,7 @@ def plan(
         else:
             captured = capture_cast(capture, model, precision)(example_inputs, example_kwargs)
     captured_in = time.perf_counter() - started
+    captured.accumulate = accumulate
     with warnings.catch_warnings(record=True) as seen:  # each pipeline option lists strategies anew
         warnings.simplefilter("always", NoRuleWarning)
         result = plan_captured(captured, request)
@@ -158,6 +175,7 @@ def plan(
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     result.solver["capture_seconds"] = captured_in
     result.includes_loss = loss_fn is not None  # the captured module was WithLoss(model, loss_fn)
+    result.accumulate = accumulate
     if precision is not None:
         priced = next((n.meta[META_KEY] for n in captured.nodes("placeholder") if META_KEY in n.meta), None)
         result.mp_policy = precision.record(priced)

@@ -10,9 +10,10 @@ timed seconds after its fit, not minutes. Then (3) a whole training step of that
 right after the collectives and fp32 compute are fitted: autopar's own compiled step
 (``autopar.compile``) of its DP, Megatron TP and ZeRO-3 plans (``autopar.plan(...,
 layout=)``, planned against the profile just measured, predicted by the planner's own
-cost tables: ``plan.predicted``), and the same three layouts written by hand with
+cost tables: ``plan.predicted``), DP and ZeRO-3 again with steps accumulating 2
+micro-batches (``accumulate=2``), and the three layouts written by hand with
 torch's tools (DDP; parallelize_module on the MLPs; FSDP2 fully_shard), predicted by
-``autopar.costmodels.step_time`` from their op inventory; the six take turns, step by step, so
+``autopar.costmodels.step_time`` from their op inventory; all take turns, step by step, so
 that all see the same load. Last, the fp32 matmul and all-reduce fits are measured
 again: their drift over the run is the noise floor. Rank 0 writes the rows (predicted
 and measured seconds), the profile, the drift and the load average along the way as
@@ -61,8 +62,10 @@ from autopar.costmodels.timing import (
 CFG = GPTConfig(vocab_size=256, max_seq_len=128, dim=256, n_heads=8, n_layers=2)
 GLOBAL_BATCH = 16
 LAYOUTS = ("DP", "TP", "ZeRO-3")
-# autopar's layouts (autopar.layouts) of the same three: label -> layout name
-COMPILED = {"DP": "dp", "TP": "tp", "ZeRO-3": "fsdp"}
+# autopar's layouts (autopar.layouts) of the same three, and two of them with steps accumulating
+# 2 micro-batches of the batch (``autopar.plan(..., accumulate=2)``): label -> (layout name, accumulate)
+COMPILED = {"DP": ("dp", 1), "TP": ("tp", 1), "ZeRO-3": ("fsdp", 1), "DP, 2 accumulated": ("dp", 2),
+            "ZeRO-3, 2 accumulated": ("fsdp", 2)}
 # between the profiler's fitted sizes (4 KiB .. 4 MiB, powers of 4): none was fitted
 HELD_OUT_BYTES = (1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # DDP's bucket caps (torch/nn/parallel/distributed.py): first bucket 1 MiB, then 25 MiB
@@ -203,7 +206,7 @@ def _adamw(params):
 
 
 def build_compiled(label: str, mesh, profile):
-    """autopar's plan of layout ``COMPILED[label]`` for the GPT, planned on rank 0 against
+    """autopar's plan of layout ``COMPILED[label]`` (with its accumulation) for the GPT, planned on rank 0 against
     ``profile`` (the planner's own cost tables price it), and the compiled module. The
     batch is the whole one, the same on every rank; the input check (a small all-reduce
     per step that the plan does not price) is off, as the hand-written side has none."""
@@ -213,7 +216,9 @@ def build_compiled(label: str, mesh, profile):
     tokens = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.max_seq_len), generator=gen)
     text = [None]
     if dist.get_rank() == 0:
-        text[0] = autopar.plan(model, mesh, (tokens,), hardware=profile, layout=COMPILED[label]).to_json()
+        layout, accumulate = COMPILED[label]
+        text[0] = autopar.plan(model, mesh, (tokens,), hardware=profile, layout=layout,
+                               accumulate=accumulate).to_json()
     dist.broadcast_object_list(text, src=0)
     plan = Plan.from_json(text[0])
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=plan, check_inputs=False)
@@ -370,7 +375,7 @@ def measure_steps(mesh, steps: int, profile) -> dict:
     """Time one training step of the GPT under each layout, autopar's compiled ones (planned
     against ``profile``) and the hand-written ones, and record what their predictions need:
     the plan for a compiled one; for a hand-written one the forward op inventory, the
-    collectives and the parameters. The six take turns step by step, so a change of the
+    collectives and the parameters. All take turns step by step, so a change of the
     machine's load hits all alike."""
     runs, compiled = {}, {}
     for label in COMPILED:
@@ -395,8 +400,9 @@ def measure_steps(mesh, steps: int, profile) -> dict:
     times: dict[str, list[list[float]]] = {layout: [] for layout in LAYOUTS}
     compiled_times: dict[str, list[list[float]]] = {label: [] for label in COMPILED}
     for _ in range(steps):
+        for label in COMPILED:
+            compiled_times[label].append(compiled[label].timed_step())
         for layout in LAYOUTS:
-            compiled_times[layout].append(compiled[layout].timed_step())
             times[layout].append(runs[layout].timed_step())
     out = {"by hand": {}, "autopar": {}}
     for layout in LAYOUTS:
@@ -430,7 +436,8 @@ def step_rows(measured: dict, profile) -> list[dict]:
                 kind="step",
                 name=f"GPT step {layout} (autopar)",
                 group=layout,
-                predicted=pred["step_time"] + m["loss"],
+                # the loss program runs once per accumulated micro-batch, on its rows
+                predicted=pred["step_time"] + m["plan"]["accumulate"] * m["loss"],
                 measured=m["measured"],
                 # hidden: what the plan counts as hidden behind compute (the step priced
                 # without overlap is the step plus it)

@@ -15,7 +15,8 @@ compute, float32 gradient reductions; ``--bf16-throughout`` prices every row wit
   (``autopar.plan(..., layout=, constraints=)``, ``published_pins``): its layout's placements
   and ZeRO levels, its stages, micro-batches, schedule and interleaving depth pinned, with its
   activation checkpointing where the source states it (``recompute=all``, or ``none``), else
-  searched (the fewest recomputed layers that fit the run's GPU memory), and predicted / published;
+  searched (the fewest recomputed layers that fit the run's GPU memory), and the gradient
+  accumulation it ran (``Pinned.accumulate``: ``autopar.plan(..., accumulate=)``), and predicted / published;
 - predicted memory per GPU of that layout against the published figure, where published;
 - where that memory is over the card (a run that fixed its recomputation, priced as it was
   made), the published layout WITHIN the card: the fewest recomputed layers that fit, priced
@@ -171,10 +172,10 @@ def published_rows() -> list[Row]:
             memory_gib=72.7, hardware=GRAND_TETON, mp_policy=BF16_FP32_REDUCE,
             note="Float8 + compile + AsyncTP: an upper reference for bf16"),
         Row(key="mlm-7.1b", source=mlm, build=lambda: megatron_gpt("7.1b"), gpus=96, batch=192, seq=4096,
-            mesh=(48, 2), pinned=Pinned(layout=tp), layout_text="TP 2, PP 1, DP 48", tflops_per_gpu=465.9,
-            counted=megatron_flops_per_token,
-            note=mlm_note + "; without a pipeline priced as one forward and backward of each rank's 4 sequences, "
-                 "not 4 accumulated micro-batches: autopar's planner does not price accumulation"),
+            mesh=(48, 2), pinned=Pinned(layout=tp, accumulate=4), layout_text="TP 2, PP 1, DP 48",
+            tflops_per_gpu=465.9, counted=megatron_flops_per_token,
+            note=mlm_note + "; without a pipeline, each data-parallel rank's 4 sequences run as 4 accumulated "
+                 "micro-batches, their gradients reduced once"),
         Row(key="mlm-177b", source=mlm, build=lambda: megatron_gpt("177b"), gpus=2304, batch=1152, seq=4096,
             mesh=(288, 8), pinned=Pinned(layout=tp, stages=6, micro_batches=24, schedule="1f1b"),
             layout_text="TP 8, PP 6, DP 48 (M=24)", tflops_per_gpu=432.8, counted=megatron_flops_per_token,
@@ -334,7 +335,8 @@ def price_published(model, inputs, row: Row, layers: int, *, memory_limit: float
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = autopar.plan(model, row.mesh, inputs, hardware=row.hardware, layout=layout, constraints=pins,
-                                memory_limit=memory_limit, time_limit_s=time_limit_s, mp_policy=row.mp_policy)
+                                memory_limit=memory_limit, time_limit_s=time_limit_s, mp_policy=row.mp_policy,
+                                accumulate=row.pinned.accumulate)
     except ValueError as exc:
         return PinnedCost(step_time=math.inf, memory=math.inf, recomputed=0, layers=layers, fits=False,
                           notes=[str(exc).removeprefix("autopar: ")[:300]])

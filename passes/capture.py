@@ -61,6 +61,9 @@ class Captured:
     out_spec: Any = None  # pytree spec of the model's own output structure
     in_spec: Any = None  # pytree spec of (positional inputs, keyword inputs), as exported
     model_name: str = ""
+    # how many times a training step runs this program: the micro-batches it accumulates
+    # (``train_step(accumulate=k)`` on a batch k times the one captured), their gradients synced once
+    accumulate: int = 1
 
     @property
     def graph(self) -> fx.Graph:

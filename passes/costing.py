@@ -135,7 +135,15 @@ class Costs:
     def edge_price(self, edge: int, assignment: Sequence[int]) -> EdgePrice:
         """Problem edge ``edge`` under ``assignment``, itemised; its ``seconds`` is the table's entry."""
         u, v, _ = self.problem.edges[edge]
-        return self.pricer.price(self.edge_prices[edge], int(assignment[u]), int(assignment[v]))
+        i, j = int(assignment[u]), int(assignment[v])
+        price = self.pricer.price(self.edge_prices[edge], i, j)
+        return price.repeated(1 if self.pricer.once_per_step(self.edge_prices[edge])[i, j] else self.runs)
+
+    @property
+    def runs(self) -> int:
+        """How many times a training step runs the captured program: the micro-batches it
+        accumulates (``Captured.accumulate``); the times here are the step's, all of them."""
+        return self.graph.captured.accumulate
 
     def assignment(self, choice: dict[fx.Node, int], zero: dict[fx.Node, int] | None = None) -> list[int]:
         """Problem assignment of a graph choice (ZeRO level 0 unless ``zero`` says otherwise)."""
@@ -245,10 +253,10 @@ class Pricer(EdgePricer):
                 math.prod(local_shape(shape, s.output, self.mesh))) for s in ns.strategies for _ in ZERO_LEVELS])
         return self.tables[key]
 
-    def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares) -> list[tuple[float, float, float]]:
-        key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares)
+    def zero(self, meta: TensorMeta, ns, precision: str, shares: Shares, runs: int = 1) -> list[tuple[float, float, float]]:
+        key = (meta.shape, meta.dtype, id(ns.strategies), precision, shares, runs)
         if key not in self.state:
-            self.state[key] = [zero_costs(meta, s.output, z, precision, self.profile, shares)
+            self.state[key] = [zero_costs(meta, s.output, z, precision, self.profile, shares, runs)
                                for s in ns.strategies for z in ZERO_LEVELS]
         return self.state[key]
 
@@ -389,6 +397,12 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     edges, edge_inputs, edge_prices = (list(part) for part in pricer.once(
         ("edges", grad_inputs, masks), lambda: edge_tables(graph, nodes, index, grad_nodes, shares, pricer.once(
             ("alike",), lambda: alike_consumers(graph, nodes, params)), pricer, allowed)))
+    runs = graph.captured.accumulate
+    once = [pricer.once_per_step(edge) for edge in edge_prices] if runs > 1 else []
+    if runs > 1:  # the step runs every micro-batch's program: its ops and moves, runs times
+        compute, forward, comm = ([t * runs if v < len(nodes) else t for v, t in enumerate(part)]
+                                  for part in (compute, forward, comm))
+        edges = [(u, v, table * np.where(step, 1.0, runs)) for (u, v, table), step in zip(edges, once)]
     temporary = [np.zeros(len(a)) for a in activation]
     # the default loss of a graph planned without one (None: the graph holds its loss)
     loss = pricer.once(("loss",), lambda: loss_memory(graph.captured, graph.mesh_shape))
@@ -421,7 +435,7 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
             edge_inputs, edge_prices, pricer, readers)),
     )
     problem.overlaps = overlaps(nodes, compute, forward, pricer.once(
-        ("beside", grad_inputs, masks), lambda: beside_tables(edge_prices, pricer, allowed)))
+        ("beside", grad_inputs, masks), lambda: beside_tables(edge_prices, pricer, allowed)), runs, once)
     groups = read_groups(saved.reads, index, read_memory, kept, scale)
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
@@ -450,10 +464,23 @@ def beside_tables(edge_prices: list[EdgeInput], pricer: "Pricer",
 
 
 def overlaps(nodes: list[fx.Node], compute: list[np.ndarray], forward: list[np.ndarray],
-             tables: dict[str, dict[int, tuple]]) -> list[Overlap]:
+             tables: dict[str, dict[int, tuple]], runs: int = 1, once: Sequence[np.ndarray] = ()) -> list[Overlap]:
     """The problem's ``Overlap`` per window: the forward compute of the graph's nodes, or the
     rest of their compute (backward, and a recomputed layer's forward again; not the ZeRO
-    nodes' optimizer step, which runs after backward)."""
+    nodes' optimizer step, which runs after backward). A step of ``runs`` accumulated
+    micro-batches (``compute`` and ``forward`` the sum of them, ``once``: per edge, where it moves
+    once per step, ``EdgePricer.once_per_step``) runs what each micro-batch moves beside all of
+    them, and its gradient sync beside the last micro-batch's backward alone."""
+    if runs > 1:
+        each: dict[str, dict[int, tuple]] = {}
+        last: dict[str, dict[int, tuple]] = {}
+        for window, edges in tables.items():
+            for e, (busy, hidden) in edges.items():
+                step = once[e]
+                each.setdefault(window, {})[e] = (np.where(step, 0.0, busy * runs), np.where(step, 0.0, hidden * runs))
+                last.setdefault(window, {})[e] = (np.where(step, busy, 0.0), np.where(step, hidden, 0.0))
+        one = [c / runs for c in compute], [f / runs for f in forward]
+        return overlaps(nodes, compute, forward, each) + overlaps(nodes, *one, last)
     out = []
     for window, edges in sorted(tables.items()):
         if window == "forward":
@@ -522,7 +549,7 @@ def _node_prices(graph: StrategyGraph, nodes: list[fx.Node], index: dict[fx.Node
             continue
         ns = graph.nodes[node]
         meta = TensorMeta.of(node.meta["val"])
-        priced = pricer.zero(meta, ns, precision, shares.get(node, UNPACKED))
+        priced = pricer.zero(meta, ns, precision, shares.get(node, UNPACKED), graph.captured.accumulate)
         compute.append(np.array([c[0] for c in priced]))
         forward.append(np.zeros(len(priced)))
         comm.append(np.array([c[1] for c in priced]))

@@ -138,6 +138,13 @@ class EdgePrice:
     def __add__(self, other: "EdgePrice") -> "EdgePrice":
         return EdgePrice(self.charges + other.charges, self.seconds + other.seconds)
 
+    def repeated(self, runs: int) -> "EdgePrice":
+        """The move made ``runs`` times in a step (once per accumulated micro-batch)."""
+        if runs == 1:
+            return self
+        return EdgePrice(tuple(c._replace(seconds=c.seconds * runs, busy=c.busy * runs, hidden=c.hidden * runs)
+                               for c in self.charges), self.seconds * runs)
+
     def shared(self, consumers: int) -> "EdgePrice":
         """The part one of ``consumers`` alike consumers pays of a move they share."""
         if consumers == 1:
@@ -265,6 +272,26 @@ class EdgePricer:
         if edge.regather and have != need:
             price = price + self.move(edge.meta, have, need, None, edge.shares, bucketed=True, regather=True)
         return price
+
+    def once_per_step(self, edge: EdgeInput) -> np.ndarray:
+        """Per pair of strategies, whether the edge moves nothing in a micro-batch's program, so
+        that a step accumulating several runs its collectives once: a parameter read as it is
+        stored, whose gradient's sum is the step's gradient sync (``autopar.runtime.gradsync``,
+        after the last micro-batch's backward). Every other move runs in each micro-batch: an
+        activation's reshard, a parameter gathered for its reader (ZeRO-3) and its gradient's
+        reduce-scatter, which that gather's backward runs (``autopar.passes.lowering.buckets``)."""
+        key = ("once per step", id(edge.producer.strategies), edge.output, id(edge.consumer.strategies),
+               edge.position, edge.regather)
+        if key not in self.tables:
+            held, have, _ = self._distinct(("made", id(edge.producer.strategies), edge.output),
+                                           lambda: [s.outputs[edge.output] for s in edge.producer.strategies])
+            read, reads, _ = self._distinct(("read", id(edge.consumer.strategies), edge.position, edge.grad),
+                                            lambda: [_read(s, edge.position, edge.grad)
+                                                     for s in edge.consumer.strategies])
+            same = np.array([[edge.regather and (need is None or need == h) for need, _ in reads] for h in have],
+                            dtype=bool).reshape(len(have), len(reads))
+            self.tables[key] = same[np.ix_(held, read)]
+        return self.tables[key]
 
     def working_copy(self, edge: EdgeInput, mixed: MixedPrecision, readers: int) -> np.ndarray:
         """Bytes per pair of strategies of a parameter's working copy that this reading edge

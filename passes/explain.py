@@ -206,6 +206,9 @@ def explain(plan) -> str:
         lines.append(f"pipeline on axis {pl.axis}: {pl.stages} stages, {pl.micro_batches} micro-batches, "
                      f"{pl.schedule}" + (f", {pl.chunks_per_rank} chunks per rank" if pl.chunks_per_rank > 1 else "")
                      + (f"; its bubble {p.bubble / p.step_time:.0%} of the step" if p.step_time > 0 else ""))
+    if plan.accumulate > 1:
+        lines.append(f"gradient accumulation: each step runs {plan.accumulate} micro-batches of 1/{plan.accumulate} of "
+                     "the batch, their gradients synced and the optimizer stepped once (priced so; train_step runs it)")
     if plan.mp_policy:
         lines.append(f"mixed precision: {plan.mp_policy['priced']}")
     if plan.recompute:

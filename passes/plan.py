@@ -128,6 +128,10 @@ class Plan:
     # The plan covers the model followed by its loss (``autopar.plan(..., loss_fn=, target=)``):
     # the planned graph takes the target as its last input and outputs the loss.
     includes_loss: bool = False
+    # The micro-batches a training step accumulates (``autopar.plan(..., accumulate=k)``): the plan
+    # lays out the program of one of them (1/k of the batch given), ``predicted`` is the whole
+    # step's, and ``train_step`` runs k of them by default
+    accumulate: int = 1
     # The mixed-precision policy the plan is priced for (None: the model's own dtypes), as
     # dtype names: {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": ...,
     # "cast_forward_inputs": true, "priced": "bf16 compute, fp32 master, fp32 reduce"};
@@ -161,6 +165,7 @@ class Plan:
         bad = {k: v for k, v in self.zero.items() if v not in (0, 1, 2, 3)}
         if bad:
             raise ValueError(f"autopar: ZeRO levels must be 0, 1, 2 or 3; found {bad}")
+        check_accumulate(self.accumulate)
 
     def memory_over_limit(self) -> float:
         """Bytes per device the predicted peak needs beyond the memory it was planned for (0: it
@@ -227,6 +232,13 @@ class Plan:
             return Plan.from_json(Path(path).read_text())
         except (OSError, json.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"autopar: cannot read a plan from {path}: {exc}") from exc
+
+
+def check_accumulate(accumulate: Any) -> None:
+    """Raise unless ``accumulate`` is a count of micro-batches per step (a positive int)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"autopar: expected accumulate to be a positive int (micro-batches per step); found "
+                         f"{accumulate!r}; pass e.g. accumulate=4, or 1 for none")
 
 
 def plan_from_choice(graph: StrategyGraph, choice: dict[fx.Node, int], *, kind: str,

@@ -47,8 +47,13 @@ def zero_split_dim(shape: Sequence[int], spec: Spec, mesh: Sequence[int]) -> int
 
 
 def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str | MixedPrecision,
-               profile: costmodels.HardwareProfile, shares: Shares | None = None) -> tuple[float, float, float]:
-    """(compute seconds, communication seconds, bytes) of one parameter's state at a ZeRO level."""
+               profile: costmodels.HardwareProfile, shares: Shares | None = None,
+               runs: int = 1) -> tuple[float, float, float]:
+    """(compute seconds, communication seconds, bytes) of one parameter's state at a ZeRO level,
+    in a step of ``runs`` accumulated micro-batches: the optimizer step and ZeRO-1's gather
+    after it once; ZeRO-2's gather and its gradient's reduce-scatter in every micro-batch's
+    program (a bucket gathered from storage, ``autopar.passes.lowering.buckets``), in place of
+    the one all-reduce its reader's edge prices."""
     shares = shares or UNPACKED
     mesh = profile.mesh_shape
     numel = math.prod(local_shape(meta.shape, spec, mesh))
@@ -71,7 +76,7 @@ def zero_costs(meta: TensorMeta, spec: Spec, level: int, precision: str | MixedP
     for a in replicated if level == 2 else ():
         ring = sum(costmodels.collective_time(c, size[c], a, profile, shares.of(c))
                    for c in ("all_gather", "reduce_scatter"))
-        comm += max(0.0, ring - costmodels.collective_time("all_reduce", size["all_reduce"], a, profile,
+        comm += max(0.0, runs * ring - costmodels.collective_time("all_reduce", size["all_reduce"], a, profile,
                                                            shares.of("all_reduce")))
     return optimizer, comm, memory
 

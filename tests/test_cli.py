@@ -151,6 +151,17 @@ def test_user_factory_gets_batch_and_seq(factories, tmp_path, capsys):
     assert "weight placement:" in capsys.readouterr().out
 
 
+def test_plan_for_accumulated_steps(factories, tmp_path, capsys):
+    """``--accumulate K``: the plan lays out one micro-batch (1/K of the batch) and says so."""
+    assert main(["plan", f"{factories}:build", "--mesh", "2", "--batch", "8", "--seq", "3", "--layout", "dp",
+                 "--accumulate", "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert Plan.load(tmp_path / "out" / "plan.json").accumulate == 2
+    assert "gradient accumulation: each step runs 2 micro-batches" in capsys.readouterr().out
+    assert main(["plan", f"{factories}:build", "--mesh", "2", "--batch", "8", "--seq", "3", "--layout", "dp",
+                 "--accumulate", "3", "--out", str(tmp_path / "odd"), "--no-progress"]) != 0
+    assert "autopar: accumulate=3 cuts dim 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name, code, match", [
     ("not_a_model", 2, "must return (model, example_inputs) with an nn.Module model; found int"),
     ("missing", 2, "module 'cli_factories' has no 'missing'"),

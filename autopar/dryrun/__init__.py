@@ -203,9 +203,13 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
                              "pipelines train the model alone (plan without loss_fn)")
         model, inputs, loss_fn = WithLoss(model, loss_fn), (*inputs, target), _loss_is_output
         target = torch.zeros((), device="meta")
-    capture_inputs = inputs
-    if plan.pipeline is not None:
-        capture_inputs = _micro_batch(inputs, plan.pipeline.micro_batches)
+    if plan.accumulate > 1 and plan.pipeline is not None:
+        # one of the step's schedule runs (``Plan.accumulate``): each reaches the same peak
+        inputs = _micro_batch(inputs, plan.accumulate)
+        target = None if target is None else _micro_batch((target,), plan.accumulate)[0]
+    # the programs run: a pipeline's micro-batch, or one of the micro-batches a step accumulates
+    runs = plan.pipeline.micro_batches if plan.pipeline else plan.accumulate
+    capture_inputs = _micro_batch(inputs, runs) if runs > 1 else inputs
     precision = Precision.of(recorded_policy(plan.mp_policy))  # a plan priced under a policy runs under it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -112,11 +112,12 @@ class TrainingModule(CompiledModule):
         gradients summed over the ranks that share them; the global mean loss on every rank."""
 
     def train_step(self, inputs: Any, target: torch.Tensor | None, local: bool = False, *,
-                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int = 1,
+                   max_norm: float | None = None, norm_type: float = 2.0, accumulate: int | None = None,
                    **options: Any) -> torch.Tensor:
         """Forward, backward and the optimizer step; returns the global mean loss on every rank.
         ``max_norm``: the summed gradients are clipped first (``clip_grad_norm_``);
-        ``accumulate=k``: the batch runs as k micro-batches, their gradients summed once.
+        ``accumulate=k``: the batch runs as k micro-batches, their gradients summed once (None:
+        the plan's, ``Plan.accumulate``, as it was priced).
         ``local=True``: each rank passes its rows of the batch (``data_parallel``)."""
         self._require_optimizer()
         unknown = sorted(set(options) - _step_options(type(self)))
@@ -127,6 +128,7 @@ class TrainingModule(CompiledModule):
                 "inputs tuple in the model's order, or, for keyword inputs, compile with example_kwargs= and "
                 "give the inputs as a dict")
         self.zero_grad()
+        accumulate = self.plan.accumulate if accumulate is None else accumulate
         loss = self.forward_backward(inputs, target, local, accumulate, **options)
         # --- the gradients are summed; clipping goes here, before the optimizer step ---
         if max_norm is not None:

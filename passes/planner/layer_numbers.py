@@ -82,6 +82,9 @@ class LayerNumbers:
     # cast again (per call); ``rebuilt_per_micro_batch``. None: none
     rebuilt: np.ndarray | None = None
     rebuilt_copies: np.ndarray | None = None
+    # the micro-batches a step accumulates (``Costs.runs``): the times above are of all of them,
+    # and each runs the schedule, its sends included
+    runs: int = 1
 
     def __post_init__(self) -> None:
         for name in ("temporary", "largest_gradient", "gather", "scatter", "weight_grads", "regathered",
@@ -93,8 +96,9 @@ class LayerNumbers:
 
     def send_times(self, profile: costmodels.HardwareProfile, micro_batches: int) -> list[float]:
         """Seconds to send what crosses after each layer (one micro-batch of it) to the next
-        stage, point to point on ``profile``'s axis 0 (after the last layer, nothing)."""
-        return [costmodels.collective_time("send_recv", b / micro_batches + fixed, 0, profile, in_step=True)
+        stage, point to point on ``profile``'s axis 0 (after the last layer, nothing), as many
+        times as the step accumulates (``runs``)."""
+        return [self.runs * costmodels.collective_time("send_recv", b / micro_batches + fixed, 0, profile, in_step=True)
                 for b, fixed in zip(self.boundary[:-1], self.io.crossing_fixed[:-1])]
 
     def stage_held(self, micro_batches: int) -> np.ndarray:
@@ -251,7 +255,7 @@ def layer_numbers(costs: Costs, assignment, layers: tuple[dict, int] | None = No
                         regathered=array([sum(b.wholes(costs.precision) for b in g.values()) for g in gathered]),
                         copies=array(copied),
                         recomputable_copies=array(recomputable_copies), rebuilt=array(rebuilt),
-                        rebuilt_copies=array(rebuilt_copies))
+                        rebuilt_copies=array(rebuilt_copies), runs=costs.runs)
 
 
 def weight_gradient_starts_of(graph) -> set:

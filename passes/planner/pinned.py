@@ -36,6 +36,7 @@ from autopar.passes.solve import PlanCosts, plan_costs
 from autopar.passes.planner.layer_numbers import LayerNumbers, layer_numbers
 from autopar.passes.planner.pipeline import pipeline_profile, search
 from autopar.passes.planner.request import PlanRequest
+from autopar.passes.plan import check_accumulate
 from autopar.passes.strategy_graph import StrategyGraph, build_strategy_graph
 
 
@@ -59,8 +60,12 @@ class Pinned:
     # recomputation was made as it was: "full" and "none" are priced whatever memory the
     # model predicts, and a note says where that is over the limit.
     recompute: str = "fit"
+    # micro-batches each step accumulates, their gradients synced once (``autopar.plan(...,
+    # accumulate=)``); a capture to price is of one of them (``Captured.accumulate``)
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
+        check_accumulate(self.accumulate)
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"autopar: no recomputation policy {self.recompute!r}; expected one of "
                              f"{RECOMPUTE_POLICIES}")
@@ -130,6 +135,11 @@ def breakdown(num: LayerNumbers, *, stages: int = 1, recomputed: int = 0, folded
 def price_pinned(captured, shape: tuple[int, ...], hardware: str, hint_of: Callable[[StrategyGraph], Hint],
                  pinned: Pinned, *, memory_limit: float) -> PinnedCost:
     """The predicted step of ``pinned`` on mesh ``shape`` (a preset's name as ``hardware``)."""
+    if captured.accumulate != pinned.accumulate:
+        raise ValueError(f"autopar: a layout pinned with accumulate={pinned.accumulate} is priced on the capture of "
+                         f"one micro-batch marked so; found a capture of accumulate={captured.accumulate}; capture "
+                         f"1/{pinned.accumulate} of the batch and set its accumulate (autopar.plan(..., accumulate=) "
+                         "does both)")
     if pinned.stages == 1:
         profile = costmodels.preset(hardware, shape)
         return _intra_op(build_strategy_graph(captured, shape), profile, hint_of, pinned, memory_limit)
