@@ -221,7 +221,9 @@ def build_compiled(label: str, mesh, profile):
                                accumulate=accumulate).to_json()
     dist.broadcast_object_list(text, src=0)
     plan = Plan.from_json(text[0])
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=_loss_fn, optimizer=_adamw, plan=plan, check_inputs=False)
+    # compiled on one micro-batch: the program each of the step's micro-batches runs (and its loss's)
+    micro = tokens[:GLOBAL_BATCH // plan.accumulate]
+    pm = autopar.compile(model, mesh, (micro,), loss_fn=_loss_fn, optimizer=_adamw, plan=plan, check_inputs=False)
     return pm, plan, tokens
 
 
