@@ -90,15 +90,21 @@ def test_zero2_gathers_and_reduce_scatters_in_every_micro_batch():
 
 def test_a_pipeline_accumulating_runs_its_schedule_once_per_micro_batch():
     """Each accumulated micro-batch runs the whole schedule, its bubble and sends included;
-    the memory is one schedule run's."""
-    model = GPT(GPTConfig(vocab_size=256, max_seq_len=64, dim=64, n_heads=4, n_layers=4))
+    the memory is one schedule run's, and the dry run (one schedule run of the step's) measures
+    the same peaks."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=64, dim=64, n_heads=4, n_layers=4))
     pins = Constraints(pp=2, micro_batches=4, schedule="1f1b")
-    plans = {}
+    plans, peaks = {}, {}
     for batch, k in ((8, 1), (16, 2)):
+        inputs = (torch.zeros(batch, 64, dtype=torch.long, device="meta"),)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plans[k] = autopar.plan(model, (2, 2), (torch.zeros(batch, 64, dtype=torch.long),), layout="pp+dp",
-                                    constraints=pins, accumulate=k, workers=1)
+            plans[k] = autopar.plan(model, (2, 2), inputs, layout="pp+dp", constraints=pins, accumulate=k, workers=1)
+        result = autopar.dry_run(plans[k], model, inputs, workers=1)
+        assert result.ok and all(r.ratio == pytest.approx(1.0, abs=0.10) for r in result.ranks), result.table()
+        peaks[k] = [r.peak for r in result.ranks]
+    assert peaks[2] == peaks[1]
     one, two = plans[1].predicted, plans[2].predicted
     assert one.bubble > 0 and two.bubble == pytest.approx(2 * one.bubble, rel=1e-9)
     for a, b in zip(one.memory_by_rank, two.memory_by_rank):
