@@ -137,7 +137,9 @@ class Costs:
         u, v, _ = self.problem.edges[edge]
         i, j = int(assignment[u]), int(assignment[v])
         price = self.pricer.price(self.edge_prices[edge], i, j)
-        return price.repeated(1 if self.pricer.once_per_step(self.edge_prices[edge])[i, j] else self.runs)
+        if self.runs == 1 or self.pricer.once_per_step(self.edge_prices[edge])[i, j]:
+            return price
+        return price.repeated(self.runs)
 
     @property
     def runs(self) -> int:

@@ -41,7 +41,8 @@ class Pipeline:
     schedule: str  # torch's schedule class less "Schedule" (``Schedule.display``): "GPipe", "1F1B", ...
     stage_of: dict[str, int] = field(default_factory=dict)  # node name -> stage
     chunks_per_rank: int = 1
-    # The whole batch (sequences per step) and the number every micro-batch's sequence count
+    # The whole batch (sequences per schedule run: a step's, or under ``Plan.accumulate`` each of
+    # its accumulated micro-batches') and the number every micro-batch's sequence count
     # must be a multiple of: the devices the plan's strategies split the batch over
     # (``autopar.passes.planner.microbatch.batch_split``); 0 = not recorded (a hand-written plan), not checked.
     batch_size: int = 0

@@ -178,3 +178,17 @@ def test_an_accumulated_plan_dry_runs_its_micro_batches_within_its_predicted_mem
     # a quarter of the batch at a time: less memory, measured and predicted
     assert results[4][1] < 0.8 * results[1][1]
     assert sum(results[4][0].predicted.memory.values()) < sum(results[1][0].predicted.memory.values())
+
+
+def test_a_plan_made_with_its_loss_dry_runs_its_accumulated_micro_batches():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    inputs, target = torch.randn(16, 16), torch.randn(16, 4)
+    loss_fn = nn.functional.mse_loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, MESH, (inputs,), loss_fn=loss_fn, target=target, layout="dp", accumulate=2,
+                            workers=1)
+    assert plan.includes_loss and plan.accumulate == 2
+    result = autopar.dry_run(plan, model, (inputs,), loss_fn=loss_fn, target=target, workers=1)
+    assert result.ok, result.table()

@@ -202,7 +202,8 @@ def _prepare(plan: Plan, model: nn.Module, example_inputs: tuple, loss_fn: Calla
             raise ValueError("autopar: this pipeline plan was made for the model and its loss together; "
                              "pipelines train the model alone (plan without loss_fn)")
         model, inputs, loss_fn = WithLoss(model, loss_fn), (*inputs, target), _loss_is_output
-        target = torch.zeros((), device="meta")
+        # unread; cut with the batch where the step accumulates micro-batches (``split_batch``)
+        target = torch.zeros((target.shape[0],) if plan.accumulate > 1 else (), device="meta")
     if plan.accumulate > 1 and plan.pipeline is not None:
         # one of the step's schedule runs (``Plan.accumulate``): each reaches the same peak
         inputs = _micro_batch(inputs, plan.accumulate)
