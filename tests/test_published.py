@@ -75,6 +75,13 @@ def test_pinned_pipeline_and_bad_requests(captured):
                      Pinned(layout="tp+dp", stages=3, micro_batches=4), memory_limit=80e9)
     with pytest.raises(ValueError, match="autopar: no pipeline schedule"):
         Pinned(layout="tp+dp", stages=2, schedule="zigzag")
+    # a layout that accumulates is priced on the capture of one micro-batch, marked so
+    with pytest.raises(ValueError, match=r"autopar: a layout pinned with accumulate=2 is priced on the capture of one "
+                                         r"micro-batch marked so; found a capture of accumulate=1"):
+        price_pinned(captured, (4, 2), "h100", lambda g: layouts.hint("tp+dp", g),
+                     Pinned(layout="tp+dp", accumulate=2), memory_limit=80e9)
+    with pytest.raises(ValueError, match="autopar: expected accumulate to be a positive int"):
+        Pinned(layout="dp", accumulate=0)
 
 
 def test_scaled_down_row_numbers():
