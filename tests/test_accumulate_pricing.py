@@ -140,6 +140,10 @@ def test_a_plan_records_its_accumulation_and_train_step_runs_it(one_rank):
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     pm.train_step((inputs,), target, accumulate=1)
     assert seen == [2, 1]  # asked otherwise, as asked
+    # planned by compile itself, on rank 0, for the same accumulation
+    planned_here = autopar.compile(copy.deepcopy(reference), one_rank, (inputs,), loss_fn=loss_fn, hardware="h100",
+                                   optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), accumulate=2)
+    assert planned_here.plan.accumulate == 2
 
 
 def test_accumulation_errors_say_what_was_expected(one_rank):
