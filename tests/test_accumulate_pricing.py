@@ -169,19 +169,20 @@ def test_an_accumulated_plan_dry_runs_its_micro_batches_within_its_predicted_mem
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=512, max_seq_len=256, dim=256, n_heads=4, n_layers=4))
     inputs = (torch.zeros(32, 256, dtype=torch.long, device="meta"),)
-    results = {}
+    plans = {}
     for k in (1, 4):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = autopar.plan(model, (8,), inputs, layout="fsdp", accumulate=k, workers=1, pipeline=False)
-        result = autopar.dry_run(plan, model, inputs, workers=1)
-        assert result.ok, result.table()
-        for rank in result.ranks:
-            assert rank.ratio == pytest.approx(1.0, abs=0.10), (k, rank.where(), result.table())
-        results[k] = (plan, max(r.peak for r in result.ranks))
-    # a quarter of the batch at a time: less memory, measured and predicted
-    assert results[4][1] < 0.8 * results[1][1]
-    assert sum(results[4][0].predicted.memory.values()) < sum(results[1][0].predicted.memory.values())
+            plans[k] = autopar.plan(model, (8,), inputs, layout="fsdp", accumulate=k, workers=1, pipeline=False)
+    result = autopar.dry_run(plans[4], model, inputs, workers=1)
+    assert result.ok, result.table()
+    for rank in result.ranks:
+        assert rank.ratio == pytest.approx(1.0, abs=0.10), (rank.where(), result.table())
+    # a quarter of the batch at a time: less memory, measured and predicted (the whole batch's
+    # step, dry-run alike, is checked in tests/test_zero3_memory.py)
+    whole = sum(plans[1].predicted.memory.values())
+    assert sum(plans[4].predicted.memory.values()) < 0.8 * whole
+    assert max(r.peak for r in result.ranks) < 0.8 * whole
 
 
 def test_a_plan_made_with_its_loss_dry_runs_its_accumulated_micro_batches():
