@@ -220,6 +220,7 @@ def test_no_plan_fits_names_pipelines_only_where_they_could_apply(shape, pipelin
     text = _error(PlanningError, "no plan fits", lambda: autopar.plan(
         mlp, shape, (torch.randn(4, 16),), memory_limit=1e3, pipeline=False, time_limit_s=0.1), "a smaller batch")
     assert ("allow pipeline stages" in text) == pipelines, text
+    assert "accumulated micro-batches (accumulate=k" in text, text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

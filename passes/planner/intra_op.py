@@ -536,5 +536,6 @@ def infeasible_error(solved: Solved, devices: int, what: str = "", pipelines_off
         f"autopar: no plan fits in {limit / GIB:.3g} GiB per device{what}; expected a plan within the limit, "
         f"found the smallest predicted memory {total / GIB:.3g} GiB per device ({parts}). To fit: give devices "
         f"with at least {total / GIB:.3g} GiB, or about {more}+ devices instead of {devices}, or a smaller "
-        f"batch or sequence (activations)" + (", or allow pipeline stages (pipeline=True)." if pipelines_off else ".")
+        f"batch or sequence, or the batch as accumulated micro-batches (accumulate=k: 1/k of the "
+        f"activations)" + (", or allow pipeline stages (pipeline=True)." if pipelines_off else ".")
     )
