@@ -37,11 +37,11 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _predicted(model, batch: int, layout: str, accumulate: int, **options) -> autopar.Plan:
+def _predicted(model, batch: int, layout: str, accumulate: int) -> autopar.Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.plan(model, MESH, (torch.zeros(batch, 512),), layout=layout, accumulate=accumulate, workers=1,
-                            pipeline=False, **options)
+                            pipeline=False)
 
 
 # layout -> (what a rank's optimizer steps, per parameter: its elements over; whether its
@@ -64,7 +64,8 @@ def test_an_accumulated_step_runs_every_micro_batch_and_its_gradient_sync_once(l
     # the collectives: once, or k times; what hides behind compute alike (the gradient sync
     # behind the last micro-batch's backward alone)
     times = 1 if once else k
-    assert one.communication > 0 and one.hidden_communication + one.communication > 0
+    # the gradient sync hides part of itself behind backward: the same part at k = 3
+    assert one.communication > 0 and (one.hidden_communication > 0 or not once)
     assert step.communication == pytest.approx(times * one.communication, rel=1e-9)
     assert step.hidden_communication == pytest.approx(times * one.hidden_communication, rel=1e-9)
     assert step.step_time == pytest.approx(step.compute + step.communication, rel=1e-9)
