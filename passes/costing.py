@@ -74,7 +74,8 @@ from autopar.passes.loss_memory import LossMemory, loss_memory, output_node, out
 from autopar.passes.placements import local_shape
 from autopar.passes.read_copies import ReadGroup, extra_copy_bytes, read_groups
 from autopar.passes.rules.registry import OpWork, work_of
-from autopar.passes.solve import Follower, Overlap, SolveProblem
+from autopar.passes.solve import Follower, SolveProblem
+from autopar.passes.beside_compute import beside_tables, overlaps
 from autopar.passes.strategy_graph import StrategyGraph, tensor_inputs
 from autopar.passes.op_strategies import ShardingStrategy, TensorMeta
 
@@ -399,9 +400,9 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     edges, edge_inputs, edge_prices = (list(part) for part in pricer.once(
         ("edges", grad_inputs, masks), lambda: edge_tables(graph, nodes, index, grad_nodes, shares, pricer.once(
             ("alike",), lambda: alike_consumers(graph, nodes, params)), pricer, allowed)))
-    runs = graph.captured.accumulate
-    once = [pricer.once_per_step(edge) for edge in edge_prices] if runs > 1 else []
+    runs, once = graph.captured.accumulate, []
     if runs > 1:  # the step runs every micro-batch's program: its ops and moves, runs times
+        once = [pricer.once_per_step(edge) for edge in edge_prices]
         compute, forward, comm = ([t * runs if v < len(nodes) else t for v, t in enumerate(part)]
                                   for part in (compute, forward, comm))
         edges = [(u, v, table * np.where(step, 1.0, runs)) for (u, v, table), step in zip(edges, once)]
@@ -442,56 +443,6 @@ def build_costs(graph: StrategyGraph, profile: costmodels.HardwareProfile, *, me
     return Costs(graph, profile, problem, all_nodes, index, zero_node, compute, state, activation, temporary,
                  edge_inputs, layer_of, precision, frozenset(recomputed), pricer, forward, edge_prices, allowed,
                  groups, saved.reads, frozenset(kept), rebuilt_share=scale)
-
-
-def beside_tables(edge_prices: list[EdgeInput], pricer: "Pricer",
-                  allowed: Mapping[fx.Node, np.ndarray] | None) -> dict[str, dict[int, tuple]]:
-    """Window -> edge index -> (seconds run beside its compute, seconds hidden) per pair of
-    strategies, for the parameters' edges whose collectives the runtime overlaps
-    (``EdgePricer.beside``); empty where the profile hides nothing."""
-    out: dict[str, dict[int, tuple]] = {}
-    if not any(costmodels.hidden_share(pricer.profile.overlap, kind) for kind in costmodels.WINDOW):
-        return out
-    for window in sorted(set(costmodels.WINDOW.values())):
-        for e, edge in enumerate(edge_prices):
-            if not edge.regather:
-                continue
-            rows = cols = None
-            if allowed is not None:
-                rows, cols = allowed[edge.producer.node], allowed[edge.consumer.node]
-            busy, hidden = pricer.beside(edge, window, rows, cols)
-            if np.any(hidden[np.isfinite(hidden)] > 0):
-                out.setdefault(window, {})[e] = (busy, hidden)
-    return out
-
-
-def overlaps(nodes: list[fx.Node], compute: list[np.ndarray], forward: list[np.ndarray],
-             tables: dict[str, dict[int, tuple]], runs: int = 1, once: Sequence[np.ndarray] = ()) -> list[Overlap]:
-    """The problem's ``Overlap`` per window: the forward compute of the graph's nodes, or the
-    rest of their compute (backward, and a recomputed layer's forward again; not the ZeRO
-    nodes' optimizer step, which runs after backward). A step of ``runs`` accumulated
-    micro-batches (``compute`` and ``forward`` the sum of them, ``once``: per edge, where it moves
-    once per step, ``EdgePricer.once_per_step``) runs what each micro-batch moves beside all of
-    them, and its gradient sync beside the last micro-batch's backward alone."""
-    if runs > 1:
-        each: dict[str, dict[int, tuple]] = {}
-        last: dict[str, dict[int, tuple]] = {}
-        for window, edges in tables.items():
-            for e, (busy, hidden) in edges.items():
-                step = once[e]
-                each.setdefault(window, {})[e] = (np.where(step, 0.0, busy * runs), np.where(step, 0.0, hidden * runs))
-                last.setdefault(window, {})[e] = (np.where(step, busy, 0.0), np.where(step, hidden, 0.0))
-        one = [c / runs for c in compute], [f / runs for f in forward]
-        return overlaps(nodes, compute, forward, each) + overlaps(nodes, *one, last)
-    out = []
-    for window, edges in sorted(tables.items()):
-        if window == "forward":
-            seconds = [forward[v] for v in range(len(nodes))]
-        else:
-            seconds = [compute[v] - forward[v] for v in range(len(nodes))]
-        out.append(Overlap(window=seconds, busy={e: b for e, (b, _) in edges.items()},
-                           hidden={e: h for e, (_, h) in edges.items()}))
-    return out
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.runtime.gradsync import Rider
 from autopar.passes.placements import Spec, is_partial, local_shape, shard_offset, spec_str
+from autopar.passes.plan import check_accumulate
 
 
 def check_dims(shapes: Sequence[tuple[int, ...]], compiled: Sequence[tuple[int, ...]]) -> None:
@@ -75,8 +76,7 @@ class IndexBounds:
 
 def split_batch(inputs: Any, target: torch.Tensor | None, k: int) -> list[tuple[Any, torch.Tensor | None]]:
     """``k`` equal micro-batches: dim 0 of every input tensor and of the target cut in k."""
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"autopar: expected accumulate to be a positive int (micro-batches per step); found {k!r}")
+    check_accumulate(k)
     if k == 1:
         return [(inputs, target)]
     tensors = [t for t in pytree.tree_leaves((inputs, target)) if isinstance(t, torch.Tensor)]
